@@ -1,0 +1,38 @@
+# Everything a fresh Debian 12 + Python 3.11 machine needs goes through `make setup`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+# Every pip call carries the CPU constraints so nothing can swap in a CUDA torch.
+PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint bench format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/cpu.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[cpu,dev]'
+	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
+	touch $(STAMP)
+
+test: setup
+	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check runtime operator tests bench
+	$(VENV)/bin/ruff format --check runtime operator tests bench
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format runtime operator tests bench
+	$(VENV)/bin/ruff check --fix runtime operator tests bench
+
+bench: setup
+	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
