@@ -1,0 +1,1 @@
+"""RL algorithms for the single controller: the pure math they share (``core``) and their control flow."""

@@ -1,0 +1,152 @@
+"""The worker side: role objects and the per-GPU process that hosts them.
+
+Protocol between the controller (``worker_group.py``) and a host, in call order:
+
+1. The controller creates one :class:`WorkerHost` Ray actor per bundle of a resource pool
+   (one process per GPU) and asks each for its node (``node_id``).
+2. Rank 0 opens the rendezvous: it binds a ``TCPStore`` on an OS-chosen free port and returns
+   (address, port). Binding port 0 inside the store that will actually serve it is what makes
+   the choice race-free: there is no window between picking a port and listening on it.
+3. All ranks call ``join_process_group`` concurrently; each initialises ``torch.distributed``
+   (gloo on CPU, nccl on CUDA) over that store. Every role in the host shares this group.
+4. The controller instantiates each role mapped to the pool with ``add_role``: the role class
+   is constructed with a :class:`WorkerContext` and the role's keyword arguments.
+5. Controller calls arrive as ``execute(role, method, keep_result, *args, **kwargs)``. Ray runs
+   one call at a time per actor, so colocated roles take turns on the GPU. ``keep_result=False``
+   (ranks whose output the protocol does not collect) returns None instead of shipping data back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller.mesh import DeviceMesh, MeshCoord
+
+__all__ = ["Worker", "WorkerContext", "WorkerHost"]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Everything a role needs to know about where it runs."""
+
+    role: str
+    pool: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_id: str
+    mesh: DeviceMesh
+    device: str
+    backend: str
+
+    @property
+    def coord(self) -> MeshCoord:
+        return self.mesh.coord(self.rank)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+class Worker:
+    """Base class of a role (actor, critic, rollout, ...).
+
+    Subclasses take ``(ctx, **kwargs)`` in their constructor and expose methods to the
+    controller with :func:`hybridflow.controller.protocols.register`. ``torch.distributed`` is
+    already initialised when the constructor runs.
+    """
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+
+def _node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+class WorkerHost:
+    """One process per GPU bundle; hosts every role of its pool (wrapped by ``ray.remote``)."""
+
+    def __init__(self, pool: str, rank: int, world_size: int, cpu_threads: int) -> None:
+        self.pool = pool
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = 0
+        self.local_world_size = 1
+        self.roles: dict[str, Any] = {}
+        self._store: dist.TCPStore | None = None
+        torch.set_num_threads(max(1, cpu_threads))
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def set_local_rank(self, local_rank: int, local_world_size: int) -> None:
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        os.environ.update({"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size)})
+
+    def device(self) -> str:
+        # Ray restricts CUDA_VISIBLE_DEVICES to the bundle's GPU, so it is always device 0 here.
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+    def open_rendezvous(self, timeout_seconds: float) -> tuple[str, int]:
+        """Rank 0 only: serve the process group's store on a free port chosen by the OS."""
+        address = _node_ip()
+        self._store = dist.TCPStore(
+            address,
+            0,
+            self.world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_seconds),
+            wait_for_workers=False,  # the peers connect in join_process_group
+        )
+        return address, int(self._store.port)
+
+    def join_process_group(self, address: str, port: int, backend: str, timeout_seconds: float) -> str:
+        timeout = timedelta(seconds=timeout_seconds)
+        if self._store is None:
+            self._store = dist.TCPStore(address, port, self.world_size, is_master=False, timeout=timeout)
+        os.environ.update({"MASTER_ADDR": address, "MASTER_PORT": str(port)})
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend=backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+        return socket.gethostname()
+
+    def add_role(
+        self, role: str, worker_cls: type, mesh: DeviceMesh, backend: str, kwargs: dict[str, Any]
+    ) -> None:
+        ctx = WorkerContext(
+            role=role,
+            pool=self.pool,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
+            node_id=self.node_id(),
+            mesh=mesh,
+            device=self.device(),
+            backend=backend,
+        )
+        self.roles[role] = worker_cls(ctx, **kwargs)
+
+    def execute(self, role: str, method: str, keep_result: bool, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.roles[role], method)(*args, **kwargs)
+        return result if keep_result else None
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,578 @@
+"""The ``RLHFJob`` resource: its spec (the root of the config tree) and the rules across sections.
+
+``RLHFJobSpec`` is the single source of truth the DESIGN asks for: the operator generates the
+CRD's ``openAPIV3Schema`` from it (field descriptions become ``kubectl explain`` text,
+``SPEC_RULES`` and the section rules become ``x-kubernetes-validations``), the operator ships
+it to the controller in a ConfigMap, and ``hybridflow run`` loads the very same manifest on a
+laptop. Rules that span sections live here; rules within a section live with that section.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections import Counter
+from typing import Any, Literal, Self
+
+from pydantic import ConfigDict, Field, model_validator
+
+from hybridflow.spec.algorithm import (
+    ALGORITHM_RULES,
+    CRITIC_ALGORITHMS,
+    KL_RULES,
+    AlgorithmSpec,
+)
+from hybridflow.spec.base import SpecModel
+from hybridflow.spec.data import DataSpec
+from hybridflow.spec.models import ModelsSpec
+from hybridflow.spec.resources import (
+    DEFAULT_POOL_NAME,
+    ResourcePoolSpec,
+    RoleName,
+    RolePlacementSpec,
+)
+from hybridflow.spec.rewards import RewardFunctionSpec
+from hybridflow.spec.rollout import ROLLOUT_RULES, RolloutSpec
+from hybridflow.spec.rules import CrossFieldRule, RuleViolations, broken_rules, quoted_list
+from hybridflow.spec.storage import CheckpointSpec, VolumeClaimMount
+from hybridflow.spec.training import TRAINING_RULES, TrainingSpec
+
+GROUP = "hybridflow.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLHFJob"
+PLURAL = "rlhfjobs"
+
+LABEL_VALUE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+"""A non-empty Kubernetes label value: the Kueue queue name travels as one."""
+
+
+class RLHFJobSpec(SpecModel):
+    """Desired state of an RLHF training run: models, data, algorithm, resources and lifecycle."""
+
+    models: ModelsSpec = Field(description="Where each model's weights are.")
+    data: DataSpec = Field(description="The prompt dataset.")
+    algorithm: AlgorithmSpec = Field(description="The RL algorithm and its loss coefficients.")
+    rollout: RolloutSpec = Field(
+        default=RolloutSpec(),
+        description="Response generation: engine, sampling, generation-time parallelism.",
+    )
+    training: TrainingSpec = Field(
+        description="Steps, batch sizes, optimizer and training-time parallelism.",
+    )
+    rewards: tuple[RewardFunctionSpec, ...] = Field(
+        default=(),
+        max_length=16,
+        description=(
+            "Rule-based reward functions; the reward of a response is their weighted sum plus the "
+            "score of spec.models.reward when set. At least one of the two is required."
+        ),
+    )
+    resource_pools: tuple[ResourcePoolSpec, ...] = Field(
+        default=(ResourcePoolSpec(name=DEFAULT_POOL_NAME),),
+        min_length=1,
+        max_length=16,
+        description=(
+            "GPU node pools of the job; each becomes one Ray worker group. Default: one pool "
+            "'default' of 1 node with 1 GPU."
+        ),
+    )
+    roles: RolePlacementSpec = Field(
+        default=RolePlacementSpec(),
+        description="Which pool each role runs on; roles left unset share the actor's pool.",
+    )
+    checkpoint: CheckpointSpec = Field(
+        default=CheckpointSpec(),
+        description="Checkpoint interval, retention and location; the job resumes from the newest one.",
+    )
+    volumes: tuple[VolumeClaimMount, ...] = Field(
+        default=(),
+        max_length=16,
+        description=(
+            "PersistentVolumeClaims mounted read-only in every pod, typically holding models, "
+            "tokenizers and data; spec paths then point inside their mountPaths. Cluster only."
+        ),
+    )
+    output_dir: str = Field(
+        default="outputs",
+        min_length=1,
+        max_length=4096,
+        description=(
+            "Directory for logs, metrics and, without a checkpoint volume, checkpoints. Relative paths "
+            "resolve against the manifest's directory with `hybridflow run`."
+        ),
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="Container image of the head and worker pods. Default: the operator's runtime image.",
+    )
+    suspend: bool = Field(
+        default=False,
+        description=(
+            "While true, the job's pods are deleted and nothing runs; setting it back to false resumes "
+            "from the newest checkpoint. Kueue sets it to admit jobs."
+        ),
+    )
+    queue_name: str | None = Field(
+        default=None,
+        pattern=LABEL_VALUE_PATTERN,
+        max_length=63,
+        description="Kueue LocalQueue to submit the job to (the kueue.x-k8s.io/queue-name label).",
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "Times the operator recreates a failed run (lost node, crashed pod), each resuming from the "
+            "newest checkpoint, before the job is marked Failed."
+        ),
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Wall-clock limit of the whole job, restarts included; when exceeded the job fails.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delete the RLHFJob this long after it succeeds or fails. Default: keep it.",
+    )
+    scheduler_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Labels copied onto the RayJob and its pods to hand the job to a gang scheduler, e.g. "
+            "{ray.io/scheduler-name: volcano, volcano.sh/queue-name: research}."
+        ),
+    )
+
+    def pool(self, role: RoleName) -> ResourcePoolSpec:
+        """The pool ``role`` runs on; the rules guarantee it exists once the spec is valid."""
+        name = self.roles.pool_of(role)
+        return next(pool for pool in self.resource_pools if pool.name == name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints are written: under the checkpoint volume's mount, else under outputDir."""
+        base = self.checkpoint.volume.mount_path if self.checkpoint.volume is not None else self.output_dir
+        return posixpath.join(base, self.checkpoint.path)
+
+    @model_validator(mode="after")
+    def _enforce_rules(self) -> Self:
+        failures = [
+            *broken_rules(self.algorithm.kl, KL_RULES),
+            *broken_rules(self.algorithm, ALGORITHM_RULES),
+            *broken_rules(self.rollout, ROLLOUT_RULES),
+            *broken_rules(self.training, TRAINING_RULES),
+            *broken_rules(self, SPEC_RULES),
+        ]
+        if failures:
+            raise RuleViolations(failures)
+        return self
+
+
+# --------------------------------------------------------------------------- cross-section rules
+#
+# The CEL fragments that recur (model-parallel sizes, a pool's GPUs) are named once so every rule
+# spells them alike; print ``VALIDATION_RULES`` to read the expanded expressions. The Python twins
+# look pools up by name the way the CEL does (``all``/``exists`` over the list), so a spec that
+# names a missing pool breaks only the rule about that name, not every rule that reads the pool.
+
+_TRAIN_MODEL_PARALLEL = "(self.training.tensorParallelSize * self.training.pipelineParallelSize)"
+_ROLLOUT_MODEL_PARALLEL = "(self.rollout.tensorParallelSize * self.rollout.pipelineParallelSize)"
+_POOL_GPUS = "(p.nodes * p.gpusPerNode)"
+
+
+def _pools_named(spec: RLHFJobSpec, name: str | None) -> list[ResourcePoolSpec]:
+    return [pool for pool in spec.resource_pools if pool.name == name]
+
+
+def _pool_names(spec: RLHFJobSpec) -> str:
+    return quoted_list([pool.name for pool in spec.resource_pools])
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
+
+
+def _train_model_parallel(spec: RLHFJobSpec) -> int:
+    return spec.training.tensor_parallel_size * spec.training.pipeline_parallel_size
+
+
+def _role_pool_exists_rule(role: RoleName) -> CrossFieldRule[RLHFJobSpec]:
+    guard = "" if role == "actor" else f"!has(self.roles.{role}) || "
+    return CrossFieldRule[RLHFJobSpec](
+        name=f"{role}-pool-exists",
+        node_path="spec",
+        field_path=f".roles.{role}",
+        cel=f"{guard}self.resourcePools.exists(p, p.name == self.roles.{role})",
+        message="must name a pool in spec.resourcePools",
+        holds=lambda spec: (
+            getattr(spec.roles, role) is None or bool(_pools_named(spec, getattr(spec.roles, role)))
+        ),
+        observed=lambda spec: f"{getattr(spec.roles, role)!r}; pools: {_pool_names(spec)}",
+    )
+
+
+def _role_needs_model_rule(role: Literal["critic", "reward", "cost"]) -> CrossFieldRule[RLHFJobSpec]:
+    return CrossFieldRule[RLHFJobSpec](
+        name=f"{role}-role-needs-model",
+        node_path="spec",
+        field_path=f".roles.{role}",
+        cel=f"!has(self.roles.{role}) || has(self.models.{role})",
+        message=f"places the {role} model, so spec.models.{role} must be set",
+        holds=lambda spec: getattr(spec.roles, role) is None or getattr(spec.models, role) is not None,
+        observed=lambda spec: f"{getattr(spec.roles, role)!r} and no spec.models.{role}",
+    )
+
+
+def _training_fits_pool_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[RLHFJobSpec]:
+    """The trained model's tensor x pipeline groups must tile its pool exactly (the rest is data parallel).
+
+    The critic's rule applies only when the critic has a pool of its own; on the actor's pool
+    the actor's rule already covers it.
+    """
+    guard = "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+
+    def holds(spec: RLHFJobSpec) -> bool:
+        if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
+            return True
+        pools = _pools_named(spec, spec.roles.pool_of(role))
+        return all(pool.world_size % _train_model_parallel(spec) == 0 for pool in pools)
+
+    def observed(spec: RLHFJobSpec) -> str:
+        training = spec.training
+        pool = _pools_named(spec, spec.roles.pool_of(role))[0]
+        return (
+            f"{training.tensor_parallel_size} * {training.pipeline_parallel_size} = "
+            f"{_train_model_parallel(spec)}; pool {pool.name!r} has {_gpus(pool.world_size)}"
+        )
+
+    return CrossFieldRule[RLHFJobSpec](
+        name=f"training-fits-{role}-pool",
+        node_path="spec",
+        field_path=".training",
+        cel=(
+            f"{guard}self.resourcePools.all(p, p.name != self.roles.{role} || "
+            f"{_POOL_GPUS} % {_TRAIN_MODEL_PARALLEL} == 0)"
+        ),
+        message=(
+            f"tensorParallelSize * pipelineParallelSize must divide the GPUs of the {role}'s pool "
+            "(nodes * gpusPerNode)"
+        ),
+        holds=holds,
+        observed=observed,
+    )
+
+
+def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[RLHFJobSpec]:
+    """Each data-parallel rank of the trained model must get a whole number of micro-batches.
+
+    Skipped when the parallel sizes do not tile the pool: ``training-fits-*-pool`` reports that,
+    and the data-parallel size is undefined until it is fixed.
+    """
+    guard = "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+
+    def data_parallel_size(spec: RLHFJobSpec, pool: ResourcePoolSpec) -> int:
+        return pool.world_size // _train_model_parallel(spec)
+
+    def holds(spec: RLHFJobSpec) -> bool:
+        if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
+            return True
+        training = spec.training
+        return all(
+            pool.world_size % _train_model_parallel(spec) != 0
+            or training.mini_batch_size % (training.micro_batch_size_per_gpu * data_parallel_size(spec, pool))
+            == 0
+            for pool in _pools_named(spec, spec.roles.pool_of(role))
+        )
+
+    def observed(spec: RLHFJobSpec) -> str:
+        pool = _pools_named(spec, spec.roles.pool_of(role))[0]
+        return (
+            f"{spec.training.mini_batch_size} with microBatchSizePerGpu "
+            f"{spec.training.micro_batch_size_per_gpu} and data-parallel size "
+            f"{data_parallel_size(spec, pool)} on pool {pool.name!r}"
+        )
+
+    return CrossFieldRule[RLHFJobSpec](
+        name=f"mini-batch-splits-over-{role}-ranks",
+        node_path="spec",
+        field_path=".training.miniBatchSize",
+        cel=(
+            f"{guard}self.resourcePools.all(p, p.name != self.roles.{role} || "
+            f"{_POOL_GPUS} % {_TRAIN_MODEL_PARALLEL} != 0 || "
+            f"self.training.miniBatchSize % (self.training.microBatchSizePerGpu * "
+            f"({_POOL_GPUS} / {_TRAIN_MODEL_PARALLEL})) == 0)"
+        ),
+        message=(
+            f"must be a multiple of microBatchSizePerGpu times the data-parallel size of the {role}'s "
+            "pool (GPUs / (tensorParallelSize * pipelineParallelSize)), so every rank gets whole "
+            "micro-batches"
+        ),
+        holds=holds,
+        observed=observed,
+    )
+
+
+def _rollout_colocated(spec: RLHFJobSpec) -> bool:
+    return spec.roles.pool_of("rollout") == spec.roles.actor
+
+
+_ROLLOUT_ON_OWN_POOL = "(has(self.roles.rollout) && self.roles.rollout != self.roles.actor)"
+
+_ROLES: tuple[RoleName, ...] = ("actor", "rollout", "reference", "critic", "reward", "cost")
+
+SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
+    CrossFieldRule[RLHFJobSpec](
+        name="pool-names-unique",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel="self.resourcePools.all(p, self.resourcePools.exists_one(q, q.name == p.name))",
+        message="pool names must be unique",
+        holds=lambda spec: len({pool.name for pool in spec.resource_pools}) == len(spec.resource_pools),
+        observed=lambda spec: (
+            "repeated: "
+            + quoted_list(
+                [name for name, count in Counter(p.name for p in spec.resource_pools).items() if count > 1]
+            )
+        ),
+    ),
+    *(_role_pool_exists_rule(role) for role in _ROLES),
+    *(_role_needs_model_rule(role) for role in ("critic", "reward", "cost")),
+    CrossFieldRule[RLHFJobSpec](
+        name="every-pool-hosts-a-role",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel=(
+            "self.resourcePools.all(p, p.name == self.roles.actor"
+            + "".join(f" || (has(self.roles.{role}) && p.name == self.roles.{role})" for role in _ROLES[1:])
+            + ")"
+        ),
+        message="every pool must host at least one role in spec.roles; an unused pool holds GPUs idle",
+        holds=lambda spec: all(
+            any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools
+        ),
+        observed=lambda spec: (
+            "unused: "
+            + quoted_list(
+                [
+                    pool.name
+                    for pool in spec.resource_pools
+                    if all(spec.roles.pool_of(role) != pool.name for role in _ROLES)
+                ]
+            )
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="critic-required",
+        node_path="spec",
+        field_path=".models.critic",
+        cel=f"!(self.algorithm.name in {list(CRITIC_ALGORITHMS)!r}) || has(self.models.critic)",
+        message="is required by ppo and safe-rlhf, which train a value function",
+        holds=lambda spec: spec.algorithm.name not in CRITIC_ALGORITHMS or spec.models.critic is not None,
+        observed=lambda spec: f"no critic with algorithm.name {spec.algorithm.name!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="critic-unused",
+        node_path="spec",
+        field_path=".models.critic",
+        cel=f"!has(self.models.critic) || self.algorithm.name in {list(CRITIC_ALGORITHMS)!r}",
+        message="is only used by ppo and safe-rlhf; remove it or change algorithm.name",
+        holds=lambda spec: spec.models.critic is None or spec.algorithm.name in CRITIC_ALGORITHMS,
+        observed=lambda spec: f"a critic with algorithm.name {spec.algorithm.name!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="cost-required",
+        node_path="spec",
+        field_path=".models.cost",
+        cel="self.algorithm.name != 'safe-rlhf' || has(self.models.cost)",
+        message="is required by safe-rlhf, which constrains the expected cost",
+        holds=lambda spec: spec.algorithm.name != "safe-rlhf" or spec.models.cost is not None,
+        observed=lambda spec: f"no cost model with algorithm.name {spec.algorithm.name!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="cost-unused",
+        node_path="spec",
+        field_path=".models.cost",
+        cel="!has(self.models.cost) || self.algorithm.name == 'safe-rlhf'",
+        message="is only used by safe-rlhf; remove it or change algorithm.name",
+        holds=lambda spec: spec.models.cost is None or spec.algorithm.name == "safe-rlhf",
+        observed=lambda spec: f"a cost model with algorithm.name {spec.algorithm.name!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="reward-source",
+        node_path="spec",
+        field_path=".rewards",
+        cel="size(self.rewards) > 0 || has(self.models.reward)",
+        message="must list at least one function when spec.models.reward is not set",
+        holds=lambda spec: len(spec.rewards) > 0 or spec.models.reward is not None,
+        observed=lambda spec: "no reward functions and no reward model",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="mini-batch-divides-step",
+        node_path="spec",
+        field_path=".training.miniBatchSize",
+        cel=(
+            "(self.training.promptsPerStep * self.algorithm.samplesPerPrompt) "
+            "% self.training.miniBatchSize == 0"
+        ),
+        message=(
+            "must divide spec.training.promptsPerStep * spec.algorithm.samplesPerPrompt, the sequences "
+            "generated per step"
+        ),
+        holds=lambda spec: (
+            (spec.training.prompts_per_step * spec.algorithm.samples_per_prompt)
+            % spec.training.mini_batch_size
+            == 0
+        ),
+        observed=lambda spec: (
+            f"{spec.training.mini_batch_size} with {spec.training.prompts_per_step} prompts x "
+            f"{spec.algorithm.samples_per_prompt} samples"
+        ),
+    ),
+    _training_fits_pool_rule("actor"),
+    _training_fits_pool_rule("critic"),
+    _mini_batch_splits_rule("actor"),
+    _mini_batch_splits_rule("critic"),
+    CrossFieldRule[RLHFJobSpec](
+        name="rollout-tensor-parallel-divides-training",
+        node_path="spec",
+        field_path=".rollout.tensorParallelSize",
+        cel=(
+            f"{_ROLLOUT_ON_OWN_POOL} || "
+            "self.training.tensorParallelSize % self.rollout.tensorParallelSize == 0"
+        ),
+        message=(
+            "must divide spec.training.tensorParallelSize while the rollout shares the actor's pool, "
+            "so the 3D-HybridEngine can reshard the actor's weights in place"
+        ),
+        holds=lambda spec: (
+            not _rollout_colocated(spec)
+            or spec.training.tensor_parallel_size % spec.rollout.tensor_parallel_size == 0
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.tensor_parallel_size} with training.tensorParallelSize "
+            f"{spec.training.tensor_parallel_size}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="rollout-pipeline-parallel-divides-training",
+        node_path="spec",
+        field_path=".rollout.pipelineParallelSize",
+        cel=(
+            f"{_ROLLOUT_ON_OWN_POOL} || "
+            "self.training.pipelineParallelSize % self.rollout.pipelineParallelSize == 0"
+        ),
+        message=(
+            "must divide spec.training.pipelineParallelSize while the rollout shares the actor's pool, "
+            "so the 3D-HybridEngine can reshard the actor's weights in place"
+        ),
+        holds=lambda spec: (
+            not _rollout_colocated(spec)
+            or spec.training.pipeline_parallel_size % spec.rollout.pipeline_parallel_size == 0
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.pipeline_parallel_size} with training.pipelineParallelSize "
+            f"{spec.training.pipeline_parallel_size}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="rollout-fits-own-pool",
+        node_path="spec",
+        field_path=".rollout",
+        cel=(
+            f"!{_ROLLOUT_ON_OWN_POOL} || self.resourcePools.all(p, p.name != self.roles.rollout || "
+            f"{_POOL_GPUS} % {_ROLLOUT_MODEL_PARALLEL} == 0)"
+        ),
+        message=(
+            "tensorParallelSize * pipelineParallelSize must divide the GPUs of the rollout's own pool "
+            "(nodes * gpusPerNode)"
+        ),
+        holds=lambda spec: (
+            _rollout_colocated(spec)
+            or all(
+                pool.world_size % (spec.rollout.tensor_parallel_size * spec.rollout.pipeline_parallel_size)
+                == 0
+                for pool in _pools_named(spec, spec.roles.rollout)
+            )
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.tensor_parallel_size} * {spec.rollout.pipeline_parallel_size}; pool "
+            f"{spec.roles.rollout!r} has {_gpus(_pools_named(spec, spec.roles.rollout)[0].world_size)}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="volume-mount-paths-unique",
+        node_path="spec",
+        field_path=".volumes",
+        cel="self.volumes.all(v, self.volumes.exists_one(w, w.mountPath == v.mountPath))",
+        message="mount paths must be unique",
+        holds=lambda spec: len({volume.mount_path for volume in spec.volumes}) == len(spec.volumes),
+        observed=lambda spec: (
+            "repeated: "
+            + quoted_list(
+                [path for path, count in Counter(v.mount_path for v in spec.volumes).items() if count > 1]
+            )
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="checkpoint-mount-path-free",
+        node_path="spec",
+        field_path=".checkpoint.volume.mountPath",
+        cel=(
+            "!has(self.checkpoint.volume) || "
+            "!self.volumes.exists(v, v.mountPath == self.checkpoint.volume.mountPath)"
+        ),
+        message="must differ from every mountPath in spec.volumes",
+        holds=lambda spec: (
+            spec.checkpoint.volume is None
+            or all(volume.mount_path != spec.checkpoint.volume.mount_path for volume in spec.volumes)
+        ),
+        observed=lambda spec: repr(spec.checkpoint.volume.mount_path if spec.checkpoint.volume else None),
+    ),
+)
+
+VALIDATION_RULES: tuple[CrossFieldRule[Any], ...] = (
+    *KL_RULES,
+    *ALGORITHM_RULES,
+    *ROLLOUT_RULES,
+    *TRAINING_RULES,
+    *SPEC_RULES,
+)
+"""Every cross-field rule of the spec, for the CRD generator and the docs; grouped by ``node_path``."""
+
+
+class ObjectMeta(SpecModel):
+    """The parts of Kubernetes object metadata the job uses; server-set fields pass through untouched."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Name of the job; child objects (RayJob, ConfigMap) derive their names from it.",
+    )
+    namespace: str | None = Field(default=None, description="Namespace of the job in a cluster.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels of the job.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations of the job.")
+
+
+class RLHFJob(SpecModel):
+    """An RLHFJob manifest: a Kubernetes object whose spec is an :class:`RLHFJobSpec`."""
+
+    api_version: Literal["hybridflow.io/v1alpha1"] = Field(
+        default="hybridflow.io/v1alpha1",
+        description="Always hybridflow.io/v1alpha1.",
+    )
+    kind: Literal["RLHFJob"] = Field(default="RLHFJob", description="Always RLHFJob.")
+    metadata: ObjectMeta = Field(description="Standard object metadata; only the name is required.")
+    spec: RLHFJobSpec = Field(description="Desired state of the job.")
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The manifest as plain JSON-compatible data with camelCase keys and unset optionals left out.
+
+        This is the form that travels in the job's ConfigMap and that ``parse_job_manifest``
+        reads back into an equal object.
+        """
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

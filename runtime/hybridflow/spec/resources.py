@@ -1,0 +1,124 @@
+"""``spec.resourcePools`` and ``spec.roles``: the GPUs of the job, and which role runs where.
+
+A resource pool is a set of identical GPU nodes; in a cluster it becomes one KubeRay worker
+group (replicas = nodes) carrying a Ray custom resource named after the pool, so the placement
+groups of its roles land on exactly those pods. Roles on the same pool are colocated: one
+process per GPU hosts all of them and runs their calls one after another. Roles on different
+pools run in parallel. Small clusters do best with everything colocated, which is the default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StringConstraints
+
+from hybridflow.spec.base import SpecModel
+
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""RFC 1123 label: pool names become parts of Kubernetes object names and Ray resource names."""
+
+MEMORY_QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+"""A positive Kubernetes memory quantity such as ``80Gi`` or ``500M``."""
+
+PoolName = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, max_length=63)]
+
+RoleName = Literal["actor", "rollout", "reference", "critic", "reward", "cost"]
+
+DEFAULT_POOL_NAME = "default"
+
+
+class ResourcePoolSpec(SpecModel):
+    """A set of identical GPU nodes, and how to schedule pods onto them."""
+
+    name: PoolName = Field(
+        description="Pool name, referenced from spec.roles; a DNS-1123 label (lowercase, digits, '-').",
+    )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        description="Number of nodes (pods, one per node) in the pool.",
+    )
+    gpus_per_node: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "GPUs used on each node; one worker process per GPU. Local runs without GPUs simulate them "
+            "and train on the CPU."
+        ),
+    )
+    cpus_per_gpu: int = Field(
+        default=4,
+        ge=1,
+        description="CPU cores requested per GPU in each pod (data loading, tokenization). Cluster only.",
+    )
+    memory_per_gpu: str | None = Field(
+        default=None,
+        pattern=MEMORY_QUANTITY_PATTERN,
+        max_length=32,
+        description=(
+            "Host memory requested and limited per GPU in each pod, as a Kubernetes quantity such as "
+            "'64Gi'. Unset: no memory request or limit. Cluster only."
+        ),
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Node labels the pool's pods require, e.g. {cloud.google.com/gke-accelerator: nvidia-h100-80gb}."
+        ),
+    )
+    tolerations: tuple[dict[str, Any], ...] = Field(
+        default=(),
+        max_length=32,
+        description=(
+            "Kubernetes tolerations for the pool's pods (core/v1 Toleration objects), e.g. for "
+            "tainted GPU nodes."
+        ),
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Kubernetes affinity for the pool's pods (a core/v1 Affinity object).",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """GPUs in the pool, hence worker processes: nodes * gpusPerNode."""
+        return self.nodes * self.gpus_per_node
+
+
+class RolePlacementSpec(SpecModel):
+    """The pool each role runs on. Unset roles share the actor's pool (colocated)."""
+
+    actor: PoolName = Field(
+        default=DEFAULT_POOL_NAME,
+        description="Pool of the actor (the trained policy).",
+    )
+    rollout: PoolName | None = Field(
+        default=None,
+        description=(
+            "Pool of generation. Default: the actor's pool, where the 3D-HybridEngine reshards the "
+            "actor's weights in place instead of sending them over the network."
+        ),
+    )
+    reference: PoolName | None = Field(
+        default=None,
+        description="Pool of the reference model. Default: the actor's pool.",
+    )
+    critic: PoolName | None = Field(
+        default=None,
+        description="Pool of the critic; needs spec.models.critic. Default: the actor's pool.",
+    )
+    reward: PoolName | None = Field(
+        default=None,
+        description="Pool of the reward model; needs spec.models.reward. Default: the actor's pool.",
+    )
+    cost: PoolName | None = Field(
+        default=None,
+        description="Pool of the cost model; needs spec.models.cost. Default: the actor's pool.",
+    )
+
+    def pool_of(self, role: RoleName) -> str:
+        """The pool ``role`` runs on, after applying the colocate-with-the-actor default."""
+        explicit: str | None = getattr(self, role)
+        return explicit if explicit is not None else self.actor

