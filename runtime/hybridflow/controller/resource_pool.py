@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 __all__ = [
     "PlacementError",
@@ -117,11 +123,25 @@ class PoolPlacement:
     def bundles(self) -> list[tuple[PlacementGroup, int]]:
         return [(pg, i) for pg in self.groups for i in range(self.pool.gpus_per_node)]
 
-    def release(self) -> None:
+    def release(self, *, wait_seconds: float = 10.0) -> None:
+        """Remove the placement groups and wait (bounded) until Ray reports them removed.
+
+        Waiting makes a following deployment see the freed GPUs instead of racing the removal.
+        """
         for pg in self.groups:
             # Best effort during teardown: the group may already be gone with the cluster.
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
+        deadline = time.monotonic() + wait_seconds
+        for pg in self.groups:
+            while time.monotonic() < deadline:
+                try:
+                    state = placement_group_table(pg).get("state")
+                except Exception:  # the cluster is shutting down: nothing left to wait for
+                    break
+                if state == "REMOVED":
+                    break
+                time.sleep(0.05)
 
 
 def _format_resources(resources: dict[str, float]) -> str:
@@ -149,8 +169,7 @@ def place_pool(pool: ResourcePool, *, timeout_seconds: float) -> PoolPlacement:
     _, pending = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=timeout_seconds)
     if pending:
         placed = len(groups) - len(pending)
-        for pg in groups:
-            remove_placement_group(pg)
+        PoolPlacement(pool, groups).release()
         total = ray.cluster_resources()
         available = ray.available_resources()
         raise PlacementError(

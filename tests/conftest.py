@@ -1,0 +1,45 @@
+"""Shared fixtures. One embedded Ray instance serves every integration test of a session.
+
+Importing torch/ray costs seconds on the 2-core CI machines, so the Ray fixture is session-scoped
+and declares the custom resources of every pool the tests use; tests keep their worker groups
+small and shut them down (releasing the placement groups) before the next test deploys.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+# Ray worker processes inherit this environment: they must import the test-only worker classes
+# by module name, exactly as the driver does.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(TESTS_DIR / "integration"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SIMULATED_GPUS = 8
+# Pools the integration tests place: "left"/"right" split the 8 GPUs, "all" spans them.
+TEST_POOL_CAPACITY = {"left": 4, "right": 4, "all": 8}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    from hybridflow.controller.resource_pool import node_pool_resource
+
+    ray.init(
+        num_cpus=2,
+        num_gpus=SIMULATED_GPUS,
+        resources={node_pool_resource(name): float(n) for name, n in TEST_POOL_CAPACITY.items()},
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
