@@ -141,3 +141,14 @@ def test_transport_moves_tensor_bytes_out_of_band() -> None:
 def test_nbytes_counts_tensors_and_numeric_arrays() -> None:
     b = Batch.from_dict({"a": torch.zeros(2, 4), "b": np.zeros(2, dtype=np.int32), "c": ["x", "y"]})
     assert b.nbytes == 2 * 4 * 4 + 2 * 4
+
+
+def test_single_reader_batches_arrive_as_views_and_others_as_copies() -> None:
+    b = Batch.from_dict({"t": torch.arange(1024.0)})
+    for marked, shares_buffer in ((b.single_reader(), True), (b, False)):
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(marked, protocol=5, buffer_callback=buffers.append)
+        back = pickle.loads(data, buffers=buffers)
+        source = np.frombuffer(buffers[0].raw(), dtype=np.uint8)
+        assert np.shares_memory(back["t"].numpy().view(np.uint8), source) is shares_buffer
+        assert back.equals(b)

@@ -13,13 +13,22 @@ Row operations (select, split, concat, union, repeat, reorder) keep the three in
 Transport protocol. Pickling a torch tensor goes through ``torch.save`` into an in-band byte
 string: one copy per tensor on each side and no shared memory. A Batch instead reduces itself to
 numpy views of the tensors' bytes (zero copy), so that Ray's pickle-5 serializer moves every
-array out of band into the object store with a single memcpy; the receiving side rebuilds the
-tensors with one copy out of the (read-only, shared) object-store buffer. The copy is deliberate:
-a worker may write into its inputs in place, and the shared buffer may be read by several ranks.
+array out of band into the object store with a single memcpy. The receiving side rebuilds the
+tensors either as views of the object-store buffer (zero copy) or as private copies:
+
+* a batch read by exactly one receiver (a DP shard sent to one rank, a worker's result read by
+  the controller) is marked with :meth:`Batch.single_reader` and arrives as views: nobody else
+  can observe an in-place write to that buffer;
+* anything else (a broadcast, a shard shared by the TP/PP peers of a DP group, a batch a user
+  puts into the object store) arrives as copies, because one reader's in-place write would
+  otherwise change what the others see.
+
+The worker group applies the marking; it never has to be done by hand.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,9 +293,16 @@ class Batch:
 
     # -- transport -----------------------------------------------------------------------
 
+    def single_reader(self) -> Batch:
+        """The same batch, marked to arrive as zero-copy views (see the module docstring)."""
+        marked = Batch(self.tensors, self.non_tensors, self.meta)
+        object.__setattr__(marked, "_copy_on_receive", False)
+        return marked
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         packed = {name: _tensor_to_wire(t) for name, t in self.tensors.items()}
-        return (_rebuild_batch, (packed, self.non_tensors, self.meta))
+        copy_on_receive = bool(getattr(self, "_copy_on_receive", True))
+        return (_rebuild_batch, (packed, self.non_tensors, self.meta, copy_on_receive))
 
 
 def _object_array(values: Sequence[Any]) -> np.ndarray:
@@ -306,12 +322,17 @@ def _tensor_to_wire(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndar
     return (str(source.dtype).removeprefix("torch."), tuple(source.shape), raw.numpy())
 
 
-def _tensor_from_wire(dtype_name: str, shape: tuple[int, ...], raw: np.ndarray) -> torch.Tensor:
+def _tensor_from_wire(dtype_name: str, shape: tuple[int, ...], raw: np.ndarray, copy: bool) -> torch.Tensor:
     dtype = getattr(torch, dtype_name)
-    # One copy out of the shared (read-only) object-store buffer; see the module docstring.
-    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
-    if data.numel() == 0:
+    if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
+    if copy or not raw.flags.c_contiguous:
+        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+    else:
+        with warnings.catch_warnings():
+            # The object-store buffer is flagged read-only; a single reader may still write to it.
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(raw)
     return data.view(dtype).reshape(shape)
 
 
@@ -319,5 +340,6 @@ def _rebuild_batch(
     packed: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
     non_tensors: dict[str, np.ndarray],
     meta: dict[str, Any],
+    copy_on_receive: bool = True,
 ) -> Batch:
-    return Batch({k: _tensor_from_wire(*v) for k, v in packed.items()}, non_tensors, meta)
+    return Batch({k: _tensor_from_wire(*v, copy_on_receive) for k, v in packed.items()}, non_tensors, meta)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridflow.controller.batch import Batch
 from hybridflow.controller.mesh import DeviceMesh, MeshCoord
 
 __all__ = ["Worker", "WorkerContext", "WorkerHost"]
@@ -145,7 +146,10 @@ class WorkerHost:
 
     def execute(self, role: str, method: str, keep_result: bool, *args: Any, **kwargs: Any) -> Any:
         result = getattr(self.roles[role], method)(*args, **kwargs)
-        return result if keep_result else None
+        if not keep_result:
+            return None
+        # Only the controller reads a result, so it may arrive there without a copy.
+        return result.single_reader() if isinstance(result, Batch) else result
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -98,6 +98,16 @@ def _shareable(value: Any) -> bool:
     return isinstance(value, Batch | np.ndarray)
 
 
+def _readers_per_object(per_rank: Sequence[CallArgs | None]) -> dict[int, int]:
+    """How many ranks receive each argument object (by identity)."""
+    counts: dict[int, int] = {}
+    for call in per_rank:
+        if call is not None:
+            for value in (*call.args, *call.kwargs.values()):
+                counts[id(value)] = counts.get(id(value), 0) + 1
+    return counts
+
+
 class GroupFuture:
     """The pending result of one group call. ``result()`` collects it (once; later calls reuse it)."""
 
@@ -214,6 +224,7 @@ class WorkerGroup:
                 f"role {self.role!r} has {self.world_size}"
             )
         keep = set(dispatched.collect_from)
+        readers = _readers_per_object(dispatched.per_rank)
         object_refs: dict[int, ray.ObjectRef] = {}
 
         def as_ref(value: Any) -> Any:
@@ -221,7 +232,9 @@ class WorkerGroup:
                 return value
             key = id(value)
             if key not in object_refs:
-                object_refs[key] = ray.put(value)
+                # A batch only one rank reads may arrive as zero-copy views (batch.py explains).
+                single = isinstance(value, Batch) and readers[key] == 1
+                object_refs[key] = ray.put(value.single_reader() if single else value)
             return object_refs[key]
 
         refs: dict[int, ray.ObjectRef] = {}

@@ -21,7 +21,7 @@ dataset counts the drops in ``filtered_too_long``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -258,6 +258,9 @@ class PromptDataset:
 
     def __getitem__(self, index: int) -> TokenizedPrompt:
         return self._prompts[index]
+
+    def __iter__(self) -> Iterator[TokenizedPrompt]:
+        return iter(self._prompts)
 
     def take(self, indices: Iterable[int]) -> PromptBatch:
         """The rows at ``indices`` (repeats allowed), as a batch that owns copies of its values."""

@@ -123,7 +123,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tokenizer(padding_side: Literal["left", "right"] = "left", model_max_length: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    padding_side: Literal["left", "right"] = "left", model_max_length: int = 512
+) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with ChatML special tokens, built without any download.
 
     Byte-level BPE with an empty merge list: every byte is one token and token id = byte value,
@@ -138,6 +140,14 @@ def build_tokenizer(padding_side: Literal["left", "right"] = "left", model_max_l
     ``padding_side`` defaults to ``"left"``, what batched generation needs (every prompt ends at
     the same column, where decoding starts). ``model_max_length`` should match the model's
     ``max_position_embeddings``.
+
+    Reloading from a directory: transformers 5 picks the tokenizer class from ``config.json``'s
+    model type. Next to a Llama config, ``AutoTokenizer`` rebuilds exactly this tokenizer; next
+    to a Qwen2 config it builds ``Qwen2Tokenizer`` from the same vocabulary, which adds NFC
+    normalisation and Qwen's word-splitting regex. With no merges the split changes nothing,
+    so ids agree for all ASCII and NFC-normalised text; only non-NFC Unicode (a decomposed
+    "é") encodes differently. vLLM loads tokenizers through ``AutoTokenizer`` too, so every
+    engine and trainer reading the directory agrees.
     """
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[byte]: byte for byte in range(BYTE_VOCAB_SIZE)}
@@ -162,7 +172,10 @@ def build_tokenizer(padding_side: Literal["left", "right"] = "left", model_max_l
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     ids = tokenizer.convert_tokens_to_ids([BOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN])
-    if ids != [BOS_TOKEN_ID, IM_START_TOKEN_ID, IM_END_TOKEN_ID, PAD_TOKEN_ID] or len(tokenizer) != TOKENIZER_VOCAB_SIZE:
+    if (
+        ids != [BOS_TOKEN_ID, IM_START_TOKEN_ID, IM_END_TOKEN_ID, PAD_TOKEN_ID]
+        or len(tokenizer) != TOKENIZER_VOCAB_SIZE
+    ):
         raise AssertionError(f"tokenizer layout changed: special ids {ids}, size {len(tokenizer)}")
     return tokenizer
 
@@ -319,7 +332,10 @@ def write_tiny_model(
       discards its copy and returns the winner's (the contents are identical).
     * Never destructive: an existing ``output_dir`` that is anything else (other parameters,
       files of its own) raises ``FileExistsError`` naming the difference; delete it or choose
-      another path.
+      another path. An empty directory is replaced.
+
+    Safe across processes, not across threads of one process: building seeds torch's global
+    RNG (see :func:`build_tiny_model`), which threads share.
     """
     output_dir = Path(output_dir)
     vocab_size = padded_vocab_size() if vocab_size is None else vocab_size
@@ -355,7 +371,8 @@ def write_tiny_model(
             )
         return output_dir
 
-    if output_dir.exists():
+    # An empty directory (made by a fixture, say) counts as absent: renaming onto it replaces it.
+    if output_dir.exists() and not (output_dir.is_dir() and not any(output_dir.iterdir())):
         return reuse_existing()
 
     model = build_tiny_model(
@@ -365,6 +382,7 @@ def write_tiny_model(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
+        staging.chmod(0o755)  # mkdtemp makes it private; the model directory is for everyone
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _MARKER_FILE).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
@@ -372,10 +390,10 @@ def write_tiny_model(
             # rename() of a directory onto an existing non-empty one fails on POSIX; that is
             # how a losing racer learns that another writer got there first.
             staging.rename(output_dir)
-        except OSError:
-            if output_dir.exists():
+        except OSError as error:
+            if _is_complete(output_dir):
                 return reuse_existing()
-            raise
+            raise OSError(f"could not move the tiny model into {output_dir}: {error}") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output_dir

@@ -1,0 +1,356 @@
+"""A rollout engine in plain torch over any HF causal LM: the reference engine and the CPU fallback.
+
+It is slower than vLLM (no paged attention, no continuous batching: a batch decodes until its
+longest response ends) but it runs wherever the model runs, needs nothing beyond
+``transformers``, and is simple enough to be the reference the vLLM engine is tested against.
+
+Decoding, for ``B = len(prompts) * n`` rows:
+
+1. Prompts are left-padded to the longest one, so every row's last prompt token sits in the
+   same column and all rows decode in lockstep. ``position_ids`` count real tokens only
+   (``cumsum(attention_mask) - 1``), so a padded row sees the same positions as it would alone.
+2. One prefill forward pass fills a ``DynamicCache`` with the prompts' keys and values; each
+   following step feeds only the tokens just chosen, with the attention mask grown by one
+   column and each row's position advanced by one.
+3. A row stops when it emits an eos token (kept as its last token); after that it is fed pad
+   tokens, whose outputs are discarded. The loop ends when every row stopped or after
+   ``max_new_tokens`` steps.
+
+With ``temperature == 0`` the tokens equal ``model.generate(do_sample=False)`` with the same
+eos ids, token for token (the tests check it).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hybridflow.engines.base import (
+    EngineStateError,
+    FinishReason,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+)
+
+EngineState = Literal["awake", "asleep", "closed"]
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """A config's token id field (``None``, an int, or a list of ints) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(token_id) for token_id in value]
+
+
+def _configured_eos_ids(model: nn.Module) -> list[int]:
+    """The eos ids HF ``generate`` would stop on: the generation config's, else the model config's."""
+    generation_config = getattr(model, "generation_config", None)
+    eos_ids = _as_id_list(getattr(generation_config, "eos_token_id", None))
+    return eos_ids or _as_id_list(getattr(getattr(model, "config", None), "eos_token_id", None))
+
+
+def _configured_pad_id(model: nn.Module, eos_ids: Sequence[int]) -> int:
+    """A token id to fill padded positions with; any valid id works, since they are masked."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        pad_ids = _as_id_list(getattr(source, "pad_token_id", None))
+        if pad_ids:
+            return pad_ids[0]
+    return eos_ids[0] if eos_ids else 0
+
+
+def _filter_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Scores with everything below the k-th largest of each row set to ``-inf`` (ties kept)."""
+    if top_k < 0 or top_k >= scores.shape[-1]:
+        return scores
+    kth_largest = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+    return scores.masked_fill(scores < kth_largest, float("-inf"))
+
+
+def _filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Scores outside each row's nucleus set to ``-inf``.
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p``:
+    a token is kept while the mass of the tokens ranked above it is still below ``top_p``, so
+    the most likely token is always kept.
+    """
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, sorted_ids = torch.sort(scores, dim=-1, descending=True)
+    sorted_probs = sorted_scores.softmax(dim=-1)
+    mass_ranked_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove_sorted = mass_ranked_above >= top_p
+    remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_ids, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+def choose_next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row of ``logits`` ``[rows, vocab]`` (float32): argmax when greedy, else a draw.
+
+    Sampling applies temperature, then top-k, then top-p (vLLM's order), then draws from the
+    renormalised distribution with ``generator``.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scores = logits / params.temperature
+    scores = _filter_top_p(_filter_top_k(scores, params.top_k), params.top_p)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """Batched generation with a KV cache over a Hugging Face causal LM (see the module docstring).
+
+    ``model`` is a local HF model directory, or an HF causal-LM module (``forward`` accepting
+    ``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values``, ``use_cache``,
+    ``logits_to_keep``, as every ``*ForCausalLM`` does). A directory is loaded onto ``device``
+    (default CPU) in ``dtype`` (default float32). A module is used as it is, shared and not
+    copied: ``device``/``dtype``, when given, move it in place (``nn.Module.to``), and
+    ``load_weights`` writes into it. That is how a colocated worker lets the trainer and the
+    engine share one set of weights.
+
+    ``eos_token_ids`` defaults to the model's generation config (what HF ``generate`` stops
+    on), ``pad_token_id`` to its pad id; the pad id only fills masked positions.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | nn.Module,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        module: nn.Module
+        if isinstance(model, nn.Module):
+            module = model
+            if device is not None or dtype is not None:
+                module.to(device=device, dtype=dtype)
+        else:
+            path = Path(model)
+            if not path.is_dir():
+                raise FileNotFoundError(
+                    f"model directory {path} does not exist (models load from local paths only)"
+                )
+            # cast: transformers types PreTrainedModel.to through a decorator mypy misreads.
+            module = cast(nn.Module, AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32))
+            module.to(device or "cpu")
+        first_parameter = next(module.parameters(), None)
+        if first_parameter is None:
+            raise ValueError("the model has no parameters")
+        self._model: nn.Module | None = module
+        self._device = first_parameter.device
+        config = getattr(module, "config", None)
+        self._vocab_size: int | None = getattr(config, "vocab_size", None)
+        self._max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self._eos_token_ids = (
+            list(eos_token_ids) if eos_token_ids is not None else _configured_eos_ids(module)
+        )
+        self._pad_token_id = (
+            pad_token_id if pad_token_id is not None else _configured_pad_id(module, self._eos_token_ids)
+        )
+        self._state: EngineState = "awake"
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def model(self) -> nn.Module:
+        """The module generating (shared, not a copy)."""
+        return self._live_model("model")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs while awake."""
+        return self._device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a response."""
+        return list(self._eos_token_ids)
+
+    @property
+    def state(self) -> EngineState:
+        """``"awake"``, ``"asleep"`` or ``"closed"`` (see :mod:`hybridflow.engines.base`)."""
+        return self._state
+
+    def _live_model(self, call: str) -> nn.Module:
+        if self._state == "closed" or self._model is None:
+            raise EngineStateError(f"{call}: the engine is closed")
+        return self._model
+
+    def _awake_model(self, call: str) -> nn.Module:
+        model = self._live_model(call)
+        if self._state != "awake":
+            raise EngineStateError(f"{call}: the engine is asleep; call wake_up() first")
+        return model
+
+    # ------------------------------------------------------------------ generation
+
+    def _check_prompts(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> None:
+        for index, prompt in enumerate(prompt_token_ids):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+            if self._vocab_size is not None:
+                bad = [token for token in prompt if not 0 <= token < self._vocab_size]
+                if bad:
+                    raise ValueError(
+                        f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary [0, {self._vocab_size})"
+                    )
+        longest = max(len(prompt) for prompt in prompt_token_ids)
+        if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
+                f"the model's max_position_embeddings={self._max_positions}"
+            )
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """See :meth:`RolloutEngine.generate`; decoding is described in the module docstring."""
+        model = self._awake_model("generate")
+        if not prompt_token_ids:
+            return RolloutOutput([], [], [] if params.return_logprobs else None)
+        self._check_prompts(prompt_token_ids, params)
+        rows = [prompt for prompt in prompt_token_ids for _ in range(params.n)]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                return self._decode(model, rows, params)
+        finally:
+            model.train(was_training)
+
+    def _decode(self, model: nn.Module, rows: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        device = self._device
+        batch, prompt_width = len(rows), max(len(row) for row in rows)
+        input_ids = torch.full((batch, prompt_width), self._pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, prompt_width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            input_ids[index, prompt_width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[index, prompt_width - len(row) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # Padded columns get position 0; they are masked out, so the value does not matter.
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_min(0)
+
+        generator: torch.Generator | None = None
+        if not params.greedy:
+            generator = torch.Generator(device=device)
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+
+        eos_ids = torch.tensor(self._eos_token_ids, dtype=torch.long, device=device)
+        tokens = torch.full(
+            (batch, params.max_new_tokens), self._pad_token_id, dtype=torch.long, device=device
+        )
+        logprobs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=device)
+        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+        cache = DynamicCache(config=getattr(model, "config", None))
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # only the last column's logits are needed to start decoding
+        )
+        next_positions = position_ids[:, -1:] + 1
+        for step in range(params.max_new_tokens):
+            logits = outputs.logits[:, -1, :].float()
+            chosen = choose_next_tokens(logits, params, generator)
+            if params.return_logprobs:
+                logprobs[:, step] = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+            chosen = chosen.masked_fill(finished, self._pad_token_id)
+            tokens[:, step] = chosen
+            stopped_now = torch.isin(chosen, eos_ids) & ~finished
+            lengths = torch.where(stopped_now, step + 1, lengths)
+            finished |= stopped_now
+            if step + 1 == params.max_new_tokens or bool(finished.all()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
+            outputs = model(
+                input_ids=chosen[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            next_positions = next_positions + 1
+
+        token_rows = tokens.cpu().tolist()
+        logprob_rows = logprobs.cpu().tolist()
+        row_lengths = lengths.cpu().tolist()
+        finish_reasons: list[FinishReason] = [
+            "stop" if done else "length" for done in finished.cpu().tolist()
+        ]
+        return RolloutOutput(
+            response_token_ids=[row[:length] for row, length in zip(token_rows, row_lengths, strict=True)],
+            finish_reasons=finish_reasons,
+            logprobs=(
+                [row[:length] for row, length in zip(logprob_rows, row_lengths, strict=True)]
+                if params.return_logprobs
+                else None
+            ),
+        )
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """See :meth:`RolloutEngine.load_weights`; names are the model's ``state_dict`` keys."""
+        model = self._awake_model("load_weights")
+        targets = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    close = difflib.get_close_matches(name, list(targets), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ValueError(f"load_weights: the model has no parameter {name!r}{hint}")
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"load_weights: {name!r} has shape {tuple(target.shape)} in the model, "
+                        f"got {tuple(tensor.shape)}"
+                    )
+                target.copy_(tensor)
+
+    def sleep(self) -> None:
+        """Move the weights to host memory and release the accelerator's cached blocks.
+
+        On a CPU engine the weights already live in host memory: only the state changes. The
+        KV cache lives only inside a ``generate`` call, so there is none to free. Do not sleep
+        an engine whose module a trainer is using at the same time: it moves that module.
+        """
+        model = self._live_model("sleep")
+        if self._state == "asleep":
+            return
+        if self._device.type != "cpu":
+            model.to("cpu")
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._state = "asleep"
+
+    def wake_up(self) -> None:
+        """Move the weights back to the engine's device."""
+        model = self._live_model("wake_up")
+        if self._state == "awake":
+            return
+        if self._device.type != "cpu":
+            model.to(self._device)
+        self._state = "awake"
+
+    def close(self) -> None:
+        """Drop the engine's reference to the model; a shared module stays usable by its owner."""
+        self._model = None
+        self._state = "closed"
