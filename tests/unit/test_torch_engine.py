@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,9 +40,7 @@ def tiny(arch: str, seed: int = 1) -> PreTrainedModel:
     return build_tiny_model(arch, VOCAB, seed=seed)  # type: ignore[arg-type]
 
 
-def hf_greedy(
-    model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, eos_ids: list[int]
-) -> list[list[int]]:
+def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int]) -> list[list[int]]:
     """``model.generate(do_sample=False)`` on left-padded prompts; each row cut after its first eos."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID)
@@ -103,6 +103,29 @@ def test_batched_rows_equal_each_prompt_decoded_alone() -> None:
     assert batched == alone
 
 
+def test_positions_count_real_tokens_in_prefill_and_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RoPE only sees position differences, so parity tests cannot catch positions shifted by the
+    # padding; watch what the engine feeds the model instead.
+    model = tiny("qwen2")
+    fed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = model.forward
+
+    def recording_forward(*args: object, **kwargs: torch.Tensor) -> object:
+        fed.append((kwargs["position_ids"].clone(), kwargs["attention_mask"].clone()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording_forward)
+    prompts = [[5, 6], [7, 8, 9, 10]]
+    TorchRolloutEngine(model, eos_token_ids=[]).generate(
+        prompts, SamplingParams(max_new_tokens=3, temperature=0)
+    )
+    (prefill_positions, prefill_mask), *decode_steps = fed
+    assert prefill_positions.tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    assert prefill_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert [positions.tolist() for positions, _ in decode_steps] == [[[2], [4]], [[3], [5]]]
+    assert [mask.shape[1] for _, mask in decode_steps] == [5, 6]
+
+
 def test_engine_loads_a_model_directory(tmp_path: Path) -> None:
     path = write_tiny_model(tmp_path / "tiny", arch="llama", seed=1, vocab_size=VOCAB)
     from_directory = TorchRolloutEngine(path).generate(PROMPTS, GREEDY)
@@ -133,9 +156,15 @@ def test_load_weights_accepts_streamed_buckets_and_rejects_unknown_names_and_sha
     engine.load_weights((name, other[name].to(torch.bfloat16).float()) for name in names[:5])
     engine.load_weights((name, other[name]) for name in names[5:])
     assert torch.equal(engine.model.state_dict()["lm_head.weight"], other["lm_head.weight"])
-    with pytest.raises(ValueError, match=r"no parameter 'model.layers.0.mlp.up_proj.weights'.*up_proj.weight'"):
-        engine.load_weights([("model.layers.0.mlp.up_proj.weights", other["model.layers.0.mlp.up_proj.weight"])])
-    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \(384, 64\) in the model, got \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"no parameter 'model.layers.0.mlp.up_proj.weights'.*up_proj.weight'"
+    ):
+        engine.load_weights(
+            [("model.layers.0.mlp.up_proj.weights", other["model.layers.0.mlp.up_proj.weight"])]
+        )
+    with pytest.raises(
+        ValueError, match=r"'lm_head.weight' has shape \(384, 64\) in the model, got \(2, 2\)"
+    ):
         engine.load_weights([("lm_head.weight", torch.zeros(2, 2))])
 
 
@@ -167,7 +196,9 @@ def test_bad_prompts_are_rejected_with_the_row() -> None:
     engine = TorchRolloutEngine(tiny("llama"))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], GREEDY)
-    with pytest.raises(ValueError, match=r"prompt 0 holds token id 384, outside the model's vocabulary \[0, 384\)"):
+    with pytest.raises(
+        ValueError, match=r"prompt 0 holds token id 384, outside the model's vocabulary \[0, 384\)"
+    ):
         engine.generate([[1, 384]], GREEDY)
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
         engine.generate([[1] * 510], GREEDY)
@@ -183,7 +214,7 @@ def test_sampling_with_a_seed_is_reproducible_and_n_samples_are_interleaved() ->
     first = engine.generate(PROMPTS[:2], params)
     assert len(first) == 6
     assert engine.generate(PROMPTS[:2], params) == first
-    assert engine.generate(PROMPTS[:2], SamplingParams(**{**params.__dict__, "seed": 12})) != first
+    assert engine.generate(PROMPTS[:2], dataclasses.replace(params, seed=12)) != first
     # n samples of prompt i are rows i*n .. i*n+n-1: the same as repeating each prompt n times.
     repeated = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
     single = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=1, seed=11)
@@ -222,7 +253,9 @@ def test_top_k_and_top_p_keep_the_expected_tokens() -> None:
 def test_logprobs_equal_a_full_forward_pass_at_the_chosen_tokens(arch: str) -> None:
     model = tiny(arch)
     engine = TorchRolloutEngine(model)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.7, top_p=0.9, n=2, seed=3, return_logprobs=True)
+    params = SamplingParams(
+        max_new_tokens=NEW_TOKENS, temperature=0.7, top_p=0.9, n=2, seed=3, return_logprobs=True
+    )
     output = engine.generate(PROMPTS, params)
     assert output.logprobs is not None
     prompt_width, response_width = 24, NEW_TOKENS
@@ -290,7 +323,8 @@ def test_layout_left_pads_prompts_right_pads_responses_and_counts_positions() ->
     assert torch.equal(packed["prompts"], packed["input_ids"][:, :4])
     assert torch.equal(packed["responses"], packed["input_ids"][:, 4:])
     assert packed["rollout_log_probs"][1].tolist() == pytest.approx([-0.2, -0.3, -0.4])
-    assert {t.dtype for k, t in packed.items() if k != "rollout_log_probs"} == {torch.long}
+    int_fields = ("input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask")
+    assert {packed[field].dtype for field in int_fields} == {torch.long}  # type: ignore[literal-required]
 
     without_logprobs = RolloutOutput([[1], [2]], ["stop", "stop"])
     assert "rollout_log_probs" not in response_tensors([[7]], without_logprobs, 0, 1, 1)
@@ -303,4 +337,4 @@ def test_layout_rejects_what_it_would_have_to_cut() -> None:
     with pytest.raises(ValueError, match="response 0 has 3 tokens, more than max_response_len=2"):
         response_tensors([[1]], output, 0, max_prompt_len=2, max_response_len=2)
     with pytest.raises(ValueError, match="3 responses for 2 prompts"):
-        response_tensors([[1], [2]], RolloutOutput([[1], [2], [3]], ["stop"] * 3), 0, 2, 2)  # type: ignore[list-item]
+        response_tensors([[1], [2]], RolloutOutput([[1], [2], [3]], ["stop"] * 3), 0, 2, 2)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -47,10 +48,26 @@ class WorkerContext:
     mesh: DeviceMesh
     device: str
     backend: str
+    colocated_roles: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def coord(self) -> MeshCoord:
         return self.mesh.coord(self.rank)
+
+    def colocated(self, role: str) -> Any:
+        """The object of another role hosted by this same process (e.g. the rollout's actor).
+
+        This is how colocated roles hand each other data without the controller: the rollout
+        pulls the actor's new weights in-process. Roles on other pools are not reachable here.
+        """
+        try:
+            return self.colocated_roles[role]
+        except KeyError:
+            hosted = ", ".join(sorted(r for r in self.colocated_roles if r != self.role)) or "none"
+            raise LookupError(
+                f"role {self.role!r} needs role {role!r} in the same process, but this pool hosts: {hosted}; "
+                f"map both roles to the same resource pool"
+            ) from None
 
     @property
     def torch_device(self) -> torch.device:
@@ -141,6 +158,7 @@ class WorkerHost:
             mesh=mesh,
             device=self.device(),
             backend=backend,
+            colocated_roles=self.roles,
         )
         self.roles[role] = worker_cls(ctx, **kwargs)
 

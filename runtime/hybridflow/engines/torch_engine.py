@@ -8,7 +8,10 @@ Decoding, for ``B = len(prompts) * n`` rows:
 
 1. Prompts are left-padded to the longest one, so every row's last prompt token sits in the
    same column and all rows decode in lockstep. ``position_ids`` count real tokens only
-   (``cumsum(attention_mask) - 1``), so a padded row sees the same positions as it would alone.
+   (``cumsum(attention_mask) - 1``), so a padded row sees the same positions as it would alone
+   and as the trainer's forward pass gives it (:mod:`hybridflow.engines.layout`). RoPE only
+   sees position differences, so shifted positions would barely change the output of these
+   models; they would still break absolute-position models and exact comparisons.
 2. One prefill forward pass fills a ``DynamicCache`` with the prompts' keys and values; each
    following step feeds only the tokens just chosen, with the attention mask grown by one
    column and each row's position advanced by one.
