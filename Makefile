@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-stamp
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint bench format clean
+.PHONY: setup demo test lint bench format clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	$(PIP) -e '.[cpu,dev]'
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
+
+# The README's main job: a tiny GRPO run on an embedded Ray, on CPU.
+demo: setup
+	$(VENV)/bin/hybridflow make-tiny --model-dir outputs/tiny-model --data-dir outputs/tiny-data
+	RAY_AUTH_MODE=disabled $(VENV)/bin/hybridflow run examples/grpo-tiny.yaml
 
 test: setup
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)

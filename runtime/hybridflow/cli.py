@@ -7,8 +7,10 @@ with status 2, without a traceback; a traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hybridflow import __version__
 
@@ -31,6 +33,69 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_tiny(args: argparse.Namespace) -> int:
+    from hybridflow.models.tiny import write_tiny_model
+    from hybridflow.rewards import make_toy_dataset
+
+    model_dir = write_tiny_model(args.model_dir, arch=args.arch, seed=args.seed)
+    print(f"tiny {args.arch} model and tokenizer: {model_dir}")
+    if args.data_dir:
+        data_dir = Path(args.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        rows = make_toy_dataset(args.task, args.prompts, seed=args.seed)
+        target = data_dir / f"{args.task}.jsonl"
+        staging = target.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        staging.replace(target)
+        print(f"{len(rows)} {args.task} prompts: {target}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hybridflow.spec import SpecError, load_job_manifest
+
+    try:
+        job = load_job_manifest(args.manifest)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    spec = job.spec
+    missing = [
+        f"spec.models.{role}.path: {source.path} does not exist (models load from local directories)"
+        for role, source in (("actor", spec.models.actor), ("reference", spec.models.reference_or_actor))
+        if not Path(source.path).is_dir()
+    ]
+    missing += [f"spec.data.trainFiles: {f} does not exist" for f in spec.data.train_files if not Path(f).is_file()]
+    if missing:
+        print("\n".join(f"error: {args.manifest}: {m}" for m in missing), file=sys.stderr)
+        return EXIT_USER_ERROR
+
+    from hybridflow.controller import init_local_ray
+    from hybridflow.data import PromptDataError
+    from hybridflow.trainer.rewards import RewardFunctionError
+    from hybridflow.trainer.roles import resource_pools
+    from hybridflow.trainer.runner import UnsupportedAlgorithmError, run_training
+
+    print(f"hybridflow run: {job.metadata.name} ({spec.algorithm.name}, {spec.training.total_steps} steps)")
+    print(f"  output: {spec.output_dir}  checkpoints: {spec.checkpoint_dir}")
+    init_local_ray(resource_pools(spec, simulated=True))
+    try:
+        summary = run_training(spec, stop_after_steps=args.max_steps)
+    except (UnsupportedAlgorithmError, PromptDataError, RewardFunctionError, ValueError) as err:
+        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if summary.metrics:
+        first, last = summary.metrics[0], summary.metrics[-1]
+        print(
+            f"done: steps {summary.first_step}-{summary.last_step}, reward "
+            f"{first.get('reward/mean', 0.0):.3f} -> {last.get('reward/mean', 0.0):.3f}; "
+            f"metrics in {Path(spec.output_dir) / 'metrics.jsonl'}"
+        )
+    else:
+        print(f"nothing to do: the checkpoint in {spec.checkpoint_dir} is already at step {spec.training.total_steps}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="HybridFlow RLHF on Ray.")
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
@@ -38,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check an RLHFJob manifest and summarise it")
     validate.add_argument("manifest", help="path to an RLHFJob YAML manifest")
     validate.set_defaults(handler=_validate)
+
+    run = commands.add_parser("run", help="train an RLHFJob on an embedded Ray on this machine")
+    run.add_argument("manifest", help="path to an RLHFJob YAML manifest")
+    run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
+    run.set_defaults(handler=_run)
+
+    tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")
+    tiny.add_argument("--model-dir", default="outputs/tiny-model")
+    tiny.add_argument("--data-dir", default="outputs/tiny-data")
+    tiny.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    tiny.add_argument("--task", default="target_char")
+    tiny.add_argument("--prompts", type=int, default=256)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(handler=_make_tiny)
     return parser
 
 

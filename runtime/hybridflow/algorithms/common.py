@@ -1,0 +1,56 @@
+"""The part of an RL step every algorithm shares: sync, generate, score, old and reference log-probs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import core
+from hybridflow.controller import Batch
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.trainer.rewards import RewardScorer
+from hybridflow.trainer.roles import JobWorkers
+
+__all__ = ["average_worker_metrics", "rollout_and_score", "sequence_kl"]
+
+
+def rollout_and_score(
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, spec: RLHFJobSpec
+) -> tuple[Batch, dict[str, float]]:
+    """Generate ``samples_per_prompt`` responses per prompt and add scores, old and ref log-probs."""
+    workers.rollout.sync_weights()
+    batch = workers.rollout.generate_sequences(prompts)
+    scores, metrics = scorer.scores(batch)
+    old = workers.actor.compute_log_probs.submit(batch)
+    ref = workers.reference.compute_ref_log_probs.submit(batch)
+    batch = batch.union(old.result()).union(ref.result()).with_fields(scores=scores)
+    mask = batch.tensors["response_mask"].float()
+    kl = core.masked_mean(
+        core.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], spec.algorithm.kl.estimator),
+        mask,
+    )
+    metrics.update(
+        {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "kl/actor_ref": float(kl),
+            "response/length_mean": float(mask.sum(dim=1).mean()),
+            "tokens/step": float(batch.tensors["attention_mask"].sum()),
+        }
+    )
+    return batch, metrics
+
+
+def sequence_kl(batch: Batch, estimator: core.KLEstimator) -> torch.Tensor:
+    """Per-sequence summed KL(actor || reference) over response tokens."""
+    mask = batch.tensors["response_mask"].float()
+    per_token = core.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], estimator)
+    return core.masked_sum(per_token, mask, dim=1)
+
+
+def average_worker_metrics(per_rank: list[dict[str, float]] | Any) -> dict[str, float]:
+    """Mean over DP ranks of the metric dicts an update returns."""
+    keys = sorted({k for m in per_rank for k in m})
+    return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in keys}

@@ -1,0 +1,28 @@
+"""GRPO: group-normalised outcome advantages, no critic, KL to the reference as a loss.
+
+Each prompt is sampled ``samples_per_prompt`` times; a response's advantage is its score
+standardised within its group (Shao et al., 2024). With ``kl.mode: reward`` the summed sequence
+KL is subtracted from the score before normalisation instead of being a loss term.
+"""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import core
+from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score, sequence_kl
+from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.controller import Batch
+from hybridflow.trainer.rewards import RewardScorer
+from hybridflow.trainer.roles import JobWorkers
+
+
+def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+    spec = state.spec
+    batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
+    scores = batch.tensors["scores"]
+    if spec.algorithm.kl.mode == "reward":
+        scores = scores - state.kl_controller.value * sequence_kl(batch, spec.algorithm.kl.estimator)
+    advantages = core.grpo_outcome_advantages(
+        scores, list(batch.non_tensors["uid"]), batch.tensors["response_mask"].float()
+    )
+    metrics.update(average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages))))
+    return metrics

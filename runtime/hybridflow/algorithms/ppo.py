@@ -1,0 +1,45 @@
+"""PPO with a learned critic: GAE advantages, clipped policy and value losses (Ouyang et al., 2022).
+
+The KL to the reference is, by ``spec.algorithm.kl.mode``, a per-token penalty in the reward
+(the InstructGPT recipe; its coefficient follows the fixed or adaptive controller) or a loss term
+in the actor update. The critic update and the actor update are submitted together: on separate
+pools they run in parallel, colocated they run one after the other in the same processes.
+"""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import core
+from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score
+from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.controller import Batch
+from hybridflow.trainer.rewards import RewardScorer
+from hybridflow.trainer.roles import JobWorkers
+
+
+def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+    spec, algo = state.spec, state.spec.algorithm
+    assert workers.critic is not None, "PPO needs a critic role"
+    batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
+    batch = batch.union(workers.critic.compute_values(batch))
+    mask = batch.tensors["response_mask"].float()
+    token_rewards = core.place_outcome_score(batch.tensors["scores"], mask)
+    if algo.kl.mode == "reward":
+        token_rewards, mean_kl = core.apply_kl_penalty_to_rewards(
+            token_rewards,
+            batch.tensors["old_log_probs"],
+            batch.tensors["ref_log_probs"],
+            mask,
+            state.kl_controller.value,
+            algo.kl.estimator,
+        )
+        state.kl_controller.update(float(mean_kl), len(batch))
+        metrics["kl/coef"] = state.kl_controller.value
+    advantages, returns = core.compute_gae_advantages(
+        token_rewards, batch.tensors["values"], mask, algo.gamma, algo.gae_lambda
+    )
+    batch = batch.with_fields(advantages=core.masked_whiten(advantages, mask), returns=returns)
+    critic_update = workers.critic.update_critic.submit(batch)
+    actor_update = workers.actor.update_policy.submit(batch)
+    metrics.update(average_worker_metrics(critic_update.result()))
+    metrics.update(average_worker_metrics(actor_update.result()))
+    return metrics

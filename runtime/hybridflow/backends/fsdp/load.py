@@ -1,0 +1,180 @@
+"""Loading the models an FSDP worker trains or scores with, from a local HF directory.
+
+Every rank of a worker group calls these functions itself, on the same directory, before
+:func:`~hybridflow.backends.fsdp.parallelize.shard_model`. ``fully_shard`` keeps each rank's
+own slice of its *local* copy, so all ranks must hold identical full weights first: that is
+why nothing here draws random numbers (the value head is zero-initialised) and why loading
+never falls back to randomly initialising a weight the checkpoint lacks (it raises instead).
+
+Models come from a local path or a mounted volume only: ``local_files_only=True`` makes a
+missing directory fail here, with its path, rather than turn into a model-hub request.
+
+Attention implementation: ``"sdpa"``, as in the rollout engine
+(:mod:`hybridflow.engines.torch_engine` loads with transformers' default, sdpa). On CPU
+(torch 2.13, fp32) sdpa and eager give the same logits to ~2e-7 at every real token of a
+left-padded batch, and a left-padded row equals the same row run alone; they differ only at
+padding query positions, whose outputs no loss or log-prob reads. sdpa is also the
+memory-efficient choice on GPUs, and matching the rollout engine keeps the trainer's log-probs
+closest to the ones the engine sampled with.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
+
+ATTN_IMPLEMENTATION = "sdpa"
+"""The attention kernel every model loaded here uses; see the module docstring for why."""
+
+_HEAD_PREFIXES = ("lm_head.",)
+"""Checkpoint keys a backbone loaded from a causal-LM directory may leave unused: the LM head.
+Any other unused or missing key means the directory is not the architecture we think it is."""
+
+
+def _model_dir(path: str | Path) -> Path:
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{directory} is not a Hugging Face model directory (no config.json); models load from "
+            "a local path or volume, never from a model hub"
+        )
+    return directory
+
+
+class _DropLoadReport(logging.Filter):
+    """Drops transformers' "LOAD REPORT" warning; the caller checks the same facts itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    # transformers prints a table for every unused checkpoint key. Loading a backbone from a
+    # causal-LM directory always leaves lm_head.weight unused, and every critic rank would print
+    # it; _check_loading_info raises on the keys that do matter instead.
+    logger = logging.getLogger("transformers.modeling_utils")
+    quiet = _DropLoadReport()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _check_loading_info(directory: Path, info: dict[str, Any], allowed_unexpected: tuple[str, ...]) -> None:
+    missing = sorted(info.get("missing_keys", ()))
+    unexpected = sorted(
+        key for key in info.get("unexpected_keys", ()) if not key.startswith(allowed_unexpected)
+    )
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory} does not match its config.json architecture: missing weights {missing or 'none'}, "
+            f"unused weights {unexpected or 'none'}; refusing to train a partly random model"
+        )
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The causal LM in ``path`` (an HF directory) on the CPU, in ``dtype``, in eval mode.
+
+    Called by the actor and reference workers on every rank before sharding. Keep ``dtype``
+    float32 for a model that trains, also under mixed precision: the optimizer then holds fp32
+    master weights and FSDP casts to bf16 for compute only
+    (:func:`~hybridflow.backends.fsdp.parallelize.shard_model`).
+
+    Eval mode is deliberate: dropout would make the log-probs of the update pass differ from the
+    old log-probs of the same weights (PPO's ratio would not start at 1); gradients flow in eval
+    mode all the same. ``config.use_cache`` is turned off, since training forwards never decode.
+    """
+    directory = _model_dir(path)
+    with _quiet_load_report():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            output_loading_info=True,
+        )
+    _check_loading_info(directory, info, ())
+    module = cast(nn.Module, model)
+    module.config.use_cache = False
+    return module.eval()
+
+
+class ValueModel(nn.Module):
+    """A critic: a decoder backbone (no LM head) and a linear value head, one value per token.
+
+    ``forward(input_ids, attention_mask, position_ids)`` returns ``values [B, T]``: the value of
+    the state after reading tokens ``0..t`` at column ``t`` (see
+    :func:`~hybridflow.backends.fsdp.logprobs.token_values` for which columns score a response).
+
+    The value head is zero-initialised, so the critic starts at V = 0 everywhere (a neutral
+    baseline) and, more importantly, every rank builds the identical head with no RNG and no
+    broadcast: ``fully_shard`` keeps each rank's slice of its local copy, so a randomly drawn
+    head would silently differ between shards. The backbone's gradients are zero for the first
+    update (the head's weight is zero) and flow from the second on.
+
+    A plain ``nn.Module``: ``state_dict()`` has the keys ``backbone.<HF base-model name>`` and
+    ``value_head.weight`` / ``value_head.bias``, and ``load_state_dict`` restores it.
+    """
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        config = getattr(backbone, "config", None)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"backbone {type(backbone).__name__} has no Hugging Face config")
+        first_parameter = next(backbone.parameters())
+        self.backbone = backbone
+        self.value_head = nn.Linear(
+            config.hidden_size, 1, dtype=first_parameter.dtype, device=first_parameter.device
+        )
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The backbone's HF config (hidden size, layer count...)."""
+        config: PretrainedConfig = self.backbone.config
+        return config
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        values: torch.Tensor = self.value_head(hidden).squeeze(-1)
+        return values
+
+
+def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> ValueModel:
+    """A :class:`ValueModel` whose backbone is the decoder of the causal LM in ``path``.
+
+    Called by the critic workers on every rank before sharding. ``path`` is an ordinary
+    causal-LM directory (the actor's initial checkpoint, as is usual for PPO critics); its LM head
+    is left unused. Eval mode and ``use_cache=False`` as in :func:`load_causal_lm`. Resuming a
+    trained critic goes through the DCP checkpoint, not through this function.
+    """
+    directory = _model_dir(path)
+    with _quiet_load_report():
+        backbone, info = AutoModel.from_pretrained(
+            directory,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            output_loading_info=True,
+        )
+    _check_loading_info(directory, info, _HEAD_PREFIXES)
+    backbone = cast(nn.Module, backbone)
+    backbone.config.use_cache = False
+    return ValueModel(backbone).eval()

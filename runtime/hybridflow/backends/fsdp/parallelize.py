@@ -1,0 +1,84 @@
+"""FSDP2 sharding of a loaded model over the whole default process group (the role's pool).
+
+Protocol: every rank of the worker group loads the same weights
+(:mod:`~hybridflow.backends.fsdp.load`), then calls :func:`shard_model` with its own device.
+``fully_shard`` keeps, on each rank, that rank's dim-0 slice of its *local* full copy and frees
+the rest, so the ranks must hold identical weights before the call; nothing is broadcast.
+
+Layout: each decoder layer is its own FSDP unit (one all-gather before its forward, a
+reduce-scatter of its gradients after its backward, parameters freed again after use), and the
+root is one more unit holding what is left (embeddings, final norm, LM or value head). Peak
+parameter memory is thus the shards plus about one gathered layer, and the communication of one
+layer overlaps the compute of its neighbour on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+__all__ = ["decoder_layers", "shard_model"]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``model``, in execution order, found without knowing its class.
+
+    A Hugging Face model names its block class in ``_no_split_modules`` (``Qwen2DecoderLayer``,
+    ``LlamaDecoderLayer``...: the unit that must never be split across devices, which is exactly
+    the unit FSDP should wrap). That finds the blocks of a causal LM (``model.model.layers``) and
+    of a :class:`~hybridflow.backends.fsdp.load.ValueModel` (``backbone.layers``) alike. A model
+    without that attribute falls back to the children of a ``ModuleList`` named ``layers``.
+    Raises ``ValueError`` naming the model's class when neither finds anything.
+    """
+    block_names: set[str] = set()
+    for module in model.modules():
+        block_names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    if blocks:
+        return blocks
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return list(module)
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}: it names no block class in "
+        "_no_split_modules and has no ModuleList called 'layers'"
+    )
+
+
+def shard_model(model: nn.Module, *, device: torch.device, mixed_precision: bool = False) -> nn.Module:
+    """Shard ``model`` with FSDP2 across every rank of the default process group; returns it.
+
+    Collective: every rank of the default group calls it, with the same (identically loaded)
+    model, before any forward pass. The caller has joined the process group and, on CUDA, set
+    its current device (``torch.cuda.set_device(local_rank)``): the 1-D mesh is
+    ``init_device_mesh(device.type, (world_size,))`` and parameters move to that device here.
+
+    The returned object is ``model`` itself (FSDP2 swaps its class in place, e.g. to
+    ``FSDPQwen2ForCausalLM``). Parameter and ``state_dict`` names stay the plain HF names, with
+    the values now ``DTensor`` shards (``Shard(0)``).
+
+    ``mixed_precision``: compute with bf16 parameters and reduce gradients in fp32
+    (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); the sharded
+    parameters, gradients and optimizer state stay in the model's own dtype (load fp32 for
+    training). Meant for GPUs; on CPU it works too but buys nothing. Outputs (logits, values)
+    come back in bf16 then; :mod:`~hybridflow.backends.fsdp.logprobs` upcasts them to fp32.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs torch.distributed to be initialised (the worker joins its group first)"
+        )
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    # fully_shard moves each unit's parameters to the mesh's device as it shards them; moving
+    # the whole model first would need a device copy of every full weight at once.
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model

@@ -1,0 +1,1 @@
+"""Running an RLHFJob: deployment of the roles, the step loop, rewards, checkpoints and metrics."""

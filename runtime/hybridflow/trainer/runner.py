@@ -1,0 +1,120 @@
+"""The step loop of a job: what ``hybridflow run`` executes in the single controller.
+
+Order of events: load the tokenizer and prompt data (fail fast on bad data before any worker
+starts), deploy the roles, resume from the newest complete checkpoint if there is one, then for
+each step: next prompts -> the algorithm's ``train_step`` -> metrics (JSONL, TensorBoard, the
+progress line) -> a checkpoint every ``checkpoint.intervalSteps`` and at the last step.
+
+Resuming restores the actor/critic shards, the data position and the KL controller; rollout
+sampling is seeded by the step number, so a resumed run continues exactly where an
+uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from hybridflow.algorithms import grpo, ppo
+from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.checkpoint import CheckpointManager
+from hybridflow.controller import Batch, deploy
+from hybridflow.data import PromptDataset, PromptSampler
+from hybridflow.metrics import MetricsWriter, format_progress
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.trainer.rewards import RewardScorer
+from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools
+
+__all__ = ["ALGORITHM_STEPS", "RunSummary", "UnsupportedAlgorithmError", "run_training"]
+
+StepFn = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
+ALGORITHM_STEPS: dict[str, StepFn] = {"grpo": grpo.train_step, "ppo": ppo.train_step}
+
+
+class UnsupportedAlgorithmError(ValueError):
+    """The manifest names an algorithm this runtime cannot run yet."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    first_step: int
+    last_step: int
+    resumed_from: str | None
+    metrics: list[dict[str, float]]
+
+
+def run_training(
+    spec: RLHFJobSpec,
+    *,
+    simulated: bool = True,
+    on_step: Callable[[str], None] = print,
+    stop_after_steps: int | None = None,
+) -> RunSummary:
+    """Train ``spec`` on the current Ray cluster. ``stop_after_steps`` ends early (tests of resume)."""
+    if spec.algorithm.name not in ALGORITHM_STEPS:
+        raise UnsupportedAlgorithmError(
+            f"spec.algorithm.name: {spec.algorithm.name!r} is not runnable yet; runnable: {sorted(ALGORITHM_STEPS)}"
+        )
+    step_fn = ALGORITHM_STEPS[spec.algorithm.name]
+    tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
+    dataset = PromptDataset.from_spec(spec.data, tokenizer)
+    sampler = PromptSampler(dataset, seed=spec.data.seed, shuffle=spec.data.shuffle)
+    checkpoints = CheckpointManager(Path(spec.checkpoint_dir), keep_last=spec.checkpoint.keep_last)
+    writer = MetricsWriter(spec.output_dir)
+    state = AlgorithmState(spec)
+    pools = resource_pools(spec, simulated=simulated)
+    history: list[dict[str, float]] = []
+    with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
+        workers = JobWorkers.of(deployment)
+        scorer = RewardScorer(spec, workers.reward)
+        start, resumed = 1, None
+        found = checkpoints.latest()
+        if found is not None:
+            directory, saved = found
+            workers.actor.load_checkpoint(str(directory / "actor"))
+            if workers.critic is not None:
+                workers.critic.load_checkpoint(str(directory / "critic"))
+            sampler.load_state_dict(saved["sampler"])
+            state.load_state_dict(saved["algorithm"])
+            start, resumed = int(saved["step"]) + 1, directory.name
+            writer.truncate_after(int(saved["step"]))
+            on_step(f"resumed from {directory} (step {saved['step']})")
+        total = spec.training.total_steps
+        last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
+        began = time.monotonic()
+        for step in range(start, last + 1):
+            step_started = time.monotonic()
+            prompts = sampler.next_batch(spec.training.prompts_per_step)
+            batch = Batch.from_dict(
+                prompts.to_batch_fields(),
+                meta={"samples": spec.algorithm.samples_per_prompt, "seed": spec.training.seed * 100_003 + step},
+            )
+            metrics = step_fn(workers, batch, scorer, state)
+            seconds = time.monotonic() - step_started
+            metrics["perf/step_seconds"] = seconds
+            metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
+            history.append({"step": float(step), **metrics})
+            writer.write(step, metrics)
+            done = step - start + 1
+            eta = (time.monotonic() - began) / done * (total - step)
+            on_step(format_progress(step, total, metrics, eta))
+            if step % spec.checkpoint.interval_steps == 0 or step == total:
+                _save(checkpoints, workers, step, sampler, state)
+    writer.close()
+    return RunSummary(start, last, resumed, history)
+
+
+def _save(
+    checkpoints: CheckpointManager, workers: JobWorkers, step: int, sampler: PromptSampler, state: AlgorithmState
+) -> None:
+    staging = checkpoints.begin(step)
+    workers.actor.save_checkpoint(str(staging / "actor"))
+    if workers.critic is not None:
+        workers.critic.save_checkpoint(str(staging / "critic"))
+    controller: dict[str, Any] = {"sampler": dict(sampler.state_dict()), "algorithm": state.state_dict()}
+    checkpoints.publish(staging, step, controller)

@@ -1,0 +1,184 @@
+"""Policy roles on the FSDP2 backend: the trained actor and the frozen reference.
+
+Both receive rollout batches laid out by :func:`hybridflow.engines.layout.response_tensors`
+(``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``) split by
+DP rank, and both compute per-token log-probs of the response tokens. The actor also trains:
+``update_policy`` runs ``ppo_epochs`` passes over the batch in mini-batches (one optimizer step
+each) made of micro-batches (gradient accumulation), then steps the LR schedule once per RL step.
+
+The actor exposes :meth:`ActorWorker.weight_buckets` to the colocated rollout role (not to the
+controller): a collective iteration over the full weights, bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import core
+from hybridflow.backends.fsdp import (
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_and_step,
+    iter_full_weight_buckets,
+    load_causal_lm,
+    load_train_state,
+    save_train_state,
+    shard_model,
+    token_logprobs_and_entropy,
+)
+from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.spec import RLHFJobSpec
+
+__all__ = ["ActorWorker", "ReferenceWorker", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _model_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> tuple[torch.dtype, bool]:
+    """(parameter dtype, FSDP mixed precision). bf16 compute only on CUDA; CPU runs fp32."""
+    mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
+    return torch.float32, mixed
+
+
+def _model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    return (
+        batch.tensors["input_ids"].to(device),
+        batch.tensors["attention_mask"].to(device),
+        batch.tensors["position_ids"].to(device),
+        int(batch.tensors["responses"].shape[1]),
+    )
+
+
+class _PolicyModel(Worker):
+    """A sharded causal LM that scores response tokens; shared by actor and reference."""
+
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        seed_everything(spec.training.seed + ctx.rank)
+        dtype, mixed = _model_dtype(spec, ctx)
+        self.model = shard_model(load_causal_lm(model_path, dtype=dtype), device=ctx.torch_device, mixed_precision=mixed)
+        self.micro_batch_size = spec.training.micro_batch_size_per_gpu
+        self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
+
+    def _log_probs(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids, attention_mask, position_ids, response_len = _model_inputs(batch, self.ctx.torch_device)
+        return token_logprobs_and_entropy(
+            self.model,
+            input_ids,
+            attention_mask,
+            position_ids,
+            response_len=response_len,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+        )
+
+    def _score(self, batch: Batch, field: str) -> Batch:
+        self.model.eval()
+        pieces = []
+        with torch.no_grad():
+            for micro in batch.chunk_by_size(self.micro_batch_size):
+                log_probs, _ = self._log_probs(micro, with_entropy=False)
+                pieces.append(log_probs.float().cpu())
+        return Batch({field: torch.cat(pieces)})
+
+
+class ReferenceWorker(_PolicyModel):
+    """The frozen initial policy, for the KL term."""
+
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        super().__init__(ctx, spec, spec.models.reference_or_actor.path)
+        self.model.requires_grad_(False)
+
+    @register(DP_SPLIT)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        return self._score(batch, "ref_log_probs")
+
+
+class ActorWorker(_PolicyModel):
+    """The trained policy."""
+
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        super().__init__(ctx, spec, spec.models.actor.path)
+        training = spec.training
+        self.optimizer = build_optimizer(self.model, learning_rate=training.learning_rate)
+        self.scheduler = build_lr_scheduler(
+            self.optimizer,
+            warmup_steps=training.warmup_steps,
+            total_steps=training.total_steps,
+            schedule=training.lr_schedule,
+        )
+        self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+
+    @register(DP_SPLIT)
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        """Log-probs of the responses under the current policy (the PPO "old" log-probs)."""
+        return self._score(batch, "old_log_probs")
+
+    @register(DP_SPLIT_EXACT)
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        """PPO-clip updates over ``batch`` (needs old_log_probs, advantages; ref_log_probs for KL loss)."""
+        algo = self.spec.algorithm
+        use_kl_loss = algo.kl.mode == "loss" and "ref_log_probs" in batch.tensors
+        self.model.train()
+        totals: dict[str, list[float]] = {}
+        device = self.ctx.torch_device
+        for _ in range(algo.ppo_epochs):
+            for mini in batch.chunk_by_size(self.local_mini_batch):
+                self.optimizer.zero_grad(set_to_none=True)
+                micro_batches = mini.chunk_by_size(self.micro_batch_size)
+                for micro in micro_batches:
+                    mask = micro.tensors["response_mask"].to(device).float()
+                    log_probs, entropy = self._log_probs(micro, with_entropy=True)
+                    policy_loss, stats = core.policy_loss_clipped(
+                        log_probs,
+                        micro.tensors["old_log_probs"].to(device),
+                        micro.tensors["advantages"].to(device),
+                        mask,
+                        algo.clip_ratio_low,
+                        algo.clip_ratio_high,
+                    )
+                    assert entropy is not None
+                    entropy_mean = core.masked_mean(entropy, mask)
+                    loss = policy_loss - algo.entropy_coef * entropy_mean
+                    if use_kl_loss:
+                        kl = core.masked_mean(
+                            core.kl_penalty(log_probs, micro.tensors["ref_log_probs"].to(device), algo.kl.estimator),
+                            mask,
+                        )
+                        loss = loss + algo.kl.coef * kl
+                        totals.setdefault("actor/kl_loss", []).append(float(kl.detach()))
+                    (loss * len(micro) / len(mini)).backward()
+                    totals.setdefault("actor/policy_loss", []).append(float(policy_loss.detach()))
+                    totals.setdefault("actor/entropy", []).append(float(entropy_mean.detach()))
+                    totals.setdefault("actor/clipfrac", []).append(float(stats["clipfrac"]))
+                    totals.setdefault("actor/approx_kl", []).append(float(stats["approx_kl"]))
+                grad_norm = clip_grad_norm_and_step(
+                    self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
+                )
+                totals.setdefault("actor/grad_norm", []).append(grad_norm)
+        metrics = {name: float(np.mean(values)) for name, values in totals.items()}
+        metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return metrics
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full weights by HF name, a bucket at a time. Collective: every rank iterates in lockstep."""
+        return iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes)
+
+    @register(BROADCAST)
+    def save_checkpoint(self, directory: str) -> None:
+        save_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+
+    @register(BROADCAST)
+    def load_checkpoint(self, directory: str) -> None:
+        load_train_state(Path(directory), self.model, self.optimizer, self.scheduler)

@@ -1,0 +1,95 @@
+"""The rollout role: generates responses with a rollout engine and packs them for training.
+
+Protocol with the colocated actor (same process, same pool): before each step's generation the
+controller calls ``sync_weights`` on every rank; each rank iterates the actor's full weights
+bucket by bucket (a collective over the actor's FSDP group, so all ranks must take part) and
+loads every bucket into its engine, so the engine generates with the policy being trained. Peak
+extra memory is one bucket.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, Worker, WorkerContext, register
+from hybridflow.engines.base import RolloutEngine, SamplingParams
+from hybridflow.engines.layout import response_tensors
+from hybridflow.engines.torch_engine import TorchRolloutEngine
+from hybridflow.spec import RLHFJobSpec
+
+__all__ = ["RolloutWorker"]
+
+WEIGHT_BUCKET_BYTES = 64 << 20
+
+# Per-prompt fields the rollout repeats alongside each of a prompt's n responses.
+PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_info")
+
+
+def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
+    if spec.rollout.engine == "torch":
+        return TorchRolloutEngine(spec.models.actor.path, device=ctx.torch_device, dtype=torch.float32)
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # imported only where vLLM is installed
+
+    return VLLMRolloutEngine(spec.models.actor.path, spec=spec.rollout, device=ctx.torch_device)
+
+
+class RolloutWorker(Worker):
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.engine = build_engine(spec, ctx)
+        self.calls = 0
+
+    @register(BROADCAST)
+    def sync_weights(self) -> int:
+        """Load the colocated actor's current weights into the engine; returns the bytes loaded."""
+        actor = self.ctx.colocated("actor")
+        self.engine.wake_up()
+        loaded = 0
+        for bucket in actor.weight_buckets(WEIGHT_BUCKET_BYTES):
+            self.engine.load_weights(bucket)
+            loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        return loaded
+
+    @register(DP_SPLIT)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """``samples`` responses per prompt (meta ``samples``, ``greedy``), rows interleaved per prompt."""
+        rollout = self.spec.rollout
+        samples = int(prompts.meta.get("samples", self.spec.algorithm.samples_per_prompt))
+        greedy = bool(prompts.meta.get("greedy", False))
+        seed = prompts.meta.get("seed")
+        params = SamplingParams(
+            max_new_tokens=rollout.max_response_tokens,
+            temperature=0.0 if greedy else rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            n=samples,
+            seed=None if seed is None else int(seed) * 1000 + self.ctx.rank,
+        )
+        prompt_ids = [list(map(int, ids)) for ids in prompts.non_tensors["prompt_token_ids"]]
+        self.engine.wake_up()
+        output = self.engine.generate(prompt_ids, params)
+        self.engine.sleep()
+        tensors = response_tensors(
+            prompt_ids,
+            output,
+            pad_id=self.pad_id,
+            max_prompt_len=self.spec.data.max_prompt_tokens,
+            max_response_len=rollout.max_response_tokens,
+        )
+        repeat = np.repeat(np.arange(len(prompts)), samples)
+        per_prompt = {k: prompts.non_tensors[k][repeat] for k in PROMPT_FIELDS if k in prompts.non_tensors}
+        texts = self.tokenizer.batch_decode(output.response_token_ids, skip_special_tokens=True)
+        return Batch.from_dict(
+            {
+                **{k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)},
+                **per_prompt,
+                "response_text": texts,
+            },
+            meta=prompts.meta,
+        )

@@ -1,0 +1,124 @@
+"""Value-model roles on the FSDP2 backend: the critic (trained) and the reward model (frozen).
+
+Both run a decoder backbone with a scalar head. The critic predicts a value per response token
+and trains with the clipped value loss; the reward model scores each sequence by its value at
+the last response token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import core
+from hybridflow.backends.fsdp import (
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_and_step,
+    load_train_state,
+    load_value_model,
+    save_train_state,
+    shard_model,
+    token_values,
+)
+from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.policy import seed_everything
+
+__all__ = ["CriticWorker", "RewardModelWorker"]
+
+
+class _ValueRole(Worker):
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        seed_everything(spec.training.seed + 7919 + ctx.rank)
+        mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
+        self.model = shard_model(load_value_model(model_path), device=ctx.torch_device, mixed_precision=mixed)
+        self.micro_batch_size = spec.training.micro_batch_size_per_gpu
+
+    def _values(self, batch: Batch) -> torch.Tensor:
+        device = self.ctx.torch_device
+        return token_values(
+            self.model,
+            batch.tensors["input_ids"].to(device),
+            batch.tensors["attention_mask"].to(device),
+            batch.tensors["position_ids"].to(device),
+            response_len=int(batch.tensors["responses"].shape[1]),
+        )
+
+    def _scored(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        with torch.no_grad():
+            return torch.cat([self._values(m).float().cpu() for m in batch.chunk_by_size(self.micro_batch_size)])
+
+
+class RewardModelWorker(_ValueRole):
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        if spec.models.reward is None:
+            raise ValueError("the reward role needs spec.models.reward")
+        super().__init__(ctx, spec, spec.models.reward.path)
+        self.model.requires_grad_(False)
+
+    @register(DP_SPLIT)
+    def compute_scores(self, batch: Batch) -> Batch:
+        """One score per sequence: the value at its last response token."""
+        values = self._scored(batch)
+        mask = batch.tensors["response_mask"].float()
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        return Batch({"rm_scores": values.gather(1, last[:, None]).squeeze(1)})
+
+
+class CriticWorker(_ValueRole):
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        if spec.models.critic is None:
+            raise ValueError("the critic role needs spec.models.critic")
+        super().__init__(ctx, spec, spec.models.critic.path)
+        training = spec.training
+        self.optimizer = build_optimizer(self.model, learning_rate=training.critic_learning_rate)
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=training.warmup_steps, total_steps=training.total_steps, schedule=training.lr_schedule
+        )
+        self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+
+    @register(DP_SPLIT)
+    def compute_values(self, batch: Batch) -> Batch:
+        return Batch({"values": self._scored(batch)})
+
+    @register(DP_SPLIT_EXACT)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        algo = self.spec.algorithm
+        device = self.ctx.torch_device
+        self.model.train()
+        totals: dict[str, list[float]] = {}
+        for _ in range(algo.ppo_epochs):
+            for mini in batch.chunk_by_size(self.local_mini_batch):
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.chunk_by_size(self.micro_batch_size):
+                    values = self._values(micro)
+                    loss, clipfrac = core.value_loss_clipped(
+                        values,
+                        micro.tensors["values"].to(device),
+                        micro.tensors["returns"].to(device),
+                        micro.tensors["response_mask"].to(device).float(),
+                        algo.value_clip,
+                    )
+                    (loss * len(micro) / len(mini)).backward()
+                    totals.setdefault("critic/value_loss", []).append(float(loss.detach()))
+                    totals.setdefault("critic/clipfrac", []).append(float(clipfrac))
+                norm = clip_grad_norm_and_step(
+                    self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
+                )
+                totals.setdefault("critic/grad_norm", []).append(norm)
+        self.scheduler.step()
+        return {name: float(np.mean(v)) for name, v in totals.items()}
+
+    @register(BROADCAST)
+    def save_checkpoint(self, directory: str) -> None:
+        save_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+
+    @register(BROADCAST)
+    def load_checkpoint(self, directory: str) -> None:
+        load_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
