@@ -28,7 +28,9 @@ def _validate(args: argparse.Namespace) -> int:
     spec = job.spec
     pools = ", ".join(f"{p.name} ({p.nodes}x{p.gpus_per_node} GPU)" for p in spec.resource_pools)
     print(f"{args.manifest}: valid RLHFJob {job.metadata.name!r}")
-    print(f"  algorithm {spec.algorithm.name}, {spec.training.total_steps} steps, rollout engine {spec.rollout.engine}")
+    print(
+        f"  algorithm {spec.algorithm.name}, {spec.training.total_steps} steps, rollout engine {spec.rollout.engine}"
+    )
     print(f"  pools: {pools}")
     return 0
 
@@ -65,7 +67,9 @@ def _run(args: argparse.Namespace) -> int:
         for role, source in (("actor", spec.models.actor), ("reference", spec.models.reference_or_actor))
         if not Path(source.path).is_dir()
     ]
-    missing += [f"spec.data.trainFiles: {f} does not exist" for f in spec.data.train_files if not Path(f).is_file()]
+    missing += [
+        f"spec.data.trainFiles: {f} does not exist" for f in spec.data.train_files if not Path(f).is_file()
+    ]
     if missing:
         print("\n".join(f"error: {args.manifest}: {m}" for m in missing), file=sys.stderr)
         return EXIT_USER_ERROR
@@ -92,7 +96,9 @@ def _run(args: argparse.Namespace) -> int:
             f"metrics in {Path(spec.output_dir) / 'metrics.jsonl'}"
         )
     else:
-        print(f"nothing to do: the checkpoint in {spec.checkpoint_dir} is already at step {spec.training.total_steps}")
+        print(
+            f"nothing to do: the checkpoint in {spec.checkpoint_dir} is already at step {spec.training.total_steps}"
+        )
     return 0
 
 

@@ -8,7 +8,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, PER_RANK, RANK_ZERO, Batch, Worker, register
+from hybridflow.controller import (
+    BROADCAST,
+    DP_SPLIT,
+    DP_SPLIT_EXACT,
+    PER_RANK,
+    RANK_ZERO,
+    Batch,
+    Worker,
+    register,
+)
 from hybridflow.controller.worker import WorkerContext
 
 
@@ -42,7 +51,9 @@ class Probe(Worker):
 
     @register(DP_SPLIT)
     def add_offset(self, batch: Batch) -> Batch:
-        return batch.with_fields(y=batch["x"].float() + self.offset, dp=torch.full((len(batch),), self.ctx.coord.dp))
+        return batch.with_fields(
+            y=batch["x"].float() + self.offset, dp=torch.full((len(batch),), self.ctx.coord.dp)
+        )
 
     @register(DP_SPLIT_EXACT)
     def train_step(self, batch: Batch) -> dict[str, float]:

@@ -105,7 +105,9 @@ def test_colocated_roles_share_one_process_per_gpu() -> None:
 
 def test_worker_errors_name_the_role_method_and_rank() -> None:
     with deploy([RIGHT], {"critic": RoleSpec(Probe, "right")}, placement_timeout_seconds=30) as d:
-        with pytest.raises(WorkerError, match=r"critic\.fail_on_rank failed on rank 2 .*ValueError: refusing on rank 2"):
+        with pytest.raises(
+            WorkerError, match=r"critic\.fail_on_rank failed on rank 2 .*ValueError: refusing on rank 2"
+        ):
             d["critic"].fail_on_rank(2)
         with pytest.raises(CallTimeoutError, match=r"critic\.sleep_and_time did not finish within 0.3 s"):
             d["critic"].sleep_and_time(2.0).result(timeout_seconds=0.3)
@@ -117,7 +119,10 @@ def test_worker_errors_name_the_role_method_and_rank() -> None:
 
 
 def test_bad_mappings_fail_before_anything_starts() -> None:
-    with pytest.raises(RoleMappingError, match="role 'critic' is mapped to pool 'gpu-b', which is not one of the pools: 'left'"):
+    with pytest.raises(
+        RoleMappingError,
+        match="role 'critic' is mapped to pool 'gpu-b', which is not one of the pools: 'left'",
+    ):
         deploy([LEFT], {"critic": RoleSpec(Probe, "gpu-b")})
     with pytest.raises(RoleMappingError, match="has 8 ranks but pool 'left' has 4 GPUs"):
         deploy([LEFT], {"actor": RoleSpec(Probe, "left", mesh=DeviceMesh.training(8, tp=2))})
@@ -138,6 +143,8 @@ def test_pool_larger_than_the_cluster_fails_in_bounded_time() -> None:
 
 
 def test_failing_constructor_tears_the_deployment_down() -> None:
-    with pytest.raises(WorkerError, match=r"constructing role 'actor' \(BrokenConstructor\) failed on rank 1"):
+    with pytest.raises(
+        WorkerError, match=r"constructing role 'actor' \(BrokenConstructor\) failed on rank 1"
+    ):
         deploy([RIGHT], {"actor": RoleSpec(BrokenConstructor, "right")}, placement_timeout_seconds=30)
     assert gpus_available() == 8.0

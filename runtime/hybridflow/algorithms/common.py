@@ -28,7 +28,9 @@ def rollout_and_score(
     batch = batch.union(old.result()).union(ref.result()).with_fields(scores=scores)
     mask = batch.tensors["response_mask"].float()
     kl = core.masked_mean(
-        core.kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], spec.algorithm.kl.estimator),
+        core.kl_penalty(
+            batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], spec.algorithm.kl.estimator
+        ),
         mask,
     )
     metrics.update(

@@ -16,7 +16,9 @@ from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 
 
-def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+def train_step(
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState
+) -> dict[str, float]:
     spec, algo = state.spec, state.spec.algorithm
     assert workers.critic is not None, "PPO needs a critic role"
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)

@@ -92,7 +92,10 @@ def run_training(
             prompts = sampler.next_batch(spec.training.prompts_per_step)
             batch = Batch.from_dict(
                 prompts.to_batch_fields(),
-                meta={"samples": spec.algorithm.samples_per_prompt, "seed": spec.training.seed * 100_003 + step},
+                meta={
+                    "samples": spec.algorithm.samples_per_prompt,
+                    "seed": spec.training.seed * 100_003 + step,
+                },
             )
             metrics = step_fn(workers, batch, scorer, state)
             seconds = time.monotonic() - step_started
@@ -110,7 +113,11 @@ def run_training(
 
 
 def _save(
-    checkpoints: CheckpointManager, workers: JobWorkers, step: int, sampler: PromptSampler, state: AlgorithmState
+    checkpoints: CheckpointManager,
+    workers: JobWorkers,
+    step: int,
+    sampler: PromptSampler,
+    state: AlgorithmState,
 ) -> None:
     staging = checkpoints.begin(step)
     workers.actor.save_checkpoint(str(staging / "actor"))

@@ -66,7 +66,9 @@ class _PolicyModel(Worker):
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
         dtype, mixed = _model_dtype(spec, ctx)
-        self.model = shard_model(load_causal_lm(model_path, dtype=dtype), device=ctx.torch_device, mixed_precision=mixed)
+        self.model = shard_model(
+            load_causal_lm(model_path, dtype=dtype), device=ctx.torch_device, mixed_precision=mixed
+        )
         self.micro_batch_size = spec.training.micro_batch_size_per_gpu
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
 
@@ -152,7 +154,9 @@ class ActorWorker(_PolicyModel):
                     loss = policy_loss - algo.entropy_coef * entropy_mean
                     if use_kl_loss:
                         kl = core.masked_mean(
-                            core.kl_penalty(log_probs, micro.tensors["ref_log_probs"].to(device), algo.kl.estimator),
+                            core.kl_penalty(
+                                log_probs, micro.tensors["ref_log_probs"].to(device), algo.kl.estimator
+                            ),
                             mask,
                         )
                         loss = loss + algo.kl.coef * kl

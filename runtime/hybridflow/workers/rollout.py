@@ -39,7 +39,9 @@ class RolloutWorker(Worker):
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
         super().__init__(ctx)
         self.spec = spec
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            spec.models.actor.tokenizer_path or spec.models.actor.path
+        )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.engine = build_engine(spec, ctx)

@@ -52,7 +52,9 @@ class _ValueRole(Worker):
     def _scored(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
         with torch.no_grad():
-            return torch.cat([self._values(m).float().cpu() for m in batch.chunk_by_size(self.micro_batch_size)])
+            return torch.cat(
+                [self._values(m).float().cpu() for m in batch.chunk_by_size(self.micro_batch_size)]
+            )
 
 
 class RewardModelWorker(_ValueRole):
@@ -79,7 +81,10 @@ class CriticWorker(_ValueRole):
         training = spec.training
         self.optimizer = build_optimizer(self.model, learning_rate=training.critic_learning_rate)
         self.scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=training.warmup_steps, total_steps=training.total_steps, schedule=training.lr_schedule
+            self.optimizer,
+            warmup_steps=training.warmup_steps,
+            total_steps=training.total_steps,
+            schedule=training.lr_schedule,
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
 

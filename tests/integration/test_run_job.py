@@ -1,0 +1,134 @@
+"""``hybridflow run`` end to end on CPU: GRPO and PPO train, checkpoints resume exactly, bad input exits 2.
+
+Each run is a fresh ``hybridflow`` process with its own embedded Ray (as a user runs it), on a
+tiny model written once per session. Step counts are kept small: these tests check behaviour,
+the learning figures live in bench/learning.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "hybridflow.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("tiny")
+    subprocess.run(
+        [
+            *CLI,
+            "make-tiny",
+            "--model-dir",
+            str(base / "model"),
+            "--data-dir",
+            str(base / "data"),
+            "--prompts",
+            "64",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return base
+
+
+def manifest(tiny: Path, out: Path, example: str, **training: int) -> Path:
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    spec = doc["spec"]
+    spec["models"] = {role: {"path": str(tiny / "model")} for role in spec["models"]}
+    spec["data"]["trainFiles"] = [str(tiny / "data" / "target_char.jsonl")]
+    spec["rollout"]["maxResponseTokens"] = 8
+    spec["training"].update(training)
+    spec["checkpoint"]["intervalSteps"] = 2
+    spec["outputDir"] = str(out)
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [*CLI, "run", str(path), *extra], capture_output=True, text=True, timeout=600, env=env, check=False
+    )
+
+
+def metrics(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def actor_parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    single = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint / "actor"), str(single))
+    state = torch.load(single, weights_only=False)
+    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def test_grpo_resume_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path) -> None:
+    straight = manifest(tiny, tmp_path / "straight", "grpo-tiny.yaml", totalSteps=4)
+    result = run(straight)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 4/4" in result.stdout
+
+    resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny.yaml", totalSteps=4)
+    first = run(resumed, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "step 2/4" in first.stdout and "step 3/4" not in first.stdout
+    second = run(resumed)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step 3/4" in second.stdout
+
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b, strict=True):
+        assert x["reward/mean"] == y["reward/mean"]
+        assert x["actor/policy_loss"] == y["actor/policy_loss"]
+    straight_params = actor_parameters(tmp_path / "straight" / "checkpoints" / "step_000004")
+    resumed_params = actor_parameters(tmp_path / "resumed" / "checkpoints" / "step_000004")
+    assert straight_params.keys() == resumed_params.keys() and straight_params
+    for name, tensor in straight_params.items():
+        assert torch.equal(tensor, resumed_params[name]), name
+
+
+def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
+    path = manifest(tiny, tmp_path / "ppo", "ppo-tiny.yaml", totalSteps=2)
+    result = run(path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "ppo")
+    assert len(records) == 2
+    for key in ("critic/value_loss", "actor/policy_loss", "kl/coef", "reward/mean"):
+        assert key in records[-1]
+    assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "critic").is_dir()
+
+
+def test_user_errors_exit_2_without_a_traceback(tiny: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: hybridflow.io/v1alpha1\nkind: RLHFJob\nmetadata: {name: x}\nspec:\n  algorithm: {name: ppo2}\n"
+    )
+    result = run(bad)
+    assert result.returncode == 2
+    assert "spec.algorithm.name: 'ppo2' is not one of" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    path = manifest(tiny, tmp_path / "missing", "grpo-tiny.yaml", totalSteps=1)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["models"]["actor"]["path"] = str(tmp_path / "no-model")
+    path.write_text(yaml.safe_dump(doc))
+    result = run(path)
+    assert result.returncode == 2
+    assert f"spec.models.actor.path: {tmp_path / 'no-model'} does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
