@@ -195,7 +195,7 @@ def test_example_grpo_tiny_loads() -> None:
     assert spec.algorithm.name == "grpo" and spec.algorithm.samples_per_prompt >= 2
     assert spec.rollout.engine == "torch"
     assert [(p.name, p.nodes, p.gpus_per_node) for p in spec.resource_pools] == [("default", 1, 2)]
-    assert spec.training.total_steps == 20
+    assert spec.training.total_steps == 40
     assert [reward.function for reward in spec.rewards] == ["target_char"]
     assert spec.models.actor.path == str(REPO_ROOT / "outputs" / "tiny-model")
 
@@ -680,3 +680,9 @@ def test_spec_imports_no_ml_or_operator_stack() -> None:
         "_yaml",
     }
     assert loaded <= allowed, f"hybridflow.spec imported {sorted(loaded - allowed)}"
+
+
+@pytest.mark.parametrize("example", sorted((REPO_ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_is_a_valid_rlhfjob(example: Path) -> None:
+    job = load_job_manifest(example)
+    assert job.metadata.name == example.stem
