@@ -7,6 +7,7 @@ cluster). The caller publishes the directory atomically (``hybridflow.checkpoint
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,10 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 def save_train_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -31,12 +35,15 @@ def save_train_state(
 
 
 def load_train_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> None:
     if not (directory / SCHEDULER_FILE).is_file():
         raise FileNotFoundError(f"no train state in {directory} (missing {SCHEDULER_FILE})")
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))

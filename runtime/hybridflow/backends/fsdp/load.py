@@ -95,16 +95,16 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> n
     """
     directory = _model_dir(path)
     with _quiet_load_report():
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(  # type: ignore[misc]
             directory,
             dtype=dtype,
             attn_implementation=ATTN_IMPLEMENTATION,
             local_files_only=True,
             output_loading_info=True,
         )
-    _check_loading_info(directory, info, ())
-    module = cast(nn.Module, model)
-    module.config.use_cache = False
+    _check_loading_info(directory, info, ())  # type: ignore[has-type]
+    module = cast(nn.Module, model)  # type: ignore[has-type]
+    module.config.use_cache = False  # type: ignore[union-attr]
     return module.eval()
 
 
@@ -141,7 +141,7 @@ class ValueModel(nn.Module):
     @property
     def config(self) -> PretrainedConfig:
         """The backbone's HF config (hidden size, layer count...)."""
-        config: PretrainedConfig = self.backbone.config
+        config: PretrainedConfig = self.backbone.config  # type: ignore[assignment]
         return config
 
     def forward(
@@ -176,5 +176,5 @@ def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
         )
     _check_loading_info(directory, info, _HEAD_PREFIXES)
     backbone = cast(nn.Module, backbone)
-    backbone.config.use_cache = False
+    backbone.config.use_cache = False  # type: ignore[union-attr]
     return ValueModel(backbone).eval()

@@ -59,7 +59,7 @@ def _gather(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         # Cast the local shard before gathering: half the traffic when sending fp32 as bf16.
         local = tensor if dtype is None else tensor.to(dtype)
-        return local.full_tensor()
+        return local.full_tensor()  # type: ignore[attr-defined]
     return tensor.to(dtype=dtype or tensor.dtype, copy=True)
 
 
