@@ -11,9 +11,9 @@ missing directory fail here, with its path, rather than turn into a model-hub re
 
 Attention implementation: ``"sdpa"``, as in the rollout engine
 (:mod:`hybridflow.engines.torch_engine` loads with transformers' default, sdpa). On CPU
-(torch 2.13, fp32) sdpa and eager give the same logits to ~2e-7 at every real token of a
-left-padded batch, and a left-padded row equals the same row run alone; they differ only at
-padding query positions, whose outputs no loss or log-prob reads. sdpa is also the
+(torch 2.13, fp32) sdpa and eager agree to ~2e-7 on the logits of every real token of a
+left-padded batch, and so does a left-padded row with the same row run alone; the two kernels
+differ only at padding query positions, whose outputs no loss or log-prob reads. sdpa is also the
 memory-efficient choice on GPUs, and matching the rollout engine keeps the trainer's log-probs
 closest to the ones the engine sampled with.
 """
@@ -89,22 +89,26 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> n
     master weights and FSDP casts to bf16 for compute only
     (:func:`~hybridflow.backends.fsdp.parallelize.shard_model`).
 
-    Eval mode is deliberate: dropout would make the log-probs of the update pass differ from the
-    old log-probs of the same weights (PPO's ratio would not start at 1); gradients flow in eval
-    mode all the same. ``config.use_cache`` is turned off, since training forwards never decode.
+    Eval mode is what ``from_pretrained`` returns. The Qwen2/Llama families have no dropout
+    (``attention_dropout`` 0), so the workers' ``train()`` / ``eval()`` switches change no output;
+    a config with dropout would make the update pass's log-probs differ from the old log-probs
+    of the same weights (PPO's ratio would not start at 1). ``config.use_cache`` is turned off,
+    since training forwards never decode.
     """
     directory = _model_dir(path)
     with _quiet_load_report():
-        model, info = AutoModelForCausalLM.from_pretrained(  # type: ignore[misc]
+        # Typed Any: with output_loading_info the call returns (model, info), which the stubs miss.
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             directory,
             dtype=dtype,
             attn_implementation=ATTN_IMPLEMENTATION,
             local_files_only=True,
             output_loading_info=True,
         )
-    _check_loading_info(directory, info, ())  # type: ignore[has-type]
-    module = cast(nn.Module, model)  # type: ignore[has-type]
-    module.config.use_cache = False  # type: ignore[union-attr]
+    model, info = loaded
+    _check_loading_info(directory, info, ())
+    model.config.use_cache = False
+    module: nn.Module = model
     return module.eval()
 
 
@@ -141,7 +145,7 @@ class ValueModel(nn.Module):
     @property
     def config(self) -> PretrainedConfig:
         """The backbone's HF config (hidden size, layer count...)."""
-        config: PretrainedConfig = self.backbone.config  # type: ignore[assignment]
+        config: PretrainedConfig = cast(PretrainedConfig, self.backbone.config)
         return config
 
     def forward(
@@ -153,7 +157,9 @@ class ValueModel(nn.Module):
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-        values: torch.Tensor = self.value_head(hidden).squeeze(-1)
+        # A copy, not the squeeze view: FSDP2 hooks the root's output for backward, and an in-place
+        # op on a view of it would bypass that hook (torch warns about returning views).
+        values: torch.Tensor = self.value_head(hidden).squeeze(-1).clone()
         return values
 
 
@@ -167,14 +173,14 @@ def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
     """
     directory = _model_dir(path)
     with _quiet_load_report():
-        backbone, info = AutoModel.from_pretrained(
+        loaded: Any = AutoModel.from_pretrained(
             directory,
             dtype=dtype,
             attn_implementation=ATTN_IMPLEMENTATION,
             local_files_only=True,
             output_loading_info=True,
         )
+    backbone, info = loaded
     _check_loading_info(directory, info, _HEAD_PREFIXES)
-    backbone = cast(nn.Module, backbone)
-    backbone.config.use_cache = False  # type: ignore[union-attr]
+    backbone.config.use_cache = False
     return ValueModel(backbone).eval()

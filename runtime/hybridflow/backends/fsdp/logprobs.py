@@ -1,9 +1,22 @@
 """Per-token log-probs, entropy and values of the response part of packed sequences.
 
-Layout (from :func:`hybridflow.engines.layout.response_tensors`): each row is the prompt
-(left-padded) followed by the response (right-padded); the response is the last
-``response_len`` positions. Logits at position ``t`` predict token ``t + 1``, so the response
-tokens are predicted by positions ``[-response_len - 1, -1)``.
+Layout (:mod:`hybridflow.engines.layout`): each row of ``input_ids [B, T]`` is the prompt,
+left-padded, followed by the response, right-padded; the response is the last ``R =
+response_len`` columns and starts at the same column ``T - R`` in every row. The output at
+column ``t`` (logits, or the value of the state after reading tokens ``..t``) belongs to the
+token at ``t + 1``, so the response tokens are scored by columns ``T - R - 1 .. T - 2``, i.e.
+``[:, -R - 1 : -1]`` (veRL's convention).
+
+``position_ids`` must come from the attention mask (``cumsum(mask) - 1``, as the layout builds
+them), so a left-padded row sees the positions it would see unpadded, exactly as during
+generation. Columns of response padding get finite garbage that the caller masks out with
+``response_mask``.
+
+These are plain forward passes: under FSDP2 every rank of the group must run them on its own
+batch at the same time (each layer's forward all-gathers its parameters), with the same number of
+micro-batches. Gradients flow through the results when grad mode is on (the actor's update);
+the scoring calls run them under ``torch.no_grad()``. Memory is dominated by ``[B, R, vocab]``
+fp32 tensors; bound it with the micro-batch size.
 """
 
 from __future__ import annotations
@@ -16,6 +29,16 @@ from hybridflow.algorithms.core import entropy_from_logits
 __all__ = ["token_logprobs_and_entropy", "token_values"]
 
 
+def _check_layout(input_ids: torch.Tensor, response_len: int) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+    if not 0 < response_len < input_ids.shape[1]:
+        raise ValueError(
+            f"response_len={response_len} must be positive and shorter than the sequence "
+            f"({input_ids.shape[1]} columns): at least one prompt column has to predict the first response token"
+        )
+
+
 def token_logprobs_and_entropy(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -26,10 +49,32 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits
-    logits = logits[:, -response_len - 1 : -1, :].float() / temperature
+    """Log-probs ``[B, R]`` of the response tokens under ``model`` and, optionally, the entropy ``[B, R]``.
+
+    ``model`` is an HF causal LM (sharded or not). Logits are divided by ``temperature``, the
+    one the rollout sampled with, so the log-probs are those of the distribution the tokens were
+    drawn from. Both results are fp32 whatever the compute dtype. Entropy is that of the
+    tempered distribution at each response position
+    (:func:`hybridflow.algorithms.core.entropy_from_logits`).
+
+    Only the last ``R + 1`` columns' logits are computed (``logits_to_keep``): the LM head and
+    the softmax never touch the prompt, whose logits would cost ``[B, T - R, vocab]``. Measured
+    on CPU, the kept logits are bit-identical to the same columns of a full forward pass.
+    """
+    _check_layout(input_ids, response_len)
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be positive (use 1.0 for greedy rollouts)")
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=response_len + 1,
+    )
+    # The kept columns are T-R-1 .. T-1; the last one predicts past the end of the sequence.
+    logits = output.logits[:, :-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, -response_len:]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(logits) if with_entropy else None
@@ -44,6 +89,14 @@ def token_values(
     *,
     response_len: int,
 ) -> torch.Tensor:
-    """The value at each position that predicts a response token (``[:, -R-1:-1]``)."""
-    values = value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    """The critic's values ``[B, R]`` (fp32) at the columns that predict each response token.
+
+    ``values[:, t]`` is the value of the state just before response token ``t`` is emitted
+    (column ``T - R - 1 + t``), the ``V(s_t)`` that GAE pairs with the reward of token ``t``.
+    ``value_model`` is a :class:`~hybridflow.backends.fsdp.load.ValueModel` (sharded or not).
+    """
+    _check_layout(input_ids, response_len)
+    values: torch.Tensor = value_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    )
     return values[:, -response_len - 1 : -1].float()

@@ -1,4 +1,16 @@
-"""Optimizer, learning-rate schedule and the clipped step."""
+"""The optimizer, the learning-rate schedule and the clipped optimizer step of a trained role.
+
+Protocol with the workers (:mod:`hybridflow.workers.policy`, :mod:`hybridflow.workers.value`):
+
+* :func:`build_optimizer` and :func:`build_lr_scheduler` run once, after
+  :func:`~hybridflow.backends.fsdp.parallelize.shard_model`, so the optimizer holds the
+  ``DTensor`` shards and its state is sharded like them (ZeRO-3 for free).
+* Per mini-batch the worker zeroes the gradients, accumulates ``backward()`` over micro-batches,
+  then calls :func:`clip_grad_norm_and_step` (a collective: every rank, once per mini-batch).
+* Per RL step (one rollout and all its updates) the worker calls ``scheduler.step()`` itself,
+  once: ``total_steps`` and ``warmup_steps`` count RL steps, as ``TrainingSpec`` documents and
+  as in veRL. :func:`clip_grad_norm_and_step` therefore never steps the scheduler.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +19,11 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["build_lr_scheduler", "build_optimizer", "clip_grad_norm_and_step"]
+__all__ = ["LRSchedule", "build_lr_scheduler", "build_optimizer", "clip_grad_norm_and_step"]
+
+LRSchedule = Literal["constant", "linear", "cosine"]
 
 
 def build_optimizer(
@@ -18,7 +33,43 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
 ) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay, betas=betas)
+    """AdamW over the parameters of ``model`` that require grad.
+
+    Weight decay applies to every parameter alike (biases and norms included), as veRL's FSDP
+    workers do; with the default 0 the question does not arise. torch's default (``foreach``)
+    implementation runs on DTensor shards directly: each rank updates only its own slice.
+    """
+    if learning_rate < 0:
+        raise ValueError(f"learning_rate={learning_rate} must be non-negative")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay} must be non-negative")
+    if not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"betas={betas} must both lie in [0, 1)")
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    if not parameters:
+        raise ValueError(f"{type(model).__name__} has no parameter that requires grad; nothing to optimise")
+    return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay)
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: LRSchedule) -> float:
+    """The fraction of the peak learning rate used at ``step`` (0-based count of scheduler steps).
+
+    * Warmup, ``step < warmup_steps``: ``step / warmup_steps``, a line from 0 that reaches the
+      peak at ``step == warmup_steps``. As in HF's and veRL's schedules, step 0 of a warmup runs
+      at learning rate 0 (Adam's moments still see its gradients).
+    * Then ``constant``: 1; ``linear``: falls linearly to 0 at ``total_steps``; ``cosine``:
+      half a cosine from 1 to 0 at ``total_steps``. Past ``total_steps`` the decaying schedules
+      stay at 0.
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = total_steps - warmup_steps
+    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_lr_scheduler(
@@ -26,17 +77,23 @@ def build_lr_scheduler(
     *,
     warmup_steps: int,
     total_steps: int,
-    schedule: Literal["constant", "linear", "cosine"],
+    schedule: LRSchedule,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup from 0 over ``warmup_steps``, then constant, linear to 0, or cosine to 0."""
+    """A ``LambdaLR`` following :func:`lr_factor`; ``scheduler.step()`` once per RL step.
+
+    The factor is a closure over these arguments, not a callable object, so the scheduler's
+    ``state_dict`` holds only counters and learning rates: a checkpoint restores where the
+    schedule is, while its shape comes from the (possibly edited) job config of the resumed run.
+    """
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"schedule={schedule!r} is not one of 'constant', 'linear', 'cosine'")
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be at least 1")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} must lie in [0, total_steps={total_steps}]")
 
     def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -48,15 +105,39 @@ def clip_grad_norm_and_step(
     *,
     max_grad_norm: float,
 ) -> float:
-    """Clip to ``max_grad_norm`` and step; a non-finite norm skips the step (grads are dropped).
+    """Clip the gradients to a global L2 norm of ``max_grad_norm``, step the optimizer, zero the grads.
 
-    The scheduler is stepped by the caller once per RL step, not here. The norm is computed over
-    the DTensor gradients, so it is the global norm across shards.
+    Returns the global gradient norm *before* clipping as a Python float. Collective: the norm of
+    sharded (``DTensor``) gradients is reduced across the group, so every rank must call this
+    once per mini-batch, and every rank gets the same norm and takes the same branch below.
+
+    * ``max_grad_norm == 0`` disables clipping (``TrainingSpec.max_grad_norm``'s meaning); the
+      norm is still computed and returned.
+    * A non-finite norm (inf/NaN gradients: an fp overflow or a bad batch) skips the optimizer
+      step on every rank, so the weights and Adam's moments stay as they were; the bad
+      gradients are dropped and the norm returned for the metrics.
+    * Gradients are set to ``None`` on return in both cases, so the next accumulation starts clean.
+    * ``scheduler`` is accepted but not stepped: the workers step it once per RL step, while
+      this runs once per mini-batch (see the module docstring).
+
+    Implementation: ``torch.nn.utils.get_total_norm`` over the DTensor gradients yields a
+    DTensor (the per-shard norms combined by an all-reduce); ``full_tensor()`` turns it into a
+    plain tensor that ``clip_grads_with_norm_`` multiplies every shard by (torchtitan's recipe).
+    ``torch.nn.utils.clip_grad_norm_`` does the same for DTensors in torch 2.13 (checked), but
+    splitting the two makes the pre-clip norm and the skip explicit.
     """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    value = float(full)
-    if math.isfinite(value):
+    del scheduler  # stepped by the caller once per RL step
+    if max_grad_norm < 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm} must be non-negative (0 disables clipping)")
+    parameters = [parameter for parameter in model.parameters() if parameter.grad is not None]
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    norm = float(total_norm.item())
+    if math.isfinite(norm):
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, total_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return value
+    return norm

@@ -29,6 +29,7 @@ worker on every rank):
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,8 +40,8 @@ __all__ = ["full_state_dict", "hf_name", "iter_full_weight_buckets"]
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 _FULL_STATE_DICT_BUCKET_BYTES = 1 << 30
-""":func:`full_state_dict` keeps every tensor anyway, so its buckets only bound nothing; large
-buckets just mean fewer generator round trips."""
+""":func:`full_state_dict` keeps every tensor anyway, so its bucket size bounds no memory; a
+large one just means fewer generator round trips."""
 
 
 def hf_name(state_dict_key: str) -> str:
@@ -58,8 +59,8 @@ def _full_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
 def _gather(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         # Cast the local shard before gathering: half the traffic when sending fp32 as bf16.
-        local = tensor if dtype is None else tensor.to(dtype)
-        return local.full_tensor()  # type: ignore[attr-defined]
+        local = tensor if dtype is None else cast(DTensor, tensor.to(dtype))
+        return local.full_tensor()
     return tensor.to(dtype=dtype or tensor.dtype, copy=True)
 
 
@@ -75,22 +76,21 @@ def iter_full_weight_buckets(
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-    with torch.no_grad():
-        entries = list(model.state_dict().items())
-        plan: list[list[tuple[str, torch.Tensor]]] = []
-        planned_bytes = 0
-        for name, tensor in entries:
-            size = _full_bytes(tensor, dtype)
-            if not plan or (plan[-1] and planned_bytes + size > bucket_bytes):
-                plan.append([])
-                planned_bytes = 0
-            plan[-1].append((name, tensor))
-            planned_bytes += size
-        del entries
-        for planned in plan:
-            bucket = [(hf_name(name), _gather(tensor, dtype)) for name, tensor in planned]
-            yield bucket
-            bucket.clear()
+    # No torch.no_grad() here: a grad-mode context held across a yield would leak into the
+    # consumer's code. state_dict() values are detached already, so nothing records a graph.
+    plan: list[list[tuple[str, torch.Tensor]]] = []
+    planned_bytes = 0
+    for name, tensor in model.state_dict().items():
+        size = _full_bytes(tensor, dtype)
+        if not plan or (plan[-1] and planned_bytes + size > bucket_bytes):
+            plan.append([])
+            planned_bytes = 0
+        plan[-1].append((name, tensor.detach()))
+        planned_bytes += size
+    for planned in plan:
+        bucket = [(hf_name(name), _gather(tensor, dtype)) for name, tensor in planned]
+        yield bucket
+        bucket.clear()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
