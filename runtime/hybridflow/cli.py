@@ -41,6 +41,9 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
     model_dir = write_tiny_model(args.model_dir, arch=args.arch, seed=args.seed)
     print(f"tiny {args.arch} model and tokenizer: {model_dir}")
+    if args.reward_model_dir:
+        reward_dir = write_tiny_model(args.reward_model_dir, arch=args.arch, seed=args.seed + 1, head="score")
+        print(f"tiny {args.arch} reward model: {reward_dir}")
     if args.data_dir:
         data_dir = Path(args.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -118,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")
     tiny.add_argument("--model-dir", default="outputs/tiny-model")
     tiny.add_argument("--data-dir", default="outputs/tiny-data")
+    tiny.add_argument("--reward-model-dir", default=None, help="also write a tiny reward model (scalar head)")
     tiny.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     tiny.add_argument("--task", default="target_char")
     tiny.add_argument("--prompts", type=int, default=256)

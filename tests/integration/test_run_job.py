@@ -32,6 +32,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "make-tiny",
             "--model-dir",
             str(base / "model"),
+            "--reward-model-dir",
+            str(base / "reward-model"),
             "--data-dir",
             str(base / "data"),
             "--prompts",
@@ -112,6 +114,19 @@ def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
     for key in ("critic/value_loss", "actor/policy_loss", "kl/coef", "reward/mean"):
         assert key in records[-1]
     assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "critic").is_dir()
+
+
+def test_reward_model_worker_scores_the_rollouts(tiny: Path, tmp_path: Path) -> None:
+    path = manifest(tiny, tmp_path / "rm", "grpo-tiny.yaml", totalSteps=1)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["models"]["reward"] = {"path": str(tiny / "reward-model")}
+    doc["spec"]["rewards"] = []
+    path.write_text(yaml.safe_dump(doc))
+    result = run(path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = metrics(tmp_path / "rm")
+    assert record["reward/model"] == record["reward/mean"]
+    assert record["reward/std"] > 0  # a real scorer: different responses, different scores
 
 
 def test_user_errors_exit_2_without_a_traceback(tiny: Path, tmp_path: Path) -> None:

@@ -469,3 +469,19 @@ def test_wrapper_prefixes_are_stripped_from_names() -> None:
 def test_value_model_needs_a_hugging_face_backbone() -> None:
     with pytest.raises(TypeError, match="no Hugging Face config"):
         ValueModel(nn.Linear(2, 2))
+
+
+def test_reward_model_directory_scores_like_its_sequence_classifier(tmp_path: Path) -> None:
+    """A ``*ForSequenceClassification`` (num_labels=1) checkpoint loads its score head as the value head."""
+    from transformers import AutoModelForSequenceClassification
+
+    directory = write_tiny_model(tmp_path / "rm", head="score", seed=3)
+    reference = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    value_model = load_value_model(directory)
+    ids = torch.randint(0, 250, (2, 7))
+    mask = torch.ones_like(ids)
+    positions = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+        assert torch.allclose(value_model(ids, mask, positions)[:, -1], expected, atol=1e-6)
+        assert value_model.value_head.weight.abs().sum() > 0

@@ -33,6 +33,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     GenerationConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -95,6 +96,9 @@ _MARKER_FILE = "hybridflow_tiny.json"
 with this marker is complete, and its contents say whether a later request can reuse it."""
 
 _MARKER_FORMAT = 1
+
+TinyHead = Literal["lm", "score"]
+"""``lm``: a causal LM (policy, critic start); ``score``: a scalar-head reward model."""
 """Bump when the files :func:`write_tiny_model` writes change for the same parameters, so that
 directories written by an older version are not mistaken for current ones."""
 
@@ -257,8 +261,12 @@ def build_tiny_model(
     intermediate: int = 128,
     max_position: int = 512,
     seed: int = 0,
+    head: TinyHead = "lm",
 ) -> PreTrainedModel:
     """A float32 causal LM with random weights that are a function of ``seed`` alone.
+
+    ``head="score"`` builds the same decoder with a scalar ``score`` head instead of the LM head
+    (``*ForSequenceClassification``, ``num_labels=1``): a tiny reward model for tests and demos.
 
     * ``arch``: ``"qwen2"`` (q/k/v biases) or ``"llama"`` (no biases); both use RMSNorm,
       SwiGLU and RoPE (theta 10,000).
@@ -277,6 +285,12 @@ def build_tiny_model(
     ``seed``, so the same seed gives the same weights whatever ran before.
     """
     config = tiny_config(arch, vocab_size, hidden, layers, heads, kv_heads, intermediate, max_position)
+    if head == "score":
+        config.num_labels = 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            scorer: PreTrainedModel = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        return scorer.eval()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -312,8 +326,11 @@ def write_tiny_model(
     kv_heads: int | None = None,
     intermediate: int = 128,
     max_position: int = 512,
+    head: TinyHead = "lm",
 ) -> Path:
     """Write a tiny model and its tokenizer as one HF directory; returns its path.
+
+    ``head="score"`` writes a tiny reward model instead (see :func:`build_tiny_model`).
 
     The directory holds ``config.json``, ``generation_config.json``, ``model.safetensors``, the
     tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with the chat template) and
@@ -351,6 +368,8 @@ def write_tiny_model(
         "intermediate": intermediate,
         "max_position": max_position,
     }
+    if head != "lm":  # recorded only when set, so directories written before it still match
+        params["head"] = head
 
     def reuse_existing() -> Path:
         if not _is_complete(output_dir):
@@ -376,7 +395,7 @@ def write_tiny_model(
         return reuse_existing()
 
     model = build_tiny_model(
-        arch, vocab_size, hidden, layers, heads, kv_heads, intermediate, max_position, seed
+        arch, vocab_size, hidden, layers, heads, kv_heads, intermediate, max_position, seed, head
     )
     tokenizer = build_tokenizer(model_max_length=max_position)
     output_dir.parent.mkdir(parents=True, exist_ok=True)

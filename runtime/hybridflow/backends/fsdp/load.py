@@ -33,9 +33,14 @@ from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 ATTN_IMPLEMENTATION = "sdpa"
 """The attention kernel every model loaded here uses; see the module docstring for why."""
 
-_HEAD_PREFIXES = ("lm_head.",)
-"""Checkpoint keys a backbone loaded from a causal-LM directory may leave unused: the LM head.
-Any other unused or missing key means the directory is not the architecture we think it is."""
+_HEAD_PREFIXES = ("lm_head.", "score.")
+"""Checkpoint keys a backbone may leave unused: the LM head of a causal-LM directory, or the
+scalar ``score`` head of a sequence-classification (reward model) directory, which
+:func:`load_value_model` then loads into the value head itself. Any other unused or missing key
+means the directory is not the architecture we think it is."""
+
+SCORE_HEAD_KEY = "score.weight"
+"""The head of ``*ForSequenceClassification`` checkpoints with ``num_labels=1`` (reward models)."""
 
 
 def _model_dir(path: str | Path) -> Path:
@@ -168,8 +173,11 @@ def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
 
     Called by the critic workers on every rank before sharding. ``path`` is an ordinary
     causal-LM directory (the actor's initial checkpoint, as is usual for PPO critics); its LM head
-    is left unused. Eval mode and ``use_cache=False`` as in :func:`load_causal_lm`. Resuming a
-    trained critic goes through the DCP checkpoint, not through this function.
+    is left unused and the value head starts at zero. A reward-model directory
+    (``*ForSequenceClassification`` with ``num_labels=1``) loads its ``score.weight`` into the
+    value head, so the model scores as it was trained to (the reward worker reads the value at the
+    last response token). Eval mode and ``use_cache=False`` as in :func:`load_causal_lm`.
+    Resuming a trained critic goes through the DCP checkpoint, not through this function.
     """
     directory = _model_dir(path)
     with _quiet_load_report():
@@ -183,4 +191,26 @@ def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
     backbone, info = loaded
     _check_loading_info(directory, info, _HEAD_PREFIXES)
     backbone.config.use_cache = False
-    return ValueModel(backbone).eval()
+    model = ValueModel(backbone)
+    score = _checkpoint_score_head(directory)
+    if score is not None:
+        if tuple(score.shape) != tuple(model.value_head.weight.shape):
+            raise ValueError(
+                f"{directory}: {SCORE_HEAD_KEY} has shape {tuple(score.shape)}; a reward model needs "
+                f"num_labels=1, i.e. {tuple(model.value_head.weight.shape)}"
+            )
+        with torch.no_grad():
+            model.value_head.weight.copy_(score.to(model.value_head.weight.dtype))
+    return model.eval()
+
+
+def _checkpoint_score_head(directory: Path) -> torch.Tensor | None:
+    """The ``score.weight`` tensor of a reward-model checkpoint, or None for a causal-LM directory."""
+    from safetensors import safe_open
+
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            if SCORE_HEAD_KEY in f.keys():
+                tensor: torch.Tensor = f.get_tensor(SCORE_HEAD_KEY)
+                return tensor
+    return None
