@@ -65,10 +65,17 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
     spec = job.spec
+    sources = {
+        "actor": spec.models.actor,
+        "reference": spec.models.reference_or_actor,
+        "critic": spec.models.critic,
+        "reward": spec.models.reward,
+        "cost": spec.models.cost,
+    }
     missing = [
         f"spec.models.{role}.path: {source.path} does not exist (models load from local directories)"
-        for role, source in (("actor", spec.models.actor), ("reference", spec.models.reference_or_actor))
-        if not Path(source.path).is_dir()
+        for role, source in sources.items()
+        if source is not None and not Path(source.path).is_dir()
     ]
     missing += [
         f"spec.data.trainFiles: {f} does not exist" for f in spec.data.train_files if not Path(f).is_file()

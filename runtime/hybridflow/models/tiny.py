@@ -289,7 +289,9 @@ def build_tiny_model(
         config.num_labels = 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            scorer: PreTrainedModel = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+            scorer: PreTrainedModel = AutoModelForSequenceClassification.from_config(
+                config, dtype=torch.float32
+            )
         return scorer.eval()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

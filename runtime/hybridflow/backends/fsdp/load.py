@@ -210,7 +210,7 @@ def _checkpoint_score_head(directory: Path) -> torch.Tensor | None:
 
     for shard in sorted(directory.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
-            if SCORE_HEAD_KEY in f.keys():
+            if SCORE_HEAD_KEY in f.keys():  # noqa: SIM118 - safe_open has keys(), not __contains__
                 tensor: torch.Tensor = f.get_tensor(SCORE_HEAD_KEY)
                 return tensor
     return None
