@@ -116,6 +116,38 @@ def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
     assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "critic").is_dir()
 
 
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce++", "remax"])
+def test_critic_free_algorithms_take_a_step(tiny: Path, tmp_path: Path, algorithm: str) -> None:
+    path = manifest(tiny, tmp_path / "job", "grpo-tiny.yaml", totalSteps=1)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["algorithm"]["name"] = algorithm
+    if algorithm == "reinforce++":
+        doc["spec"]["algorithm"]["kl"]["mode"] = "reward"
+    path.write_text(yaml.safe_dump(doc))
+    result = run(path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = metrics(tmp_path / "job")
+    assert "actor/policy_loss" in record
+    if algorithm == "remax":
+        assert "reward/greedy_baseline" in record
+    if algorithm == "reinforce++":
+        assert record["kl/coef"] > 0
+
+
+def test_safe_rlhf_constrains_with_the_cost_model(tiny: Path, tmp_path: Path) -> None:
+    path = manifest(tiny, tmp_path / "safe", "ppo-tiny.yaml", totalSteps=2)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["algorithm"].update(name="safe-rlhf", costLimit=-10.0)
+    doc["spec"]["models"]["cost"] = {"path": str(tiny / "reward-model")}
+    path.write_text(yaml.safe_dump(doc))
+    result = run(path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = metrics(tmp_path / "safe")
+    # the cost always exceeds a limit of -10, so the multiplier must grow
+    assert second["cost/lambda"] > first["cost/lambda"] == 1.0
+    assert "critic/value_loss" in second
+
+
 def test_reward_model_worker_scores_the_rollouts(tiny: Path, tmp_path: Path) -> None:
     path = manifest(tiny, tmp_path / "rm", "grpo-tiny.yaml", totalSteps=1)
     doc = yaml.safe_load(path.read_text())

@@ -8,7 +8,7 @@ from hybridflow.controller import Deployment, ResourcePool, RoleSpec, WorkerGrou
 from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
-from hybridflow.workers.value import CriticWorker, RewardModelWorker
+from hybridflow.workers.value import CostModelWorker, CriticWorker, RewardModelWorker
 
 __all__ = ["JobWorkers", "job_roles", "resource_pools"]
 
@@ -38,6 +38,8 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
         roles["critic"] = RoleSpec(CriticWorker, spec.pool("critic").name, kwargs=kwargs)
     if spec.models.reward is not None:
         roles["reward"] = RoleSpec(RewardModelWorker, spec.pool("reward").name, kwargs=kwargs)
+    if spec.models.cost is not None:
+        roles["cost"] = RoleSpec(CostModelWorker, spec.pool("cost").name, kwargs=kwargs)
     return roles
 
 
@@ -50,6 +52,7 @@ class JobWorkers:
     reference: WorkerGroup
     critic: WorkerGroup | None = None
     reward: WorkerGroup | None = None
+    cost: WorkerGroup | None = None
 
     @classmethod
     def of(cls, deployment: Deployment) -> JobWorkers:
@@ -60,4 +63,5 @@ class JobWorkers:
             reference=groups["reference"],
             critic=groups.get("critic"),
             reward=groups.get("reward"),
+            cost=groups.get("cost"),
         )

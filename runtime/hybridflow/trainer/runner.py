@@ -20,7 +20,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from hybridflow.algorithms import grpo, ppo
+from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.controller import Batch, deploy
@@ -33,7 +33,14 @@ from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools
 __all__ = ["ALGORITHM_STEPS", "RunSummary", "UnsupportedAlgorithmError", "run_training"]
 
 StepFn = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
-ALGORITHM_STEPS: dict[str, StepFn] = {"grpo": grpo.train_step, "ppo": ppo.train_step}
+ALGORITHM_STEPS: dict[str, StepFn] = {
+    "grpo": grpo.train_step,
+    "ppo": ppo.train_step,
+    "rloo": rloo.train_step,
+    "reinforce++": reinforce_pp.train_step,
+    "remax": remax.train_step,
+    "safe-rlhf": safe_rlhf.train_step,
+}
 
 
 class UnsupportedAlgorithmError(ValueError):

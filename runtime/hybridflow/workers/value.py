@@ -1,8 +1,8 @@
-"""Value-model roles on the FSDP2 backend: the critic (trained) and the reward model (frozen).
+"""Value-model roles on the FSDP2 backend: the critic (trained), the reward and cost models (frozen).
 
-Both run a decoder backbone with a scalar head. The critic predicts a value per response token
-and trains with the clipped value loss; the reward model scores each sequence by its value at
-the last response token.
+All run a decoder backbone with a scalar head. The critic predicts a value per response token
+and trains with the clipped value loss; the reward and cost models score each sequence by their
+value at the last response token.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Wo
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.policy import seed_everything
 
-__all__ = ["CriticWorker", "RewardModelWorker"]
+__all__ = ["CostModelWorker", "CriticWorker", "RewardModelWorker"]
 
 
 class _ValueRole(Worker):
@@ -57,7 +57,17 @@ class _ValueRole(Worker):
             )
 
 
-class RewardModelWorker(_ValueRole):
+class _SequenceScorer(_ValueRole):
+    """A frozen scalar-head model that scores each sequence by its value at the last response token."""
+
+    def _sequence_scores(self, batch: Batch) -> torch.Tensor:
+        values = self._scored(batch)
+        mask = batch.tensors["response_mask"].float()
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        return values.gather(1, last[:, None]).squeeze(1)
+
+
+class RewardModelWorker(_SequenceScorer):
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
         if spec.models.reward is None:
             raise ValueError("the reward role needs spec.models.reward")
@@ -66,11 +76,21 @@ class RewardModelWorker(_ValueRole):
 
     @register(DP_SPLIT)
     def compute_scores(self, batch: Batch) -> Batch:
-        """One score per sequence: the value at its last response token."""
-        values = self._scored(batch)
-        mask = batch.tensors["response_mask"].float()
-        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-        return Batch({"rm_scores": values.gather(1, last[:, None]).squeeze(1)})
+        return Batch({"rm_scores": self._sequence_scores(batch)})
+
+
+class CostModelWorker(_SequenceScorer):
+    """Safe-RLHF's cost model: higher means less safe; the constraint is ``E[cost] <= costLimit``."""
+
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        if spec.models.cost is None:
+            raise ValueError("the cost role needs spec.models.cost")
+        super().__init__(ctx, spec, spec.models.cost.path)
+        self.model.requires_grad_(False)
+
+    @register(DP_SPLIT)
+    def compute_costs(self, batch: Batch) -> Batch:
+        return Batch({"cost_scores": self._sequence_scores(batch)})
 
 
 class CriticWorker(_ValueRole):

@@ -1,0 +1,33 @@
+"""ReMax: REINFORCE with the greedy response's score as the baseline (Li et al., 2023).
+
+Per step, every prompt is also decoded greedily once; a sampled response's advantage is its
+score minus the greedy response's score for the same prompt. One extra generation replaces the
+critic. KL follows ``spec.algorithm.kl.mode`` as in GRPO.
+"""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import core
+from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score, sequence_kl
+from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.controller import Batch
+from hybridflow.trainer.rewards import RewardScorer
+from hybridflow.trainer.roles import JobWorkers
+
+
+def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+    spec = state.spec
+    samples = spec.algorithm.samples_per_prompt
+    batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
+    # The weights were synced by rollout_and_score; the greedy pass uses the same policy.
+    greedy = workers.rollout.generate_sequences(prompts.with_meta(samples=1, greedy=True))
+    greedy_scores, _ = scorer.scores(greedy)
+    scores = batch.tensors["scores"]
+    if spec.algorithm.kl.mode == "reward":
+        scores = scores - state.kl_controller.value * sequence_kl(batch, spec.algorithm.kl.estimator)
+    advantages = core.remax_outcome_advantages(
+        scores, greedy_scores.repeat_interleave(samples), batch.tensors["response_mask"].float()
+    )
+    metrics["reward/greedy_baseline"] = float(greedy_scores.mean())
+    metrics.update(average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages))))
+    return metrics

@@ -1,0 +1,28 @@
+"""RLOO: each response's baseline is the mean score of the other responses to its prompt.
+
+Like GRPO there is no critic; unlike GRPO the advantage is not divided by the group's standard
+deviation, and the baseline leaves the response itself out, which keeps the gradient estimate
+unbiased (Ahmadian et al., 2024). KL follows ``spec.algorithm.kl.mode`` as in GRPO.
+"""
+
+from __future__ import annotations
+
+from hybridflow.algorithms import core
+from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score, sequence_kl
+from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.controller import Batch
+from hybridflow.trainer.rewards import RewardScorer
+from hybridflow.trainer.roles import JobWorkers
+
+
+def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+    spec = state.spec
+    batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
+    scores = batch.tensors["scores"]
+    if spec.algorithm.kl.mode == "reward":
+        scores = scores - state.kl_controller.value * sequence_kl(batch, spec.algorithm.kl.estimator)
+    advantages = core.rloo_outcome_advantages(
+        scores, list(batch.non_tensors["uid"]), batch.tensors["response_mask"].float()
+    )
+    metrics.update(average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages))))
+    return metrics
