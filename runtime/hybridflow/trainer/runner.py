@@ -71,6 +71,10 @@ def run_training(
     tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
     dataset = PromptDataset.from_spec(spec.data, tokenizer)
     sampler = PromptSampler(dataset, seed=spec.data.seed, shuffle=spec.data.shuffle)
+    on_step(
+        f"data: {len(dataset)} prompts, {dataset.filtered_too_long} filtered out for exceeding "
+        f"spec.data.maxPromptTokens={spec.data.max_prompt_tokens}"
+    )
     checkpoints = CheckpointManager(Path(spec.checkpoint_dir), keep_last=spec.checkpoint.keep_last)
     writer = MetricsWriter(spec.output_dir)
     state = AlgorithmState(spec)
