@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -19,13 +20,31 @@ __all__ = ["average_worker_metrics", "rollout_and_score", "sequence_kl"]
 def rollout_and_score(
     workers: JobWorkers, prompts: Batch, scorer: RewardScorer, spec: RLHFJobSpec
 ) -> tuple[Batch, dict[str, float]]:
-    """Generate ``samples_per_prompt`` responses per prompt and add scores, old and ref log-probs."""
+    """Generate ``samples_per_prompt`` responses per prompt and add scores, old and ref log-probs.
+
+    The returned metrics include ``timing/*`` seconds per phase (weight sync, generation,
+    scoring, log-probs), the breakdown dashboards show.
+    """
+    clock = time.monotonic()
+    timing: dict[str, float] = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        timing[f"timing/{phase}"] = now - clock
+        clock = now
+
     workers.rollout.sync_weights()
+    lap("weight_sync")
     batch = workers.rollout.generate_sequences(prompts)
+    lap("generate")
     scores, metrics = scorer.scores(batch)
+    lap("reward")
     old = workers.actor.compute_log_probs.submit(batch)
     ref = workers.reference.compute_ref_log_probs.submit(batch)
     batch = batch.union(old.result()).union(ref.result()).with_fields(scores=scores)
+    lap("log_probs")
+    metrics.update(timing)
     mask = batch.tensors["response_mask"].float()
     kl = core.masked_mean(
         core.kl_penalty(

@@ -15,7 +15,9 @@ from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 
 
-def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+def train_step(
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState
+) -> dict[str, float]:
     spec, algo = state.spec, state.spec.algorithm
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
     mask = batch.tensors["response_mask"].float()
@@ -32,5 +34,7 @@ def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state:
         state.kl_controller.update(float(mean_kl), len(batch))
         metrics["kl/coef"] = state.kl_controller.value
     advantages, _ = core.reinforce_plus_plus_advantages(token_rewards, mask, algo.gamma)
-    metrics.update(average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages))))
+    metrics.update(
+        average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages)))
+    )
     return metrics

@@ -15,7 +15,9 @@ from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 
 
-def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+def train_step(
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState
+) -> dict[str, float]:
     spec = state.spec
     samples = spec.algorithm.samples_per_prompt
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
@@ -29,5 +31,7 @@ def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state:
         scores, greedy_scores.repeat_interleave(samples), batch.tensors["response_mask"].float()
     )
     metrics["reward/greedy_baseline"] = float(greedy_scores.mean())
-    metrics.update(average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages))))
+    metrics.update(
+        average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages)))
+    )
     return metrics

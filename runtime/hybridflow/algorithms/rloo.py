@@ -15,7 +15,9 @@ from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 
 
-def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+def train_step(
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState
+) -> dict[str, float]:
     spec = state.spec
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
     scores = batch.tensors["scores"]
@@ -24,5 +26,7 @@ def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state:
     advantages = core.rloo_outcome_advantages(
         scores, list(batch.non_tensors["uid"]), batch.tensors["response_mask"].float()
     )
-    metrics.update(average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages))))
+    metrics.update(
+        average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages)))
+    )
     return metrics

@@ -19,7 +19,9 @@ from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 
 
-def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
+def train_step(
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState
+) -> dict[str, float]:
     spec, algo = state.spec, state.spec.algorithm
     assert workers.critic is not None and workers.cost is not None and state.lagrange is not None
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)

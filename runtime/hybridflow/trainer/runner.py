@@ -30,7 +30,7 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools
 
-__all__ = ["ALGORITHM_STEPS", "RunSummary", "UnsupportedAlgorithmError", "run_training"]
+__all__ = ["ALGORITHM_STEPS", "RunSummary", "StepReport", "UnsupportedAlgorithmError", "run_training"]
 
 StepFn = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
 ALGORITHM_STEPS: dict[str, StepFn] = {
@@ -48,6 +48,17 @@ class UnsupportedAlgorithmError(ValueError):
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """What the loop tells progress sinks after each step (the CLI line, the in-cluster status push)."""
+
+    step: int
+    total_steps: int
+    metrics: dict[str, float]
+    eta_seconds: float
+    last_checkpoint_step: int | None
+
+
+@dataclass(frozen=True)
 class RunSummary:
     first_step: int
     last_step: int
@@ -60,9 +71,14 @@ def run_training(
     *,
     simulated: bool = True,
     on_step: Callable[[str], None] = print,
+    on_report: Callable[[StepReport], None] | None = None,
     stop_after_steps: int | None = None,
 ) -> RunSummary:
-    """Train ``spec`` on the current Ray cluster. ``stop_after_steps`` ends early (tests of resume)."""
+    """Train ``spec`` on the current Ray cluster.
+
+    ``on_step`` receives human-readable lines, ``on_report`` a :class:`StepReport` after every
+    step (after the step's checkpoint, if any); ``stop_after_steps`` ends early (resume tests).
+    """
     if spec.algorithm.name not in ALGORITHM_STEPS:
         raise UnsupportedAlgorithmError(
             f"spec.algorithm.name: {spec.algorithm.name!r} is not runnable yet; runnable: {sorted(ALGORITHM_STEPS)}"
@@ -83,7 +99,7 @@ def run_training(
     with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
-        start, resumed = 1, None
+        start, resumed, last_checkpoint = 1, None, None
         found = checkpoints.latest()
         if found is not None:
             directory, saved = found
@@ -92,7 +108,7 @@ def run_training(
                 workers.critic.load_checkpoint(str(directory / "critic"))
             sampler.load_state_dict(saved["sampler"])
             state.load_state_dict(saved["algorithm"])
-            start, resumed = int(saved["step"]) + 1, directory.name
+            start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
             writer.truncate_after(int(saved["step"]))
             on_step(f"resumed from {directory} (step {saved['step']})")
         total = spec.training.total_steps
@@ -111,6 +127,9 @@ def run_training(
             metrics = step_fn(workers, batch, scorer, state)
             seconds = time.monotonic() - step_started
             metrics["perf/step_seconds"] = seconds
+            # Everything after rollout and scoring: advantages, critic and actor updates.
+            measured = sum(v for k, v in metrics.items() if k.startswith("timing/"))
+            metrics["timing/update"] = max(0.0, seconds - measured)
             metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
             history.append({"step": float(step), **metrics})
             writer.write(step, metrics)
@@ -119,6 +138,9 @@ def run_training(
             on_step(format_progress(step, total, metrics, eta))
             if step % spec.checkpoint.interval_steps == 0 or step == total:
                 _save(checkpoints, workers, step, sampler, state)
+                last_checkpoint = step
+            if on_report is not None:
+                on_report(StepReport(step, total, metrics, eta, last_checkpoint))
     writer.close()
     return RunSummary(start, last, resumed, history)
 
