@@ -57,6 +57,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.in_cluster:
+        return _run_in_cluster(args)
     from hybridflow.spec import SpecError, load_job_manifest
 
     try:
@@ -112,6 +114,53 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _run_in_cluster(args: argparse.Namespace) -> int:
+    """The RayJob entrypoint: the operator mounts the job's manifest; Ray is the KubeRay cluster.
+
+    Paths in the manifest are paths inside the pods (volumes), so nothing is resolved against
+    the manifest's directory. Progress goes to the RLHFJob's status and to /metrics; a rerun
+    (the operator's next attempt) resumes from the newest checkpoint on the checkpoint volume.
+    A failure exits non-zero so that the RayJob, and then the RLHFJob attempt, fails.
+    """
+    import os
+
+    import yaml
+
+    from hybridflow.spec import SpecError, parse_job_manifest
+
+    try:
+        document = yaml.safe_load(Path(args.manifest).read_text(encoding="utf-8"))
+        job = parse_job_manifest(document, source=args.manifest)
+    except (OSError, yaml.YAMLError, SpecError) as err:
+        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    namespace = job.metadata.namespace or os.environ.get("POD_NAMESPACE")
+    if namespace is None and SERVICE_ACCOUNT_NAMESPACE.is_file():
+        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    namespace = namespace or "default"
+
+    import ray
+
+    from hybridflow.incluster import StatusPusher, TrainingMetricsExporter
+    from hybridflow.trainer.report import StepReport
+    from hybridflow.trainer.runner import run_training
+
+    exporter = TrainingMetricsExporter(namespace, job.metadata.name)
+    exporter.serve(args.metrics_port)
+    pusher = StatusPusher.in_cluster(namespace, job.metadata.name)
+
+    def report(step: StepReport) -> None:
+        exporter(step)
+        pusher(step)
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+    run_training(job.spec, simulated=False, on_report=report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="HybridFlow RLHF on Ray.")
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
@@ -123,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train an RLHFJob on an embedded Ray on this machine")
     run.add_argument("manifest", help="path to an RLHFJob YAML manifest")
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
+    run.add_argument(
+        "--in-cluster",
+        action="store_true",
+        help="run as a KubeRay RayJob entrypoint: join the Ray cluster, push status, serve /metrics",
+    )
+    run.add_argument("--metrics-port", type=int, default=8080, help="port of /metrics with --in-cluster")
     run.set_defaults(handler=_run)
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")

@@ -27,6 +27,7 @@ from hybridflow.controller import Batch, deploy
 from hybridflow.data import PromptDataset, PromptSampler
 from hybridflow.metrics import MetricsWriter, format_progress
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.trainer.report import StepReport
 from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools
 
@@ -45,17 +46,6 @@ ALGORITHM_STEPS: dict[str, StepFn] = {
 
 class UnsupportedAlgorithmError(ValueError):
     """The manifest names an algorithm this runtime cannot run yet."""
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What the loop tells progress sinks after each step (the CLI line, the in-cluster status push)."""
-
-    step: int
-    total_steps: int
-    metrics: dict[str, float]
-    eta_seconds: float
-    last_checkpoint_step: int | None
 
 
 @dataclass(frozen=True)

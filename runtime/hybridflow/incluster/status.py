@@ -1,0 +1,98 @@
+"""Pushing training progress into the RLHFJob's ``status.progress`` from the controller.
+
+Protocol with the operator: the controller owns ``status.progress`` (and nothing else in the
+status); the operator owns phase, conditions and attempts and never writes ``progress``. The
+controller patches through the status subresource with the job's own ServiceAccount, whose Role
+allows ``get``/``patch`` on this one RLHFJob's status only.
+
+Pushes are throttled (at most one per ``min_interval_seconds``, except the final step and
+checkpoint steps) so that a fast loop does not load the API server. A failed push is logged and
+retried at the next report: progress is advisory, and a training run never dies because the API
+server was briefly unreachable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from hybridflow.spec import GROUP, PLURAL, VERSION
+from hybridflow.trainer.report import StepReport
+
+__all__ = ["StatusPusher", "progress_status"]
+
+log = logging.getLogger(__name__)
+
+PatchFn = Callable[[dict[str, Any]], None]
+
+
+def progress_status(report: StepReport, now: datetime) -> dict[str, Any]:
+    """The ``status.progress`` object for a step (the CRD's field names; printer columns read it)."""
+    reward = report.metrics.get("reward/mean")
+    tokens = report.metrics.get("perf/tokens_per_second")
+    progress: dict[str, Any] = {
+        "step": report.step,
+        "totalSteps": report.total_steps,
+        "percent": round(100.0 * report.step / max(1, report.total_steps), 1),
+        "etaSeconds": int(report.eta_seconds),
+        "updatedAt": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if reward is not None:
+        progress["reward"] = f"{reward:.4f}"
+    if tokens is not None:
+        progress["tokensPerSecond"] = int(tokens)
+    if report.last_checkpoint_step is not None:
+        progress["lastCheckpointStep"] = report.last_checkpoint_step
+    return {"status": {"progress": progress}}
+
+
+class StatusPusher:
+    """A StepReport sink that merge-patches ``status.progress``, throttled (see the module docstring)."""
+
+    def __init__(
+        self,
+        patch: PatchFn,
+        *,
+        min_interval_seconds: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._patch = patch
+        self._min_interval = min_interval_seconds
+        self._clock = clock
+        self._now = now
+        self._last_push: float | None = None
+        self._last_checkpoint: int | None = None
+        self.failures = 0
+
+    def __call__(self, report: StepReport) -> None:
+        now = self._clock()
+        checkpointed = report.last_checkpoint_step != self._last_checkpoint
+        final = report.step >= report.total_steps
+        due = self._last_push is None or now - self._last_push >= self._min_interval
+        if not (due or final or checkpointed):
+            return
+        try:
+            self._patch(progress_status(report, self._now()))
+        except Exception as err:  # progress is advisory: log and try again at the next report
+            self.failures += 1
+            log.warning("could not push progress for step %d: %s", report.step, err)
+            return
+        self._last_push = now
+        self._last_checkpoint = report.last_checkpoint_step
+
+    @classmethod
+    def in_cluster(cls, namespace: str, name: str, **kwargs: Any) -> StatusPusher:
+        """A pusher that patches ``rlhfjobs/<name>/status`` with the pod's service account."""
+        from kubernetes import client, config
+
+        config.load_incluster_config()
+        api = client.CustomObjectsApi()
+
+        def patch(body: dict[str, Any]) -> None:
+            api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
+
+        return cls(patch, **kwargs)

@@ -1,0 +1,79 @@
+"""The controller's in-cluster sinks: the status.progress patch and the Prometheus gauges."""
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from hybridflow.incluster import StatusPusher, TrainingMetricsExporter, progress_status
+from hybridflow.trainer.report import StepReport
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+
+
+def report(step: int, checkpoint: int | None = None, total: int = 10) -> StepReport:
+    metrics = {"reward/mean": 0.25, "perf/tokens_per_second": 1234.7, "timing/generate": 0.5}
+    return StepReport(step, total, metrics, eta_seconds=42.9, last_checkpoint_step=checkpoint)
+
+
+def test_progress_status_uses_the_crd_field_names() -> None:
+    body = progress_status(report(3, checkpoint=2), NOW)
+    assert body == {
+        "status": {
+            "progress": {
+                "step": 3,
+                "totalSteps": 10,
+                "percent": 30.0,
+                "etaSeconds": 42,
+                "updatedAt": "2026-11-29T12:00:00Z",
+                "reward": "0.2500",
+                "tokensPerSecond": 1234,
+                "lastCheckpointStep": 2,
+            }
+        }
+    }
+
+
+def test_pushes_are_throttled_except_checkpoints_and_the_last_step() -> None:
+    sent: list[dict[str, Any]] = []
+    clock = [0.0]
+    pusher = StatusPusher(sent.append, min_interval_seconds=10, clock=lambda: clock[0], now=lambda: NOW)
+    pusher(report(1))  # first report: pushed
+    clock[0] = 3
+    pusher(report(2))  # throttled
+    clock[0] = 5
+    pusher(report(3, checkpoint=3))  # a new checkpoint: pushed
+    clock[0] = 6
+    pusher(report(4, checkpoint=3))  # throttled
+    clock[0] = 16
+    pusher(report(5, checkpoint=3))  # interval elapsed: pushed
+    clock[0] = 17
+    pusher(report(10, checkpoint=3))  # final step: pushed
+    assert [b["status"]["progress"]["step"] for b in sent] == [1, 3, 5, 10]
+
+
+def test_a_failed_push_never_raises_and_is_retried() -> None:
+    calls: list[int] = []
+
+    def flaky(body: dict[str, Any]) -> None:
+        calls.append(body["status"]["progress"]["step"])
+        if len(calls) == 1:
+            raise ConnectionError("apiserver unavailable")
+
+    pusher = StatusPusher(flaky, min_interval_seconds=100, clock=lambda: 0.0, now=lambda: NOW)
+    pusher(report(1))
+    pusher(report(2))  # the failed push did not start the throttle window
+    assert calls == [1, 2] and pusher.failures == 1
+
+
+def test_exporter_turns_step_metrics_into_labelled_gauges() -> None:
+    registry = CollectorRegistry()
+    exporter = TrainingMetricsExporter("team-a", "grpo-qwen", registry=registry)
+    exporter(report(4))
+    text = generate_latest(registry).decode()
+    assert 'hybridflow_step{namespace="team-a",rlhfjob="grpo-qwen"} 4.0' in text
+    assert 'hybridflow_reward_mean{namespace="team-a",rlhfjob="grpo-qwen"} 0.25' in text
+    assert 'hybridflow_timing_generate{namespace="team-a",rlhfjob="grpo-qwen"} 0.5' in text
