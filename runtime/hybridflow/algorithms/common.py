@@ -9,12 +9,19 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import core
+from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 
-__all__ = ["average_worker_metrics", "rollout_and_score", "sequence_kl"]
+__all__ = [
+    "average_worker_metrics",
+    "kl_adjusted_scores",
+    "kl_penalized_token_rewards",
+    "rollout_and_score",
+    "sequence_kl",
+]
 
 
 def rollout_and_score(
@@ -75,3 +82,35 @@ def average_worker_metrics(per_rank: list[dict[str, float]] | Any) -> dict[str, 
     """Mean over DP ranks of the metric dicts an update returns."""
     keys = sorted({k for m in per_rank for k in m})
     return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in keys}
+
+
+def kl_adjusted_scores(batch: Batch, state: AlgorithmState) -> torch.Tensor:
+    """Sequence scores, minus ``coef * summed KL`` when ``kl.mode`` is ``reward`` (outcome-baseline algorithms)."""
+    kl = state.spec.algorithm.kl
+    scores = batch.tensors["scores"]
+    if kl.mode == "reward":
+        scores = scores - state.kl_controller.value * sequence_kl(batch, kl.estimator)
+    return scores
+
+
+def kl_penalized_token_rewards(
+    batch: Batch, scores: torch.Tensor, state: AlgorithmState, metrics: dict[str, float]
+) -> torch.Tensor:
+    """``scores`` on each response's last token and, when ``kl.mode`` is ``reward``, ``-coef * KL``
+    on every token (the InstructGPT penalty). Updates the KL controller and records its coefficient."""
+    kl = state.spec.algorithm.kl
+    mask = batch.tensors["response_mask"].float()
+    token_rewards = core.place_outcome_score(scores, mask)
+    if kl.mode != "reward":
+        return token_rewards
+    token_rewards, mean_kl = core.apply_kl_penalty_to_rewards(
+        token_rewards,
+        batch.tensors["old_log_probs"],
+        batch.tensors["ref_log_probs"],
+        mask,
+        state.kl_controller.value,
+        kl.estimator,
+    )
+    state.kl_controller.update(float(mean_kl), len(batch))
+    metrics["kl/coef"] = state.kl_controller.value
+    return token_rewards

@@ -8,7 +8,7 @@ KL is subtracted from the score before normalisation instead of being a loss ter
 from __future__ import annotations
 
 from hybridflow.algorithms import core
-from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score, sequence_kl
+from hybridflow.algorithms.common import average_worker_metrics, kl_adjusted_scores, rollout_and_score
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
 from hybridflow.trainer.rewards import RewardScorer
@@ -20,9 +20,7 @@ def train_step(
 ) -> dict[str, float]:
     spec = state.spec
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
-    scores = batch.tensors["scores"]
-    if spec.algorithm.kl.mode == "reward":
-        scores = scores - state.kl_controller.value * sequence_kl(batch, spec.algorithm.kl.estimator)
+    scores = kl_adjusted_scores(batch, state)
     advantages = core.grpo_outcome_advantages(
         scores, list(batch.non_tensors["uid"]), batch.tensors["response_mask"].float()
     )

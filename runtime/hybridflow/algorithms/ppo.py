@@ -9,7 +9,11 @@ pools they run in parallel, colocated they run one after the other in the same p
 from __future__ import annotations
 
 from hybridflow.algorithms import core
-from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score
+from hybridflow.algorithms.common import (
+    average_worker_metrics,
+    kl_penalized_token_rewards,
+    rollout_and_score,
+)
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
 from hybridflow.trainer.rewards import RewardScorer
@@ -24,18 +28,7 @@ def train_step(
     batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
     batch = batch.union(workers.critic.compute_values(batch))
     mask = batch.tensors["response_mask"].float()
-    token_rewards = core.place_outcome_score(batch.tensors["scores"], mask)
-    if algo.kl.mode == "reward":
-        token_rewards, mean_kl = core.apply_kl_penalty_to_rewards(
-            token_rewards,
-            batch.tensors["old_log_probs"],
-            batch.tensors["ref_log_probs"],
-            mask,
-            state.kl_controller.value,
-            algo.kl.estimator,
-        )
-        state.kl_controller.update(float(mean_kl), len(batch))
-        metrics["kl/coef"] = state.kl_controller.value
+    token_rewards = kl_penalized_token_rewards(batch, batch.tensors["scores"], state, metrics)
     advantages, returns = core.compute_gae_advantages(
         token_rewards, batch.tensors["values"], mask, algo.gamma, algo.gae_lambda
     )

@@ -8,7 +8,7 @@ critic. KL follows ``spec.algorithm.kl.mode`` as in GRPO.
 from __future__ import annotations
 
 from hybridflow.algorithms import core
-from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score, sequence_kl
+from hybridflow.algorithms.common import average_worker_metrics, kl_adjusted_scores, rollout_and_score
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
 from hybridflow.trainer.rewards import RewardScorer
@@ -24,9 +24,7 @@ def train_step(
     # The weights were synced by rollout_and_score; the greedy pass uses the same policy.
     greedy = workers.rollout.generate_sequences(prompts.with_meta(samples=1, greedy=True))
     greedy_scores, _ = scorer.scores(greedy)
-    scores = batch.tensors["scores"]
-    if spec.algorithm.kl.mode == "reward":
-        scores = scores - state.kl_controller.value * sequence_kl(batch, spec.algorithm.kl.estimator)
+    scores = kl_adjusted_scores(batch, state)
     advantages = core.remax_outcome_advantages(
         scores, greedy_scores.repeat_interleave(samples), batch.tensors["response_mask"].float()
     )

