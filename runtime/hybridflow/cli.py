@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,8 +126,6 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     (the operator's next attempt) resumes from the newest checkpoint on the checkpoint volume.
     A failure exits non-zero so that the RayJob, and then the RLHFJob attempt, fails.
     """
-    import os
-
     import yaml
 
     from hybridflow.spec import SpecError, parse_job_manifest
@@ -177,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run as a KubeRay RayJob entrypoint: join the Ray cluster, push status, serve /metrics",
     )
-    run.add_argument("--metrics-port", type=int, default=8080, help="port of /metrics with --in-cluster")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("HYBRIDFLOW_METRICS_PORT", "8081")),
+        help="port of /metrics with --in-cluster (8080 is KubeRay's metrics agent on every Ray node)",
+    )
     run.set_defaults(handler=_run)
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")

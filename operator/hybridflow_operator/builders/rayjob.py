@@ -1,0 +1,318 @@
+"""The RayJob of one attempt: a KubeRay ``ray.io/v1`` RayJob with an inline RayCluster.
+
+Layout. The head group is CPU only and runs the single controller as the RayJob's entrypoint
+(``hybridflow run --in-cluster /etc/hybridflow/job.yaml``), as the job's ServiceAccount, with
+the job's ConfigMap mounted. Each ``spec.resourcePools`` entry becomes one worker group of
+``nodes`` identical pods (replicas = minReplicas = maxReplicas: the pool is a fixed gang,
+never autoscaled), each pod holding ``gpusPerNode`` GPUs. Every pod mounts the checkpoint
+volume (read-write) and ``spec.volumes`` (read-only) at the paths the spec names, so a path
+in the spec means the same file on every node.
+
+Binding pools to worker groups. The runtime reserves each pool's GPUs as placement-group
+bundles that ask for one unit of the Ray custom resource ``hybridflow-pool-<pool name>``
+(``hybridflow.controller.resource_pool.node_pool_resource``, mirrored by
+:func:`pool_resource_name` since the operator may not import the runtime). Each worker
+group advertises ``gpusPerNode`` units of it through ``rayStartParams``, so a pool's bundles
+can only land on its own group's pods. The ``resources`` value is single-quoted compact
+JSON, ``'{"hybridflow-pool-actor": 8}'``: KubeRay pastes rayStartParams verbatim into the
+container's ``ray start --resources=...`` shell command (the single quotes keep the shell off
+the JSON's double quotes) and parses the same value back by trimming the quotes and unmarshalling JSON
+(ray-operator/controllers/ray/common/pod.go ``getResourcesMap``; KubeRay writes this exact
+form itself in ``updateRayStartParamsResources``). The backslash-escaped form of older
+KubeRay docs (``"{\\"Custom1\\": 1}"``) also survives the shell but fails that JSON parse.
+``num-gpus`` and ``num-cpus`` are set explicitly rather than left to KubeRay's detection
+from limits, so the Ray node offers exactly the CPUs the runtime reserves per bundle
+(``cpusPerGpu`` each).
+
+Retries: one RayJob per attempt, named ``<job>-<attempt>``, ``backoffLimit: 0``. KubeRay's
+own ``backoffLimit`` would also recreate the cluster, but the operator keeps retries to
+itself, for three reasons:
+
+* every attempt gets a fresh RayJob, hence a fresh RayCluster and submitter, so nothing of a
+  broken attempt (a wedged head, a half-dead NCCL group, a stale job id) carries over, and
+  the failed attempt's RayJob stays behind, finished and without pods, for ``kubectl
+  describe``;
+* the attempt count is the operator's own state (``status.attempts``), counted the same
+  way whatever failed (the Ray job, the submitter, KubeRay validation, a deadline, a
+  deleted RayJob), and each new attempt gets what is *left* of ``activeDeadlineSeconds``,
+  which is the job's budget across restarts; KubeRay's counter and deadline are per RayJob;
+* the operator decides which failures are worth a retry (not ``ValidationFailed`` or
+  ``DeadlineExceeded``; see ``hybridflow_operator.status``) and reports each one as an Event.
+
+A new attempt resumes from the newest complete checkpoint on the checkpoint volume: the
+controller looks there on start, so no state needs to pass between attempts.
+
+Cleanup. ``shutdownAfterJobFinishes: true`` with ``ttlSecondsAfterFinished: 0`` deletes an
+attempt's cluster as soon as it finishes. ``spec.ttlSecondsAfterFinished`` is *not* copied
+here: it is the RLHFJob's TTL (the operator deletes the RLHFJob, and the owner references
+take every RayJob with it); copying it would keep a finished attempt's GPU pods alive for
+that long, and a failed attempt's pods would hold the GPUs its successor is waiting for.
+
+Suspension and Kueue. ``suspend`` is ``spec.suspend``, and true at creation whenever
+``spec.queueName`` is set: Kueue admits a RayJob by flipping ``suspend`` to false, so it must
+be created suspended with the ``kueue.x-k8s.io/queue-name`` label. After creation the
+operator must not write ``suspend`` back on a queue-managed RayJob; :func:`suspend_update`
+says when to write it. KubeRay requires ``shutdownAfterJobFinishes`` for a suspendable
+RayJob (``ValidateRayJobSpec``), which it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from hybridflow.spec import ResourcePoolSpec, RLHFJob, RLHFJobSpec
+from hybridflow_operator.builders.configmap import CONFIG_MOUNT_PATH, CONFIG_PATH
+from hybridflow_operator.builders.metadata import (
+    ATTEMPT_LABEL,
+    NODE_TYPE_LABEL,
+    POOL_LABEL,
+    JobRef,
+    child_metadata,
+    job_labels,
+)
+from hybridflow_operator.names import child_names, rayjob_name
+
+RAY_API_VERSION = "ray.io/v1"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+ENTRYPOINT = f"hybridflow run --in-cluster {CONFIG_PATH}"
+SUBMISSION_MODE = "K8sJobMode"
+"""KubeRay creates a submitter Job that runs ``ray job submit`` against the head; the default."""
+
+CONTROLLER_METRICS_PORT = 8081
+"""Where the controller serves /metrics. Not 8080: KubeRay starts every Ray node with
+``metrics-export-port=8080`` (its ``DefaultMetricsPort``), which Ray's own metrics agent
+binds on the head too. Passed to the controller as :data:`METRICS_PORT_ENV`."""
+METRICS_PORT_ENV = "HYBRIDFLOW_METRICS_PORT"
+RAY_HEAD_PORTS: tuple[tuple[str, int], ...] = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
+"""Ray's head ports. Declared because KubeRay builds the head Service from the head container's
+ports and falls back to its defaults only when none are declared (common/service.go
+``getServicePorts``); the submitter reaches the Ray dashboard through the port named ``dashboard``.
+KubeRay adds ``metrics`` (8080) itself."""
+
+SHM_MOUNT_PATH = "/dev/shm"
+CHECKPOINT_VOLUME = "checkpoints"
+CONFIG_VOLUME = "config"
+SHM_VOLUME = "dshm"
+HEAD_CONTAINER = "ray-head"
+WORKER_CONTAINER = "ray-worker"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+_QUANTITY = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>[A-Za-z]*)$")
+
+
+@dataclass(frozen=True)
+class RayJobDefaults:
+    """Operator-wide settings the spec does not carry: the default image and the head pod's size.
+
+    The head runs only the controller (a driver process: data loading, reward functions,
+    dispatch), so a few CPUs and some memory do; it scales with the data, not with the GPUs.
+    """
+
+    image: str
+    """The runtime image used when ``spec.image`` is unset."""
+    head_cpu: str = "2"
+    head_memory: str = "8Gi"
+
+
+def pool_resource_name(pool_name: str) -> str:
+    """The Ray custom resource that ties a pool's placement bundles to its worker group."""
+    return f"hybridflow-pool-{pool_name}"
+
+
+def ray_resources_param(resources: dict[str, int]) -> str:
+    """The ``rayStartParams.resources`` value: single-quoted compact JSON (see the module docstring)."""
+    return "'" + json.dumps(resources, separators=(",", ":"), sort_keys=True) + "'"
+
+
+def scale_quantity(quantity: str, factor: int) -> str:
+    """``quantity`` times ``factor``, in the same unit: ``scale_quantity("64Gi", 8) == "512Gi"``.
+
+    Exact decimal arithmetic, so the pod asks for precisely ``memoryPerGpu`` per GPU.
+    """
+    match = _QUANTITY.match(quantity)
+    if match is None:
+        raise ValueError(f"not a plain Kubernetes quantity: {quantity!r}")
+    total = Decimal(match["number"]) * factor
+    number = format(total.quantize(Decimal(1)) if total == total.to_integral() else total.normalize(), "f")
+    return number + match["suffix"]
+
+
+def _volumes(spec: RLHFJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The volumes every pod mounts and their mounts: the checkpoint claim (rw), spec.volumes (ro)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    checkpoint = spec.checkpoint.volume
+    if checkpoint is not None:
+        volumes.append(
+            {"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint.claim_name}}
+        )
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint.mount_path})
+    for index, volume in enumerate(spec.volumes):
+        name = f"volume-{index}"
+        volumes.append(
+            {"name": name, "persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": True}}
+        )
+        mounts.append({"name": name, "mountPath": volume.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _pod_labels(spec: RLHFJobSpec, owner: JobRef, attempt: int, extra: dict[str, str]) -> dict[str, str]:
+    """Pod labels: the job's own, then the gang-scheduler labels, which never override the job's."""
+    labels = {**job_labels(owner), ATTEMPT_LABEL: str(attempt), **extra}
+    for key, value in spec.scheduler_labels.items():
+        labels.setdefault(key, value)
+    return labels
+
+
+def _head_group(
+    spec: RLHFJobSpec, owner: JobRef, attempt: int, image: str, defaults: RayJobDefaults
+) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": HEAD_CONTAINER,
+        "image": image,
+        "env": [{"name": METRICS_PORT_ENV, "value": str(CONTROLLER_METRICS_PORT)}],
+        "ports": [
+            *({"name": name, "containerPort": port} for name, port in RAY_HEAD_PORTS),
+            {"name": "hf-metrics", "containerPort": CONTROLLER_METRICS_PORT},
+        ],
+        "resources": {
+            "requests": {"cpu": defaults.head_cpu, "memory": defaults.head_memory},
+            "limits": {"memory": defaults.head_memory},
+        },
+        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH, "readOnly": True}, *mounts],
+    }
+    config_volume = {"name": CONFIG_VOLUME, "configMap": {"name": child_names(owner.name).config_map}}
+    return {
+        # The head hosts the driver only: no Ray task or actor may take its CPUs.
+        "rayStartParams": {"num-cpus": "0"},
+        "template": {
+            "metadata": {"labels": _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "head"})},
+            "spec": {
+                "serviceAccountName": child_names(owner.name).service_account,
+                "containers": [container],
+                "volumes": [config_volume, *volumes],
+            },
+        },
+    }
+
+
+def _worker_group(
+    spec: RLHFJobSpec, pool: ResourcePoolSpec, owner: JobRef, attempt: int, image: str
+) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec)
+    gpus = pool.gpus_per_node
+    requests: dict[str, str] = {"cpu": str(pool.cpus_per_gpu * gpus)}
+    limits: dict[str, str] = {GPU_RESOURCE: str(gpus)}
+    # NCCL's shared-memory transport and Ray's object store (the batches the controller sends) both
+    # live in /dev/shm, which a container otherwise gets at 64 MiB. Memory-backed pages count against
+    # the pod's memory limit, so that limit is the natural cap; without one, Kubernetes caps the
+    # tmpfs at the node's allocatable memory.
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if pool.memory_per_gpu is not None:
+        memory = scale_quantity(pool.memory_per_gpu, gpus)
+        requests["memory"] = memory
+        limits["memory"] = memory
+        shm["sizeLimit"] = memory
+    container = {
+        "name": WORKER_CONTAINER,
+        "image": image,
+        "resources": {"requests": requests, "limits": limits},
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH}, *mounts],
+    }
+    pod_spec: dict[str, Any] = {
+        # Workers run no code that talks to the API server: no token in the pod.
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *volumes],
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = [dict(toleration) for toleration in pool.tolerations]
+    if pool.affinity:
+        pod_spec["affinity"] = dict(pool.affinity)
+    return {
+        "groupName": pool.name,
+        "replicas": pool.nodes,
+        "minReplicas": pool.nodes,
+        "maxReplicas": pool.nodes,
+        "rayStartParams": {
+            "num-cpus": str(pool.cpus_per_gpu * gpus),
+            "num-gpus": str(gpus),
+            "resources": ray_resources_param({pool_resource_name(pool.name): gpus}),
+        },
+        "template": {
+            "metadata": {
+                "labels": _pod_labels(
+                    spec, owner, attempt, {NODE_TYPE_LABEL: "worker", POOL_LABEL: pool.name}
+                )
+            },
+            "spec": pod_spec,
+        },
+    }
+
+
+def build_rayjob(
+    job: RLHFJob,
+    owner: JobRef,
+    *,
+    attempt: int,
+    defaults: RayJobDefaults,
+    active_deadline_seconds: int | None = None,
+) -> dict[str, Any]:
+    """The RayJob of ``attempt`` (1 for the first run).
+
+    ``active_deadline_seconds`` is what is left of ``spec.activeDeadlineSeconds`` for this
+    attempt (``hybridflow_operator.status.remaining_deadline_seconds``); None takes the spec's
+    full budget, right for the first attempt.
+    """
+    spec = job.spec
+    image = spec.image or defaults.image
+    labels = {ATTEMPT_LABEL: str(attempt)}
+    if spec.queue_name is not None:
+        labels[KUEUE_QUEUE_LABEL] = spec.queue_name
+    labels.update((key, value) for key, value in spec.scheduler_labels.items() if key not in labels)
+    rayjob_spec: dict[str, Any] = {
+        "entrypoint": ENTRYPOINT,
+        "submissionMode": SUBMISSION_MODE,
+        "backoffLimit": 0,
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": 0,
+        "suspend": spec.suspend or spec.queue_name is not None,
+    }
+    deadline = (
+        active_deadline_seconds if active_deadline_seconds is not None else spec.active_deadline_seconds
+    )
+    if deadline is not None:
+        rayjob_spec["activeDeadlineSeconds"] = deadline
+    rayjob_spec["rayClusterSpec"] = {
+        "headGroupSpec": _head_group(spec, owner, attempt, image, defaults),
+        "workerGroupSpecs": [
+            _worker_group(spec, pool, owner, attempt, image) for pool in spec.resource_pools
+        ],
+    }
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayJob",
+        "metadata": child_metadata(rayjob_name(owner.name, attempt), owner, labels),
+        "spec": rayjob_spec,
+    }
+
+
+def suspend_update(spec: RLHFJobSpec, rayjob_suspended: bool) -> bool | None:
+    """The ``spec.suspend`` to write on an existing RayJob, or None to leave it alone.
+
+    The user's ``spec.suspend: true`` always wins. Un-suspending is the operator's to do only
+    for a job outside Kueue; a queue-managed RayJob is un-suspended by Kueue on admission,
+    and writing ``true`` back would fight it.
+    """
+    if spec.suspend:
+        return True if not rayjob_suspended else None
+    if rayjob_suspended and spec.queue_name is None:
+        return False
+    return None

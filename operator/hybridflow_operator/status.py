@@ -1,0 +1,635 @@
+"""RLHFJob status: its typed model, and the pure mapping from what was observed to what it should say.
+
+Who writes what. The status has two writers that never touch each other's keys:
+
+* the operator owns everything except ``progress``: ``phase``, ``conditions``, the attempt
+  bookkeeping (``attempts``, ``rayJobName``, ``startTime``, ``completionTime``), the
+  mirrors of the current RayJob (``jobDeploymentStatus``, ``jobStatus``, ``reason``,
+  ``message``) and ``observedGeneration``;
+* the controller in the head pod owns ``progress`` and merge-patches only that key, through
+  the ServiceAccount the RBAC builder grants (get/patch on this one job's status).
+
+So :func:`status_patch` never emits ``progress``, and :func:`desired_status` copies it
+through untouched. The models below are also the source of the CRD's status schema
+(``hybridflow_operator.crd``), so the keys the controller writes are documented and
+validated by the API server; the controller must use the camelCase keys of
+:class:`Progress` and must not send NaN or infinities (JSON has no such numbers).
+
+Protocol of one reconcile (the kopf handler is the caller; this module does no I/O):
+
+1. parse the RLHFJob (``hybridflow.spec.parse_job_manifest``); on ``SpecError`` call
+   :func:`invalid_spec_status` and stop: no children are created;
+2. read the RayJob named ``status.rayJobName`` (absent on the first pass) and parse it with
+   :meth:`ObservedRayJob.from_body`;
+3. call :func:`desired_status`; if ``start_attempt`` is set, create that attempt's children
+   (a 409 means an earlier pass already did: fine), with the RayJob's
+   ``activeDeadlineSeconds`` from :func:`remaining_deadline_seconds`;
+4. write :func:`status_patch` (nothing when it is empty, so a second pass writes nothing)
+   and emit ``events``.
+
+A KubeRay state maps to a phase as follows (KubeRay v1.7 ``JobDeploymentStatus`` and Ray
+``JobStatus``, ray-operator/apis/ray/v1/rayjob_types.go):
+
+=====================================  =========================================
+RayJob ``jobDeploymentStatus``          RLHFJob phase
+=====================================  =========================================
+``""`` (New), ``Scheduling``,           Pending (Queued/Suspended when the RayJob
+``Scheduled``                           is created suspended)
+``Initializing``, ``Waiting``           Initializing
+``Running``                             Running once Ray's ``jobStatus`` is RUNNING
+                                        (or terminal, until KubeRay catches up);
+                                        Initializing while PENDING or empty
+``Suspending``, ``Suspended``           Suspended, or Queued when Kueue holds it
+``Retrying``                            Retrying (KubeRay's own backoffLimit; the
+                                        operator sets it to 0, so only mirrored)
+``Complete`` + ``SUCCEEDED``            Succeeded
+``Complete`` + FAILED/STOPPED/other,    the attempt failed: Retrying with the next
+``Failed``                              attempt while attempts remain, else Failed
+``Failed`` with reason                  Failed at once: a new attempt would hit the
+``DeadlineExceeded``/``ValidationFailed``  same deadline or the same invalid spec
+``ValidationFailed``                    Failed at once (same reason)
+(RayJob gone after it was observed)     the attempt failed (``RayJobDeleted``)
+=====================================  =========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from hybridflow.spec import RLHFJob, RLHFJobSpec
+from hybridflow_operator.names import rayjob_name
+
+Phase = Literal[
+    "Pending", "Suspended", "Queued", "Initializing", "Running", "Retrying", "Succeeded", "Failed"
+]
+PHASES: tuple[Phase, ...] = (
+    "Pending",
+    "Suspended",
+    "Queued",
+    "Initializing",
+    "Running",
+    "Retrying",
+    "Succeeded",
+    "Failed",
+)
+TERMINAL_PHASES: tuple[Phase, ...] = ("Succeeded", "Failed")
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+CONDITION_TYPES: tuple[str, ...] = (
+    "Validated",
+    "RayJobCreated",
+    "Running",
+    "Suspended",
+    "Succeeded",
+    "Failed",
+)
+"""Every reconciled job carries each of these, True or False, so ``kubectl wait --for=condition=X`` works."""
+
+# KubeRay v1.7 JobDeploymentStatus values (rayjob_types.go); "" is JobDeploymentStatusNew.
+DEPLOYMENT_NEW = ""
+DEPLOYMENT_INITIALIZING = "Initializing"
+DEPLOYMENT_RUNNING = "Running"
+DEPLOYMENT_COMPLETE = "Complete"
+DEPLOYMENT_FAILED = "Failed"
+DEPLOYMENT_VALIDATION_FAILED = "ValidationFailed"
+DEPLOYMENT_SUSPENDING = "Suspending"
+DEPLOYMENT_SUSPENDED = "Suspended"
+DEPLOYMENT_RETRYING = "Retrying"
+DEPLOYMENT_WAITING = "Waiting"
+DEPLOYMENT_SCHEDULING = "Scheduling"
+DEPLOYMENT_SCHEDULED = "Scheduled"
+"""Scheduling/Scheduled belong to RayJob's cron ``schedule`` feature, which the operator never sets."""
+
+# Ray JobStatus values; "" is JobStatusNew (not submitted yet).
+RAY_PENDING = "PENDING"
+RAY_RUNNING = "RUNNING"
+RAY_STOPPED = "STOPPED"
+RAY_SUCCEEDED = "SUCCEEDED"
+RAY_FAILED = "FAILED"
+
+FINAL_FAILURE_REASONS: tuple[str, ...] = ("DeadlineExceeded", "ValidationFailed")
+"""KubeRay failure reasons a new attempt cannot fix. Every other reason (AppFailed,
+SubmissionFailed, JobDeploymentStatusTransitionGracePeriodExceeded, a pre-running deadline, a
+lost node) is worth a fresh cluster resuming from the checkpoint."""
+
+
+class StatusModel(BaseModel):
+    """Base of the status models: camelCase on the wire, frozen, unknown keys ignored.
+
+    Unknown keys are ignored rather than rejected because status bodies come from the API
+    server, possibly written by another version of the operator or controller; the spec
+    models forbid them instead, since there a typo is a user error.
+    """
+
+    model_config = ConfigDict(
+        frozen=True,
+        extra="ignore",
+        alias_generator=to_camel,
+        validate_by_alias=True,
+        validate_by_name=True,
+    )
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, unset optionals left out, datetimes as RFC 3339 strings."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Condition(StatusModel):
+    """One aspect of the job's state, in the shape of Kubernetes' metav1.Condition."""
+
+    type: str = Field(
+        min_length=1,
+        max_length=316,
+        description="Condition type: Validated, RayJobCreated, Running, Suspended, Succeeded or Failed.",
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Machine-readable CamelCase reason of the last transition or update.",
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable details.")
+    last_transition_time: datetime = Field(description="When status last changed (not reason or message).")
+
+
+class Progress(StatusModel):
+    """Training progress, pushed (throttled) by the controller in the head pod; the operator never writes it."""
+
+    step: int | None = Field(default=None, ge=0, description="Training steps completed.")
+    total_steps: int | None = Field(
+        default=None, ge=0, description="Steps the job runs (spec.training.totalSteps)."
+    )
+    percent: float | None = Field(default=None, ge=0, le=100, description="step / totalSteps, in percent.")
+    reward: float | None = Field(default=None, description="Mean reward of the last step's responses.")
+    tokens_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        description="Throughput of the last step: prompt plus response tokens per second of wall-clock time.",
+    )
+    eta_seconds: float | None = Field(
+        default=None, ge=0, description="Estimated seconds until the last step, at the recent step rate."
+    )
+    last_checkpoint_step: int | None = Field(
+        default=None, ge=0, description="Step of the newest complete checkpoint; a restart resumes after it."
+    )
+    updated_at: datetime | None = Field(default=None, description="When the controller last pushed progress.")
+
+
+class RLHFJobStatus(StatusModel):
+    """Observed state of an RLHFJob: phase, conditions, attempts, the current RayJob, and progress."""
+
+    phase: Phase | None = Field(
+        default=None,
+        description=(
+            "Pending, Suspended, Queued (held by Kueue), Initializing (cluster starting), Running, "
+            "Retrying (an attempt failed; the next resumes from the newest checkpoint), Succeeded or Failed."
+        ),
+    )
+    conditions: tuple[Condition, ...] = Field(
+        default=(),
+        max_length=32,
+        description="Validated, RayJobCreated, Running, Suspended, Succeeded and Failed, each True or False.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    ray_job_name: str | None = Field(default=None, description="The RayJob of the current attempt.")
+    attempts: int = Field(
+        default=0,
+        ge=0,
+        description="Attempts started so far, the current one included; at most spec.maxRestarts + 1.",
+    )
+    start_time: datetime | None = Field(
+        default=None,
+        description="When the first attempt's cluster started initializing; spec.activeDeadlineSeconds counts from here.",
+    )
+    completion_time: datetime | None = Field(
+        default=None,
+        description="When the job succeeded or failed; spec.ttlSecondsAfterFinished counts from here.",
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation of the spec this status was computed from."
+    )
+    job_deployment_status: str | None = Field(
+        default=None, description="Mirror of the current RayJob's status.jobDeploymentStatus (KubeRay)."
+    )
+    job_status: str | None = Field(
+        default=None, description="Mirror of the current RayJob's status.jobStatus (Ray)."
+    )
+    reason: str | None = Field(
+        default=None, description="Mirror of the current RayJob's status.reason, or why the job failed."
+    )
+    message: str | None = Field(
+        default=None, description="Mirror of the current RayJob's status.message, or details of the failure."
+    )
+    progress: Progress | None = Field(
+        default=None, description="Training progress, written by the controller in the head pod."
+    )
+
+    @classmethod
+    def from_body(cls, status: object) -> RLHFJobStatus:
+        """Parse ``status`` as read from the API server, dropping any top-level key that does not validate.
+
+        The API server validates status writes against the CRD, so a bad key is rare (an older
+        writer, a hand edit); losing that one key is better than failing every reconcile.
+        """
+        if not isinstance(status, Mapping):
+            return cls()
+        data = dict(status)
+        for _ in range(len(data) + 1):
+            try:
+                return cls.model_validate(data)
+            except ValidationError as error:
+                bad = {str(detail["loc"][0]) for detail in error.errors() if detail["loc"]}
+                if not bad & set(data):
+                    break
+                data = {key: value for key, value in data.items() if key not in bad}
+        return cls()
+
+    def condition(self, condition_type: str) -> Condition | None:
+        """The condition of ``condition_type``, if present."""
+        return next((c for c in self.conditions if c.type == condition_type), None)
+
+
+OPERATOR_OWNED_KEYS: tuple[str, ...] = tuple(
+    field.alias or name for name, field in RLHFJobStatus.model_fields.items() if name != "progress"
+)
+"""Top-level status keys the operator writes; ``progress`` belongs to the controller."""
+
+
+class ObservedRayJob(StatusModel):
+    """The parts of a RayJob the status mapping reads; parsed once from the API body."""
+
+    name: str = Field(description="metadata.name")
+    suspend: bool = Field(default=False, description="spec.suspend")
+    job_deployment_status: str = Field(default="", description="status.jobDeploymentStatus")
+    job_status: str = Field(default="", description="status.jobStatus")
+    reason: str = Field(default="", description="status.reason")
+    message: str = Field(default="", description="status.message")
+    start_time: datetime | None = Field(default=None, description="status.startTime")
+    end_time: datetime | None = Field(default=None, description="status.endTime")
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ObservedRayJob:
+        """Read a RayJob object as the API server returns it (missing sections read as empty)."""
+        metadata = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        status = body.get("status") or {}
+        return cls(
+            name=str(metadata.get("name", "")),
+            suspend=bool(spec.get("suspend", False)),
+            job_deployment_status=str(status.get("jobDeploymentStatus") or ""),
+            job_status=str(status.get("jobStatus") or ""),
+            reason=str(status.get("reason") or ""),
+            message=str(status.get("message") or ""),
+            start_time=status.get("startTime"),
+            end_time=status.get("endTime"),
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to emit on the RLHFJob."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class StatusDecision:
+    """What one reconcile should converge to: the status, the attempt to create (if any), the events."""
+
+    status: RLHFJobStatus
+    start_attempt: int | None = None
+    """Attempt number whose children must exist now (create them; 409 means already there)."""
+    events: tuple[Event, ...] = ()
+
+    @property
+    def retrying(self) -> bool:
+        """True when this decision starts a new attempt after a failed one."""
+        return self.start_attempt is not None and self.start_attempt > 1 and self.status.phase == "Retrying"
+
+
+# --------------------------------------------------------------------------- the mapping
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How the current attempt stands: still going (``phase``), succeeded, or failed (retryable or not)."""
+
+    phase: Phase
+    failed: bool = False
+    retryable: bool = False
+    reason: str = ""
+    message: str = ""
+
+
+def _waiting_phase(spec: RLHFJobSpec, suspended: bool) -> Phase:
+    """Phase of a job whose cluster is not running: Suspended by the user, Queued by Kueue, else Pending."""
+    if spec.suspend:
+        return "Suspended"
+    if suspended:
+        return "Queued" if spec.queue_name is not None else "Suspended"
+    return "Pending"
+
+
+def _failure(reason: str, message: str, *, retryable: bool) -> _Outcome:
+    return _Outcome(phase="Failed", failed=True, retryable=retryable, reason=reason, message=message)
+
+
+def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
+    """Map one RayJob state to the attempt's outcome (see the module docstring's table)."""
+    deployment, ray_status = rayjob.job_deployment_status, rayjob.job_status
+    if deployment in (DEPLOYMENT_NEW, DEPLOYMENT_SCHEDULING, DEPLOYMENT_SCHEDULED):
+        return _Outcome(_waiting_phase(spec, rayjob.suspend))
+    if deployment in (DEPLOYMENT_INITIALIZING, DEPLOYMENT_WAITING):
+        return _Outcome("Initializing")
+    if deployment == DEPLOYMENT_RUNNING:
+        # A terminal Ray status under a Running deployment is KubeRay catching up: wait for it.
+        started = ray_status in (RAY_RUNNING, RAY_SUCCEEDED, RAY_FAILED, RAY_STOPPED)
+        return _Outcome("Running" if started else "Initializing")
+    if deployment in (DEPLOYMENT_SUSPENDING, DEPLOYMENT_SUSPENDED):
+        return _Outcome(_waiting_phase(spec, suspended=True))
+    if deployment == DEPLOYMENT_RETRYING:
+        return _Outcome("Retrying")
+    if deployment == DEPLOYMENT_COMPLETE:
+        if ray_status == RAY_SUCCEEDED:
+            return _Outcome("Succeeded")
+        reason = rayjob.reason or {RAY_FAILED: "AppFailed", RAY_STOPPED: "Stopped"}.get(
+            ray_status, "Incomplete"
+        )
+        message = rayjob.message or f"the Ray job ended with status {ray_status or 'unknown'}"
+        return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
+    if deployment == DEPLOYMENT_FAILED:
+        reason = rayjob.reason or "Failed"
+        message = rayjob.message or "KubeRay marked the RayJob Failed"
+        return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
+    if deployment == DEPLOYMENT_VALIDATION_FAILED:
+        return _failure("ValidationFailed", rayjob.message or "KubeRay rejected the RayJob", retryable=False)
+    # A state newer than KubeRay v1.7: report it, do not guess an outcome.
+    return _Outcome(
+        "Initializing", reason="UnknownRayJobState", message=f"jobDeploymentStatus {deployment!r}"
+    )
+
+
+def _now(now: datetime) -> datetime:
+    """Second precision, UTC: what Kubernetes stores for times, so a re-read compares equal."""
+    return now.astimezone(UTC).replace(microsecond=0)
+
+
+def _set_condition(
+    previous: RLHFJobStatus,
+    condition_type: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> Condition:
+    """The condition, keeping the previous ``lastTransitionTime`` unless ``status`` changed."""
+    old = previous.condition(condition_type)
+    since = old.last_transition_time if old is not None and old.status == status else now
+    return Condition(
+        type=condition_type, status=status, reason=reason, message=message, last_transition_time=since
+    )
+
+
+def _conditions(
+    previous: RLHFJobStatus,
+    phase: Phase,
+    *,
+    created: bool,
+    rayjob: str,
+    attempt_text: str,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> tuple[Condition, ...]:
+    """The six conditions for a validated job in ``phase``."""
+
+    def when(true: bool, true_reason: str, true_message: str) -> tuple[ConditionStatus, str, str]:
+        return ("True", true_reason, true_message) if true else ("False", phase, f"phase is {phase}")
+
+    failure_text = f"{reason}: {message}" if reason and message else reason or message
+    values: dict[str, tuple[ConditionStatus, str, str]] = {
+        "Validated": ("True", "SpecValid", "the spec passed the operator's checks"),
+        "RayJobCreated": (
+            ("True", "Created", f"RayJob {rayjob} ({attempt_text})")
+            if created
+            else ("False", "Creating", f"creating RayJob {rayjob} ({attempt_text})")
+        ),
+        "Running": when(phase == "Running", "RayJobRunning", f"RayJob {rayjob} is running the controller"),
+        "Suspended": when(
+            phase in ("Suspended", "Queued"),
+            phase,
+            "held by Kueue until admitted" if phase == "Queued" else "spec.suspend is true; no pods run",
+        ),
+        "Succeeded": when(phase == "Succeeded", "Succeeded", f"the controller finished ({attempt_text})"),
+        "Failed": when(phase == "Failed", reason or "Failed", failure_text),
+    }
+    return tuple(
+        _set_condition(previous, condition_type, *values[condition_type], now)
+        for condition_type in CONDITION_TYPES
+    )
+
+
+def _phase_event(
+    old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str
+) -> tuple[Event, ...]:
+    """One event per phase change: Warning for failures and retries, Normal otherwise."""
+    if old == new:
+        return ()
+    messages: dict[Phase, str] = {
+        "Pending": f"waiting for RayJob {rayjob} ({attempt_text})",
+        "Suspended": "spec.suspend is true: the cluster is deleted and nothing runs",
+        "Queued": "waiting for Kueue to admit the job",
+        "Initializing": f"RayJob {rayjob} is starting its cluster ({attempt_text})",
+        "Running": f"the controller is running in RayJob {rayjob} ({attempt_text})",
+        "Retrying": detail,
+        "Succeeded": f"training finished in RayJob {rayjob} ({attempt_text})",
+        "Failed": detail,
+    }
+    kind: Literal["Normal", "Warning"] = "Warning" if new in ("Retrying", "Failed") else "Normal"
+    return (Event(kind, new, messages[new]),)
+
+
+def desired_status(
+    job: RLHFJob,
+    current: RLHFJobStatus,
+    observed: ObservedRayJob | None,
+    *,
+    now: datetime,
+    generation: int | None = None,
+) -> StatusDecision:
+    """The status ``job`` should have given the RayJob ``observed`` (None when it does not exist yet).
+
+    ``observed`` must be the RayJob named ``current.rayJobName`` (or the first attempt's name
+    when that is unset); a RayJob of another name is ignored. A RayJob that was observed
+    before (``RayJobCreated=True``) and is gone now counts as a failed attempt
+    (``RayJobDeleted``); one never observed is (re)created. ``now`` is the reconcile's
+    clock, passed in so the function is pure. The result is the same for the same inputs,
+    and feeding its status back in as ``current`` with the same ``observed`` yields the same
+    status again (no condition times move), which is what makes a second reconcile write
+    nothing.
+    """
+    now = _now(now)
+    spec = job.spec
+    max_attempts = spec.max_restarts + 1
+    attempt = max(current.attempts, 1)
+    name = rayjob_name(job.metadata.name, attempt)
+    base = current.model_copy(update={"observed_generation": generation})
+
+    if current.phase in TERMINAL_PHASES:
+        return StatusDecision(base)
+
+    if observed is not None and observed.name != name:
+        observed = None
+    outcome = _classify(spec, observed) if observed is not None else None
+    created = current.condition("RayJobCreated")
+    if observed is None and created is not None and created.status == "True" and current.ray_job_name == name:
+        # Seen before, gone now: deleted by someone, or with its namespace's quota. The run was cut short.
+        outcome = _failure(
+            "RayJobDeleted", f"RayJob {name} was deleted while the attempt ran", retryable=True
+        )
+    start_time = current.start_time
+    if start_time is None and outcome is not None and outcome.phase not in ("Pending", "Queued", "Suspended"):
+        start_time = _now(observed.start_time) if observed is not None and observed.start_time else now
+
+    mirrors: dict[str, Any] = {
+        "job_deployment_status": observed.job_deployment_status or None if observed else None,
+        "job_status": observed.job_status or None if observed else None,
+        "reason": observed.reason or None if observed else None,
+        "message": observed.message or None if observed else None,
+    }
+
+    deadline = spec.active_deadline_seconds
+    if deadline is not None and start_time is not None and now - start_time >= timedelta(seconds=deadline):
+        detail = f"spec.activeDeadlineSeconds ({deadline}s) passed since {start_time.isoformat()}"
+        outcome = _failure("DeadlineExceeded", detail, retryable=False)
+
+    start_attempt: int | None = None
+    attempts = attempt
+    if outcome is None:
+        # No RayJob for this attempt yet: the first reconcile, or a retry whose create has not landed.
+        phase: Phase = "Retrying" if current.phase == "Retrying" else _waiting_phase(spec, suspended=False)
+        start_attempt = attempt
+        reason, message = (current.reason or "", current.message or "") if phase == "Retrying" else ("", "")
+    elif outcome.failed and outcome.retryable and attempt < max_attempts:
+        phase = "Retrying"
+        attempts = attempt + 1
+        start_attempt = attempts
+        reason, message = outcome.reason, outcome.message
+    elif outcome.failed:
+        phase = "Failed"
+        reason, message = outcome.reason, outcome.message
+        if outcome.retryable:
+            message = f"{message} (attempt {attempt} of {max_attempts}; spec.maxRestarts {spec.max_restarts} reached)"
+    else:
+        phase = outcome.phase
+        if phase == "Pending" and current.phase == "Retrying":
+            phase = "Retrying"
+        reason, message = outcome.reason, outcome.message
+
+    new_name = rayjob_name(job.metadata.name, attempts)
+    attempt_text = f"attempt {attempts} of {max_attempts}"
+    if reason:  # a failure, a retry, or a state this mapping does not know: say why
+        mirrors.update(reason=reason, message=message or None)
+    if phase == "Retrying":
+        event_detail = (
+            f"attempt {attempt} of {max_attempts} failed ({reason}: {message}); starting RayJob {new_name} "
+            f"({attempt_text}) from the newest checkpoint"
+            if reason
+            else f"KubeRay is retrying RayJob {new_name}"
+        )
+    else:
+        event_detail = f"{reason}: {message}"
+    status = base.model_copy(
+        update={
+            "phase": phase,
+            "attempts": attempts,
+            "ray_job_name": new_name,
+            "start_time": start_time,
+            "completion_time": (current.completion_time or now) if phase in TERMINAL_PHASES else None,
+            "conditions": _conditions(
+                current,
+                phase,
+                created=observed is not None and start_attempt is None,
+                rayjob=new_name,
+                attempt_text=attempt_text,
+                reason=reason if phase == "Failed" else "",
+                message=message if phase == "Failed" else "",
+                now=now,
+            ),
+            **mirrors,
+        }
+    )
+    events = _phase_event(current.phase, phase, new_name, attempt_text, event_detail)
+    return StatusDecision(status, start_attempt, events)
+
+
+def invalid_spec_status(
+    current: RLHFJobStatus,
+    problems: Sequence[str],
+    *,
+    now: datetime,
+    generation: int | None = None,
+) -> StatusDecision:
+    """Status of a job whose spec the operator cannot accept: ``Validated=False`` naming each problem.
+
+    No children are created. A job that never started stays Pending (not Failed) so that
+    fixing a mutable field lets it proceed; a job that already has a RayJob keeps its phase,
+    since what runs was started from the previous, valid spec.
+    """
+    now = _now(now)
+    message = "; ".join(problems)
+    validated = _set_condition(current, "Validated", "False", "InvalidSpec", message, now)
+    others = tuple(c for c in current.conditions if c.type != "Validated")
+    status = current.model_copy(
+        update={
+            "phase": current.phase or "Pending",
+            "conditions": (validated, *others),
+            "observed_generation": generation,
+        }
+    )
+    old = current.condition("Validated")
+    changed = old is None or old.status != "False" or old.message != message
+    events = (Event("Warning", "InvalidSpec", message),) if changed else ()
+    return StatusDecision(status, None, events)
+
+
+def status_patch(current: RLHFJobStatus, desired: RLHFJobStatus) -> dict[str, Any]:
+    """The merge patch of ``status`` that turns ``current`` into ``desired``, on operator-owned keys only.
+
+    Empty when nothing changed, so a level-triggered reconcile that finds the world as it
+    wants it writes nothing. A key that ``desired`` unsets is sent as null (merge-patch
+    deletion). ``progress`` is never included: the controller owns it.
+    """
+    old, new = current.to_json(), desired.to_json()
+    return {key: new.get(key) for key in OPERATOR_OWNED_KEYS if old.get(key) != new.get(key)}
+
+
+def remaining_deadline_seconds(spec: RLHFJobSpec, status: RLHFJobStatus, now: datetime) -> int | None:
+    """``activeDeadlineSeconds`` for the next RayJob: what is left of the job's budget, restarts included.
+
+    None without a deadline. At least 1, since KubeRay requires a positive value; a budget
+    already spent is :func:`desired_status`'s business (it fails the job).
+    """
+    deadline = spec.active_deadline_seconds
+    if deadline is None:
+        return None
+    if status.start_time is None:
+        return deadline
+    elapsed = (_now(now) - status.start_time).total_seconds()
+    return max(1, int(deadline - elapsed))
+
+
+def ttl_remaining_seconds(spec: RLHFJobSpec, status: RLHFJobStatus, now: datetime) -> float | None:
+    """Seconds until a finished job should be deleted (<= 0: now); None while it runs or without a TTL."""
+    ttl = spec.ttl_seconds_after_finished
+    if ttl is None or status.phase not in TERMINAL_PHASES or status.completion_time is None:
+        return None
+    return ttl - (_now(now) - status.completion_time).total_seconds()
