@@ -8,12 +8,15 @@ small and shut them down (releasing the placement groups) before the next test d
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
+# tests/kube/ (the API-server emulator and the kopf harness) is imported as the `kube` package.
+sys.path.insert(0, str(TESTS_DIR))
 
 # Ray worker processes inherit this environment: they must import the test-only worker classes
 # by module name, exactly as the driver does.

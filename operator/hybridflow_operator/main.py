@@ -7,7 +7,9 @@ Triggers, all calling :func:`hybridflow_operator.reconcile.reconcile` on the cur
 * any event of a RayJob labelled as ours: the owning RLHFJob is read and reconciled;
 * a timer on every RLHFJob, for transitions that only time causes (deadline, TTL).
 
-A per-job lock serialises the reconciles of one job across these triggers. Run with
+A per-job lock serialises the reconciles of one job across these triggers, and each reconcile
+reads the job afresh under that lock, so a pass never acts on a body older than the previous
+pass's status write. Run with
 ``python -m hybridflow_operator`` (which registers on kopf's default registry and runs it).
 """
 
@@ -65,16 +67,18 @@ def register(
     api: Cluster = cluster or ApiCluster()
     locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 
-    def run(body: Mapping[str, Any], trigger: str) -> ReconcileResult | None:
-        meta = body.get("metadata") or {}
-        key = f"{meta.get('namespace')}/{meta.get('name')}"
-        if meta.get("deletionTimestamp"):
-            metrics.observe_phase(key, None)
-            return None
+    def run(namespace: str, name: str, trigger: str) -> ReconcileResult | None:
+        key = f"{namespace}/{name}"
         started = time.monotonic()
         metrics.reconciles.labels(trigger=trigger).inc()
         try:
             with locks[key]:
+                # The triggering body may be older than the last reconcile's status write (a timer
+                # or a RayJob event): read the job afresh so each pass starts from what is stored.
+                body = api.get("RLHFJob", namespace, name)
+                if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                    metrics.observe_phase(key, None)
+                    return None
                 result = reconcile(body, api, config.defaults, now=datetime.now(UTC))
         except Exception as err:
             metrics.errors.labels(error=type(err).__name__).inc()
@@ -96,12 +100,11 @@ def register(
             metrics.serve(config.metrics_port)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def job_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    def job_changed(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
         if type == "DELETED":
-            meta = body.get("metadata") or {}
-            metrics.observe_phase(f"{meta.get('namespace')}/{meta.get('name')}", None)
+            metrics.observe_phase(f"{namespace}/{name}", None)
             return
-        run(body, "rlhfjob")
+        run(str(namespace), name, "rlhfjob")
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={MANAGED_BY_LABEL: MANAGED_BY}, registry=registry)
     def rayjob_changed(body: kopf.Body, **_: Any) -> None:
@@ -109,14 +112,11 @@ def register(
         owner = (meta.get("labels") or {}).get(JOB_LABEL)
         owners = [ref for ref in meta.get("ownerReferences") or [] if ref.get("kind") == "RLHFJob"]
         name = owners[0]["name"] if owners else owner
-        if not name:
-            return
-        job = api.get("RLHFJob", meta["namespace"], name)
-        if job is not None:
-            run(job, "rayjob")
+        if name:
+            run(str(meta["namespace"]), str(name), "rayjob")
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.timer_seconds, idle=None, registry=registry)
-    def periodic(body: kopf.Body, **_: Any) -> None:
-        run(body, "timer")
+    def periodic(*, namespace: str | None, name: str, **_: Any) -> None:
+        run(str(namespace), name, "timer")
 
     return metrics

@@ -1,0 +1,867 @@
+"""An in-memory Kubernetes API server for tests: kmock 0.8's emulator plus what an operator relies on.
+
+``kmock.KubernetesEmulator`` stores objects and serves create/get/list/patch/delete/watch, but
+the official client and kopf trip over several of its simplifications (see
+``/work/shared/notes/k8s-test-stack.md``). :class:`ApiServerEmulator` keeps kmock's storage
+(``emulator.objects``, with every version in ``.history``), request log (iterating the emulator
+yields every ``kmock.Request``), discovery endpoints, error rendering and user reactions
+(``emulator['get /x'] << 500`` still overrides responses), and replaces the parts that differ
+from a real API server. Each replaced behaviour lives in its own method whose comment names the
+kmock 0.8 behaviour it fixes:
+
+=================================  ===========================================================
+``_create_object``                 201 Created; server-set ``uid``, ``resourceVersion``,
+                                   ``creationTimestamp``, ``generation``; namespace from the
+                                   URL; ``generateName``; 409/422 Status bodies.
+``_write_object``                  PUT (kmock answers 404); merge and JSON patches with
+                                   ``test`` ops against the server's ``resourceVersion``;
+                                   optimistic concurrency (409); no-op writes change nothing.
+``_confine_to_endpoint``           the ``status`` subresource applies only ``status``; writes
+                                   to the main resource never change ``status``.
+``_next_generation``               ``generation`` grows on spec changes only.
+``_delete_object``                 finalizers (``deletionTimestamp``) as kmock, plus a new
+                                   ``resourceVersion`` and the generation bump.
+``_collect_garbage``               owner-reference garbage collection, cascading.
+``_serve_list``/``_serve_watch``   label and field selectors; list ``resourceVersion``; watches
+                                   that start *after* a given ``resourceVersion`` (kmock replays
+                                   every object as ADDED, which stalls kopf).
+``_parse_namespace_paths``         ``/api/v1/namespaces[/{name}]`` (kmock's URL parser raises);
+                                   the ``default`` namespace exists from the start.
+=================================  ===========================================================
+
+Threading protocol: every state change happens in :meth:`ApiServerEmulator._handle` on the
+server's event loop, under kmock's ``_lock``; stored object versions are never mutated in place
+(each write stores a new dict), so watch events and responses can share them without copies.
+Tests on other threads may read ``emulator.objects`` and iterate requests, may register a
+resource before its first request, and must change objects only through the API.
+
+Deliberately absent (the operator does not rely on them): schema/CEL validation and defaulting,
+admission, RBAC, server-side apply (415), strategic merge (treated as a JSON merge patch, so
+lists are replaced, not merged by key), foreground deletion (treated as background; orphaning
+leaves the dependents' ownerReferences in place), deletecollection, paginated lists (``limit``
+is ignored), namespace existence checks, watch bookmarks and history expiry (no 410 Gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import copy
+import dataclasses
+import datetime
+import functools
+import re
+import secrets
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Final
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import kmock
+from kmock._internal import parsing, rendering
+
+# The extension reaches into kmock's internals (listed at the end of this file); any other
+# version may rename them, so refuse to run on one rather than fail obscurely.
+KMOCK_VERSION: Final = "0.8"
+if kmock.__version__ != KMOCK_VERSION:
+    raise ImportError(f"tests/kube/emulator.py extends kmock=={KMOCK_VERSION}; found {kmock.__version__}")
+
+JsonObject = dict[str, Any]
+ObjectKey = tuple[kmock.resource, str | None, str]
+
+WRITE_METHODS: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+ALL_VERBS: Final = frozenset({"create", "delete", "get", "list", "patch", "update", "watch"})
+
+# Fields only the server sets; clients' values are ignored on every write.
+SERVER_METADATA: Final = (
+    "uid",
+    "resourceVersion",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+)
+# The alphabet and length the API server uses for generateName suffixes (no vowels, no 0/1/3).
+GENERATE_NAME_ALPHABET: Final = "bcdfghjklmnpqrstvwxz2456789"
+GENERATE_NAME_SUFFIX_LENGTH: Final = 5
+
+
+# kmock renders a KubernetesError as a `kind: Status` body with its code, reason, message and
+# details. kmock's own errors say "Object Not Found" and put a traceback in `details`; clients
+# (and kopf) branch on the code and people read reason/message, so these mirror the real server.
+
+
+def not_found(resource: kmock.resource, name: str | None) -> kmock.KubernetesError:
+    if name is None:
+        return kmock.KubernetesError(
+            404, "NotFound", "the server could not find the requested resource", {"kind": resource.plural}
+        )
+    return kmock.KubernetesError(
+        404,
+        "NotFound",
+        f'{_group_resource(resource)} "{name}" not found',
+        {"name": name, "group": resource.group, "kind": resource.plural},
+    )
+
+
+def already_exists(resource: kmock.resource, name: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(
+        409,
+        "AlreadyExists",
+        f'{_group_resource(resource)} "{name}" already exists',
+        {"name": name, "group": resource.group, "kind": resource.plural},
+    )
+
+
+def conflict(resource: kmock.resource, name: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {_group_resource(resource)} "{name}": the object has been'
+        " modified; please apply your changes to the latest version and try again",
+        {"name": name, "group": resource.group, "kind": resource.plural},
+    )
+
+
+def invalid(kind: str, name: str, field: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(
+        422,
+        "Invalid",
+        f'{kind} "{name}" is invalid: {field}: {message}',
+        {
+            "name": name,
+            "kind": kind,
+            "causes": [{"reason": "FieldValueInvalid", "message": message, "field": field}],
+        },
+    )
+
+
+def bad_request(message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(400, "BadRequest", message, {"causes": [{"message": message}]})
+
+
+def _group_resource(resource: kmock.resource) -> str:
+    return f"{resource.plural}.{resource.group}" if resource.group else str(resource.plural)
+
+
+def _api_version(resource: kmock.resource) -> str | None:
+    return f"{resource.group}/{resource.version}" if resource.group else resource.version
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- selectors -------------------------------------------------------------------------------
+
+_LABEL_REQUIREMENT = re.compile(
+    r"""^\s*(?:
+        !\s*(?P<absent>[\w./-]+)
+      | (?P<set_key>[\w./-]+)\s+(?P<set_op>in|notin)\s*\((?P<values>[^()]*)\)
+      | (?P<eq_key>[\w./-]+)\s*(?P<eq_op>==|=|!=)\s*(?P<value>[\w./-]*)
+      | (?P<present>[\w./-]+)
+    )\s*$""",
+    re.VERBOSE,
+)
+_FIELD_REQUIREMENT = re.compile(r"^\s*(?P<field>[\w.]+)\s*(?P<op>==|=|!=)\s*(?P<value>[^,]*?)\s*$")
+_SELECTABLE_FIELDS: Final[Mapping[str, Callable[[JsonObject], str | None]]] = {
+    "metadata.name": lambda obj: obj.get("metadata", {}).get("name"),
+    "metadata.namespace": lambda obj: obj.get("metadata", {}).get("namespace"),
+}
+
+
+def _split_requirements(selector: str) -> list[str]:
+    """Split on the commas between requirements, not those inside ``in (a,b)`` value sets."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(selector):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(selector[start:index])
+            start = index + 1
+    parts.append(selector[start:])
+    return [part for part in parts if part.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectFilter:
+    """Which objects a list or watch request sees: its namespace, name and selectors.
+
+    Label selectors follow the API's syntax: ``a=b``, ``a==b``, ``a!=b``, ``a in (x,y)``,
+    ``a notin (x,y)``, ``a`` and ``!a``, comma-separated (all must hold). Field selectors support
+    ``metadata.name`` and ``metadata.namespace`` with ``=``, ``==`` and ``!=``, the fields every
+    resource can select on; others are rejected with 400 as the API server does.
+    """
+
+    namespace: str | None
+    name: str | None
+    label_tests: tuple[Callable[[Mapping[str, str]], bool], ...] = ()
+    field_tests: tuple[Callable[[JsonObject], bool], ...] = ()
+
+    @classmethod
+    def from_request(cls, request: kmock.Request) -> ObjectFilter:
+        return cls(
+            namespace=request.namespace,
+            name=request.name,
+            label_tests=tuple(map(_label_test, _split_requirements(request.params.get("labelSelector", "")))),
+            field_tests=tuple(map(_field_test, _split_requirements(request.params.get("fieldSelector", "")))),
+        )
+
+    def matches(self, obj: JsonObject) -> bool:
+        meta = obj.get("metadata", {})
+        if self.namespace is not None and meta.get("namespace") != self.namespace:
+            return False
+        if self.name is not None and meta.get("name") != self.name:
+            return False
+        labels = meta.get("labels") or {}
+        return all(test(labels) for test in self.label_tests) and all(test(obj) for test in self.field_tests)
+
+
+def _label_test(requirement: str) -> Callable[[Mapping[str, str]], bool]:
+    match = _LABEL_REQUIREMENT.match(requirement)
+    if match is None:
+        raise bad_request(f"unable to parse requirement: {requirement.strip()!r}")
+    if key := match["absent"]:
+        return lambda labels: key not in labels
+    if key := match["present"]:
+        return lambda labels: key in labels
+    if key := match["set_key"]:
+        values = {value.strip() for value in match["values"].split(",") if value.strip()}
+        if match["set_op"] == "in":
+            return lambda labels: labels.get(key) in values
+        return lambda labels: labels.get(key) not in values
+    key, value = match["eq_key"], match["value"]
+    if match["eq_op"] == "!=":
+        return lambda labels: labels.get(key) != value
+    return lambda labels: key in labels and labels[key] == value
+
+
+def _field_test(requirement: str) -> Callable[[JsonObject], bool]:
+    match = _FIELD_REQUIREMENT.match(requirement)
+    if match is None:
+        raise bad_request(f"invalid field selector: {requirement.strip()!r}")
+    getter = _SELECTABLE_FIELDS.get(match["field"])
+    if getter is None:
+        raise bad_request(f"field label not supported: {match['field']}")
+    value = match["value"]
+    if match["op"] == "!=":
+        return lambda obj: getter(obj) != value
+    return lambda obj: getter(obj) == value
+
+
+# --- patches -----------------------------------------------------------------------------------
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: objects merge recursively, ``null`` deletes, the rest replaces.
+
+    kmock's ``patch_dict`` raises when a patch replaces a scalar by an object or vice versa,
+    which a real server accepts; lists replace wholesale, as in a real merge patch.
+    """
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchEvent:
+    """One change, as every watcher of the resource will see it.
+
+    ``previous`` is the state before the change (``None`` when added): a watcher with a selector
+    needs both states to tell "stopped matching" (DELETED for it) from "never matched" (nothing).
+    """
+
+    resource_version: int
+    type: str
+    previous: JsonObject | None
+    current: JsonObject
+
+
+# --- the emulator ----------------------------------------------------------------------------
+
+
+@attrs.define(kw_only=True)
+class ApiServerEmulator(kmock.KubernetesEmulator):
+    """kmock's Kubernetes emulator with server-side semantics an operator (and kopf) relies on.
+
+    All bundled built-in resources are registered (core v1 with ConfigMap, ServiceAccount, Event,
+    Pod, Namespace; rbac.authorization.k8s.io/v1; coordination.k8s.io/v1; events.k8s.io/v1; ...);
+    custom resources are added with :meth:`register_custom_resource` or :meth:`register_crd`.
+
+    The emulator must run inside ``async with emulator, kmock.Server(emulator)`` (kmock's
+    protocol); the harness in ``kube.harness`` does that on a thread of its own.
+    """
+
+    _resource_version: int = attrs.field(default=0, init=False)
+    _watch_logs: dict[kmock.resource, list[WatchEvent]] = attrs.field(factory=dict, init=False)
+    _watch_wakeup: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
+    _watches_closed: bool = attrs.field(default=False, init=False)
+    # The outcome of each write, computed in _handle() and served by the fallback reactions.
+    _write_results: dict[int, rendering.Payload] = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        with warnings.catch_warnings():  # kmock 0.8 reads its bundle with a deprecated importlib call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.resources.load_bundled()
+        # Every cluster has the "default" namespace; tests and operators assume it is listed.
+        namespaces = kmock.resource("", "v1", "namespaces")
+        seed = kmock.Request(resource=namespaces, data={"metadata": {"name": "default"}})
+        self._create_object(seed, namespaces, self.resources[namespaces])
+        # kmock classifies PUT as no action at all and answers it with 404: serve replacements.
+        self.fallback[kmock.method.PUT] << self._serve_write_result
+
+    # --- registration ---------------------------------------------------------------------------
+
+    def register_custom_resource(
+        self,
+        *,
+        group: str,
+        version: str,
+        plural: str,
+        kind: str,
+        namespaced: bool = True,
+        subresources: frozenset[str] | set[str] = frozenset(),
+        shortnames: frozenset[str] | set[str] = frozenset(),
+    ) -> kmock.resource:
+        """Serve a custom resource as if its CRD were installed (discovery, CRUD, watch).
+
+        ``subresources={"status"}`` gives it the status subresource, as a CRD's
+        ``subresources.status: {}`` does; kopf then writes status through ``/status``.
+        """
+        resource = kmock.resource(group, version, plural)
+        self.resources[resource] = kmock.ResourceInfo(
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=namespaced,
+            verbs=set(ALL_VERBS),
+            shortnames=set(shortnames),
+            subresources=set(subresources),
+        )
+        return resource
+
+    def register_crd(self, crd: Mapping[str, Any]) -> list[kmock.resource]:
+        """Serve every served version of a CustomResourceDefinition manifest (a parsed YAML)."""
+        spec = crd["spec"]
+        names = spec["names"]
+        return [
+            self.register_custom_resource(
+                group=spec["group"],
+                version=version["name"],
+                plural=names["plural"],
+                kind=names["kind"],
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                subresources={name for name in (version.get("subresources") or {}) if name == "status"},
+                shortnames=set(names.get("shortNames", [])),
+            )
+            for version in spec["versions"]
+            if version.get("served", True)
+        ]
+
+    # --- request routing ------------------------------------------------------------------------
+
+    def write_requests(self) -> list[kmock.Request]:
+        """Every POST/PUT/PATCH/DELETE received so far, in arrival order (for write counting)."""
+        return [request for request in list(self) if request.method.value in WRITE_METHODS]
+
+    def close_watches(self) -> None:
+        """End every open watch stream, so that the HTTP server can shut down promptly.
+
+        Must be called on the server's loop. Without it, aiohttp waits for the streams of
+        clients that never disconnect (a test's own watch) until its shutdown timeout.
+        """
+        self._watches_closed = True
+        self._wake_watchers()
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        # Replaces KubernetesEmulator._handle(), whose write bookkeeping is what the fixes below
+        # change: state changes here, under kmock's lock, even when a user reaction intercepts
+        # the response (kmock's documented behaviour), and the fallback reactions registered by
+        # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome.
+        if self._is_emulated_write(request):
+            async with self._lock:
+                self._write_results[id(request)] = self._apply_write(request)
+        try:
+            # Skip KubernetesEmulator._handle (its state changes are replaced above) and go to
+            # the reactions, as kmock's own _handle does after its bookkeeping.
+            return await super(kmock.KubernetesEmulator, self)._handle(request)
+        finally:
+            self._write_results.pop(id(request), None)
+
+    @staticmethod
+    def _is_emulated_write(request: kmock.Request) -> bool:
+        if request.resource is None or request.resource.plural is None:
+            return False
+        match request.method.value:
+            case "POST":
+                return request.name is None and request.subresource is None
+            case "PUT" | "PATCH":
+                return request.name is not None
+            case "DELETE":
+                return request.name is not None and request.subresource is None
+        return False
+
+    async def _serve_write_result(self, request: kmock.Request) -> rendering.Payload:
+        if id(request) not in self._write_results:
+            raise not_found(request.resource or kmock.resource(), None)
+        return self._write_results[id(request)]
+
+    # kmock registers these as its fallback reactions; they now serve what _apply_write() did.
+    async def _serve_create(self, request: kmock.Request) -> rendering.Payload:
+        return await self._serve_write_result(request)
+
+    async def _serve_update(self, request: kmock.Request) -> rendering.Payload:
+        return await self._serve_write_result(request)
+
+    async def _serve_delete(self, request: kmock.Request) -> rendering.Payload:
+        return await self._serve_write_result(request)
+
+    def _apply_write(self, request: kmock.Request) -> rendering.Payload:
+        resource, info = self._resource_of(request)
+        match request.method.value:
+            case "POST":
+                return rendering.Response(status=201, payload=self._create_object(request, resource, info))
+            case "DELETE":
+                return self._delete_object(request, resource, info)
+            case _:
+                return self._write_object(request, resource, info)
+
+    def _resource_of(self, request: kmock.Request) -> tuple[kmock.resource, kmock.ResourceInfo]:
+        resource = request.resource
+        if resource is None or resource not in self.resources:
+            raise not_found(resource or kmock.resource(), None)
+        return resource, self.resources[resource]
+
+    # --- writes ---------------------------------------------------------------------------------
+
+    def _create_object(
+        self, request: kmock.Request, resource: kmock.resource, info: kmock.ResourceInfo
+    ) -> JsonObject:
+        # Fixes kmock 0.8's create: it answers 200 (the official client maps only 201 to a
+        # body), stores the body as sent (no uid/resourceVersion/creationTimestamp/generation,
+        # no namespace from the URL, generateName fails), and keeps a status sent on create.
+        body = request.data
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        obj: JsonObject = copy.deepcopy(body)
+        meta: JsonObject = obj.setdefault("metadata", {})
+        for field in SERVER_METADATA:
+            meta.pop(field, None)
+
+        if info.namespaced:
+            namespace = request.namespace or meta.get("namespace")
+            if request.namespace and meta.get("namespace", request.namespace) != request.namespace:
+                raise bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
+            if not namespace:
+                raise bad_request("a namespaced object needs a namespace in the URL")
+            meta["namespace"] = namespace
+        else:
+            namespace = None
+            meta.pop("namespace", None)
+
+        kind: str = obj.setdefault("kind", info.kind or "")
+        obj.setdefault("apiVersion", _api_version(resource))
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise invalid(kind, "", "metadata.name", "Required value: name or generateName is required")
+            meta["name"] = self._generated_name(resource, namespace, meta["generateName"])
+        key = (resource, namespace, meta["name"])
+        if self._live_object(key) is not None:
+            raise already_exists(resource, meta["name"])
+
+        if "status" in info.subresources:
+            obj.pop("status", None)  # status is written only through the status subresource
+        meta.update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_resource_version(),
+            creationTimestamp=_now(),
+            generation=1,
+        )
+        self._store(key, obj)
+        self._record(resource, "ADDED", None, obj)
+        return obj
+
+    def _generated_name(self, resource: kmock.resource, namespace: str | None, prefix: str) -> str:
+        while True:
+            suffix = "".join(
+                secrets.choice(GENERATE_NAME_ALPHABET) for _ in range(GENERATE_NAME_SUFFIX_LENGTH)
+            )
+            if self._live_object((resource, namespace, prefix + suffix)) is None:
+                return prefix + suffix
+
+    def _write_object(
+        self, request: kmock.Request, resource: kmock.resource, info: kmock.ResourceInfo
+    ) -> JsonObject:
+        # Fixes kmock 0.8's updates: PUT answers 404; patches apply to the body verbatim (a JSON
+        # patch's `test` op on /metadata/resourceVersion meets whatever the client once sent),
+        # the status endpoint applies spec too, and every write is a new version and a watch
+        # event, even when nothing changed.
+        assert request.name is not None  # _is_emulated_write() routes only named writes here
+        if request.subresource not in (None, "status") or (
+            request.subresource == "status" and "status" not in info.subresources
+        ):
+            raise not_found(resource, request.name)
+        key = self._object_key(resource, info, request.namespace, request.name)
+        old = self._live_object(key)
+        if old is None:
+            raise not_found(resource, request.name)
+
+        if request.method.value == "PUT":
+            new = self._replacement(request, resource, old)
+        else:
+            new = self._patched(request, resource, old)
+        new = self._confine_to_endpoint(old, new, request.subresource, info)
+        new = self._with_server_metadata(old, new)
+        if new == old:
+            return old  # a no-op write: same resourceVersion, no watch event, as the real server
+
+        new["metadata"]["generation"] = self._next_generation(old, new, info)
+        new["metadata"]["resourceVersion"] = self._next_resource_version()
+        self._store(key, new)
+        self._record(resource, "MODIFIED", old, new)
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            self._remove(key, new, propagation="Background")
+        return new
+
+    def _replacement(self, request: kmock.Request, resource: kmock.resource, old: JsonObject) -> JsonObject:
+        body = request.data
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        meta = body.get("metadata") or {}
+        if meta.get("name", request.name) != request.name:
+            raise bad_request(
+                f"the name of the object ({meta.get('name')}) does not match the name on the URL ({request.name})"
+            )
+        self._check_precondition(resource, old, meta.get("resourceVersion"))
+        return copy.deepcopy(body)
+
+    def _patched(self, request: kmock.Request, resource: kmock.resource, old: JsonObject) -> JsonObject:
+        content_type = next(
+            (value for header, value in request.headers.items() if header.lower() == "content-type"), ""
+        )
+        media_type = content_type.split(";")[0].strip()
+        if media_type == "application/json-patch+json":
+            if not isinstance(request.data, list):
+                raise bad_request("a JSON patch must be a list of operations")
+            try:
+                patched: JsonObject = jsonpatch.apply_patch(copy.deepcopy(old), request.data)
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+                # The API server answers 422 for a failed `test` op or a missing path.
+                raise kmock.KubernetesError(
+                    422, "Invalid", f"the server rejected our request: {e}", {"causes": [{"message": str(e)}]}
+                ) from e
+            return patched
+        if media_type in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            if not isinstance(request.data, dict):
+                raise bad_request("a merge patch must be a JSON object")
+            self._check_precondition(
+                resource, old, (request.data.get("metadata") or {}).get("resourceVersion")
+            )
+            merged: JsonObject = merge_patch(old, request.data)
+            return merged
+        raise kmock.KubernetesError(
+            415,
+            "UnsupportedMediaType",
+            f"the patch type {media_type!r} is not supported",
+            {"kind": resource.plural},
+        )
+
+    @staticmethod
+    def _check_precondition(resource: kmock.resource, old: JsonObject, resource_version: str | None) -> None:
+        """A write that names a resourceVersion applies only to that version (409 otherwise)."""
+        if resource_version is not None and resource_version != old["metadata"]["resourceVersion"]:
+            raise conflict(resource, old["metadata"]["name"])
+
+    @staticmethod
+    def _confine_to_endpoint(
+        old: JsonObject, new: JsonObject, subresource: str | None, info: kmock.ResourceInfo
+    ) -> JsonObject:
+        # Fixes kmock 0.8: its status endpoint applies the whole body (spec included), and a
+        # write to the main resource changes status too. With a status subresource, the real
+        # server takes only `status` from /status writes and everything but `status` from the
+        # main resource (apiextensions' status strategy); without one, status is a plain field.
+        if "status" not in info.subresources:
+            return new
+        if subresource == "status":
+            confined = copy.deepcopy(old)
+            source = new
+        else:
+            confined = new
+            source = old
+        if "status" in source:
+            confined["status"] = copy.deepcopy(source["status"])
+        else:
+            confined.pop("status", None)
+        return confined
+
+    @staticmethod
+    def _with_server_metadata(old: JsonObject, new: JsonObject) -> JsonObject:
+        """Keep what only the server sets (and the identity) from the stored object."""
+        # A fresh metadata dict: a merge patch shares untouched sub-dicts with the stored object.
+        meta = new["metadata"] = dict(new["metadata"]) if isinstance(new.get("metadata"), dict) else {}
+        old_meta = old["metadata"]
+        for field in (*SERVER_METADATA, "name", "namespace"):
+            if field in old_meta:
+                meta[field] = old_meta[field]
+            else:
+                meta.pop(field, None)
+        new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        return new
+
+    @staticmethod
+    def _next_generation(old: JsonObject, new: JsonObject, info: kmock.ResourceInfo) -> int:
+        # Fixes kmock 0.8, which has no generation: it grows when anything but metadata (and
+        # status, with a status subresource) changes, so metadata-only and status writes keep it,
+        # and once when deletion starts (markAsDeleting() in the API server).
+        generation = int(old["metadata"].get("generation", 1))
+        ignored = {"metadata", "status"} if "status" in info.subresources else {"metadata"}
+        spec_changed = {k: v for k, v in old.items() if k not in ignored} != {
+            k: v for k, v in new.items() if k not in ignored
+        }
+        deletion_started = bool(new["metadata"].get("deletionTimestamp")) and not old["metadata"].get(
+            "deletionTimestamp"
+        )
+        return generation + 1 if spec_changed or deletion_started else generation
+
+    def _delete_object(
+        self, request: kmock.Request, resource: kmock.resource, info: kmock.ResourceInfo
+    ) -> JsonObject:
+        # Keeps kmock 0.8's finalizer semantics (deletionTimestamp while finalizers remain;
+        # removing the last one deletes) and adds what kmock lacks: a new resourceVersion on
+        # each change, the generation bump, and garbage collection of dependents.
+        assert request.name is not None  # _is_emulated_write() routes only named deletes here
+        key = self._object_key(resource, info, request.namespace, request.name)
+        old = self._live_object(key)
+        if old is None:
+            raise not_found(resource, request.name)
+        options = request.data if isinstance(request.data, dict) else {}
+        propagation = (
+            request.params.get("propagationPolicy") or options.get("propagationPolicy") or "Background"
+        )
+        self._check_precondition(resource, old, (options.get("preconditions") or {}).get("resourceVersion"))
+        return self._delete(key, old, propagation=propagation)
+
+    def _delete(self, key: ObjectKey, old: JsonObject, *, propagation: str) -> JsonObject:
+        if old["metadata"].get("deletionTimestamp"):
+            return old  # already being deleted: waiting for its finalizers
+        if not old["metadata"].get("finalizers"):
+            return self._remove(key, old, propagation=propagation)
+        new = copy.deepcopy(old)
+        new["metadata"].update(deletionTimestamp=_now(), deletionGracePeriodSeconds=0)
+        new["metadata"]["generation"] = self._next_generation(old, new, self.resources[key[0]])
+        new["metadata"]["resourceVersion"] = self._next_resource_version()
+        self._store(key, new)
+        self._record(key[0], "MODIFIED", old, new)
+        return new
+
+    def _remove(self, key: ObjectKey, last: JsonObject, *, propagation: str) -> JsonObject:
+        gone = copy.deepcopy(last)
+        gone["metadata"]["resourceVersion"] = self._next_resource_version()
+        self._objects[key].delete()  # kmock's soft deletion: the history stays for assertions
+        self._record(key[0], "DELETED", last, gone)
+        if propagation != "Orphan":
+            self._collect_garbage(gone)
+        return gone
+
+    def _collect_garbage(self, owner: JsonObject) -> None:
+        # Fixes kmock 0.8, which has no garbage collector: when an owner is removed, each object
+        # whose ownerReferences now all point at removed objects is deleted (finalizers apply,
+        # and its own dependents follow when it is removed). Objects in a removed Namespace go
+        # too. Synchronous, i.e. background propagation that happens to finish before the reply.
+        live = [(key, obj.raw) for key, obj in list(self._objects.items()) if not obj.deleted]
+        live_uids = {raw["metadata"].get("uid") for _, raw in live}
+        owner_uid = owner["metadata"].get("uid")
+        removed_namespace = owner["metadata"]["name"] if owner.get("kind") == "Namespace" else None
+        for key, raw in live:
+            owner_uids = {ref.get("uid") for ref in raw["metadata"].get("ownerReferences") or []}
+            orphaned = owner_uid in owner_uids and not owner_uids & live_uids
+            if orphaned or (removed_namespace is not None and key[1] == removed_namespace):
+                current = self._live_object(key)  # re-read: a cascade may have removed it already
+                if current is not None:
+                    self._delete(key, current, propagation="Background")
+
+    # --- storage and the watch log --------------------------------------------------------------
+
+    def _object_key(
+        self, resource: kmock.resource, info: kmock.ResourceInfo, namespace: str | None, name: str
+    ) -> ObjectKey:
+        return resource, namespace if info.namespaced else None, name
+
+    def _live_object(self, key: ObjectKey) -> JsonObject | None:
+        if key not in self._objects or self._objects[key].deleted:
+            return None
+        return self._objects[key].raw
+
+    def _store(self, key: ObjectKey, obj: JsonObject) -> None:
+        if key in self._objects:
+            self._objects[key].history.append(obj)
+        else:
+            self._objects[key] = obj
+
+    def _next_resource_version(self) -> str:
+        # One counter for all resources, like etcd's revision: monotonic across every write.
+        self._resource_version += 1
+        return str(self._resource_version)
+
+    def _record(
+        self, resource: kmock.resource, type: str, previous: JsonObject | None, current: JsonObject
+    ) -> None:
+        event = WatchEvent(int(current["metadata"]["resourceVersion"]), type, previous, current)
+        self._watch_logs.setdefault(resource, []).append(event)
+        self._wake_watchers()
+
+    def _wake_watchers(self) -> None:
+        # Each waiting watcher holds the Event it saw; setting it and starting a fresh one
+        # wakes exactly those that had caught up. Single-threaded (the server's loop): no lock.
+        self._watch_wakeup.set()
+        self._watch_wakeup = asyncio.Event()
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    async def _serve_fetch(self, request: kmock.Request) -> rendering.Payload:
+        # Adds the 404 Status shape of the real server, and GET on the status subresource.
+        resource, info = self._resource_of(request)
+        assert request.name is not None  # kmock classifies only named GETs as FETCH
+        if request.subresource not in (None, "status") or (
+            request.subresource == "status" and "status" not in info.subresources
+        ):
+            raise not_found(resource, request.name)
+        obj = self._live_object(self._object_key(resource, info, request.namespace, request.name))
+        if obj is None:
+            raise not_found(resource, request.name)
+        return obj
+
+    async def _serve_list(self, request: kmock.Request) -> rendering.Payload:
+        # Fixes kmock 0.8's list: label selectors are ignored, the list's resourceVersion is
+        # "...", and /api/v1/namespaces cannot be listed (see _parse_namespace_paths).
+        resource, info = self._resource_of(request)
+        object_filter = ObjectFilter.from_request(request)
+        return {
+            "apiVersion": _api_version(resource),
+            "kind": f"{info.kind}List",
+            "metadata": {"resourceVersion": str(self._resource_version)},
+            "items": [obj for obj in self._live_objects(resource) if object_filter.matches(obj)],
+        }
+
+    def _live_objects(self, resource: kmock.resource) -> list[JsonObject]:
+        """The resource's existing objects, ordered by namespace and name (etcd's key order)."""
+        live = [obj.raw for key, obj in list(self._objects.items()) if key[0] == resource and not obj.deleted]
+        return sorted(live, key=lambda raw: (raw["metadata"].get("namespace") or "", raw["metadata"]["name"]))
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[rendering.Payload]:
+        # Fixes kmock 0.8's watch, which ignores resourceVersion and selectors and replays every
+        # existing object as ADDED on each (re)connection: kopf then sees stale ADDED events and
+        # stalls on 422s. Here, with ?resourceVersion=N only later events come (what kopf
+        # asks for after its list); without one (or "0"), the current objects come as ADDED
+        # first, as from the real server. timeoutSeconds ends the stream; selectors filter it,
+        # and an object that stops matching arrives as DELETED, as it does from the API server.
+        resource, info = self._resource_of(request)
+        object_filter = ObjectFilter.from_request(request)
+        since = request.params.get("resourceVersion") or "0"
+        if not since.isdigit():
+            raise bad_request(f"invalid resourceVersion: {since!r}")
+        timeout = float(request.params["timeoutSeconds"]) if "timeoutSeconds" in request.params else None
+        initial_events = since == "0" or request.params.get("sendInitialEvents") == "true"
+        log = self._watch_logs.setdefault(resource, [])
+        if initial_events:
+            start = self._resource_version
+            initial = [
+                {"type": "ADDED", "object": obj}
+                for obj in self._live_objects(resource)
+                if object_filter.matches(obj)
+            ]
+        else:
+            start, initial = int(since), []
+        position = bisect.bisect_right(log, start, key=lambda event: event.resource_version)
+
+        yield b""  # send the headers now: a client waits for them before reading any event
+        for event in initial:
+            yield event
+        if request.params.get("sendInitialEvents") == "true":
+            yield {
+                "type": "BOOKMARK",
+                "object": {
+                    "kind": info.kind,
+                    "apiVersion": _api_version(resource),
+                    "metadata": {
+                        "resourceVersion": str(start),
+                        "annotations": {"k8s.io/initial-events-end": "true"},
+                    },
+                },
+            }
+
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._watches_closed:
+            while position < len(log):
+                watched = self._as_seen_by(object_filter, log[position])
+                position += 1
+                if watched is not None:
+                    yield watched
+            wakeup = self._watch_wakeup  # taken after the last check: no event can slip between
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(wakeup.wait(), remaining)
+            except TimeoutError:
+                return
+
+    @staticmethod
+    def _as_seen_by(object_filter: ObjectFilter, event: WatchEvent) -> JsonObject | None:
+        matched_before = event.previous is not None and object_filter.matches(event.previous)
+        matches_now = object_filter.matches(event.current)
+        if event.type == "DELETED":
+            return {"type": "DELETED", "object": event.current} if matched_before else None
+        if matched_before and matches_now:
+            return {"type": event.type, "object": event.current}
+        if matches_now:
+            return {"type": "ADDED", "object": event.current}
+        if matched_before:
+            return {"type": "DELETED", "object": event.current}
+        return None
+
+
+# --- kmock's URL parser ------------------------------------------------------------------------
+
+_NAMESPACE_PATH = re.compile(
+    r"^/api/v1/namespaces(?:/(?P<name>[^/]+)(?:/(?P<subresource>status|finalize))?)?/?$"
+)
+# Re-importing this module must not wrap the wrapper: functools.wraps keeps kmock's original.
+_kmock_parse_path = getattr(parsing.parse_path, "__wrapped__", parsing.parse_path)
+
+
+@functools.wraps(_kmock_parse_path)
+def _parse_namespace_paths(path: str) -> parsing.ParsedPath:
+    # Fixes kmock 0.8's parse_path(), which reads the segment after "namespaces" as the
+    # namespace of a namespaced resource: "/api/v1/namespaces" raises (every request to it gets
+    # a 500) and "/api/v1/namespaces/ns1" is parsed as namespace "ns1" with no resource. The
+    # Namespace resource is cluster-scoped: parse those paths as such, and defer to kmock for
+    # every other path. Installed process-wide (rendering calls parsing.parse_path), which only
+    # changes paths kmock could not parse.
+    match = _NAMESPACE_PATH.match(path)
+    if match is None:
+        return _kmock_parse_path(path)
+    return parsing.ParsedPath(
+        group="", version="v1", plural="namespaces", name=match["name"], subresource=match["subresource"]
+    )
+
+
+parsing.parse_path = _parse_namespace_paths
+
+# The kmock internals used above, for whoever upgrades kmock: KubernetesEmulator._handle,
+# ._serve_create/_update/_delete/_list/_watch/_fetch (registered as fallbacks by name),
+# ._lock and ._objects; RawHandler._handle; rendering.Response (a status with a payload);
+# parsing.parse_path and parsing.ParsedPath.
+__all__ = ["ApiServerEmulator", "ObjectFilter", "WatchEvent", "merge_patch"]
