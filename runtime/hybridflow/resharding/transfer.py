@@ -1,0 +1,459 @@
+"""Executing a :class:`~hybridflow.resharding.plan.TransitionPlan` over ``torch.distributed``.
+
+The same code runs on gloo (CPU tensors) and NCCL (CUDA tensors). Per rank, the protocol is:
+
+1. Construction of :class:`Resharder` is **collective** over the whole world: it creates the
+   plan's exchange groups (one process group per micro-DP group for HybridFlow) through
+   :class:`SubgroupCache`, which every rank must call in the same order with the same plans.
+   Build it once per (training layout, generation layout) and reuse it every RL step.
+2. ``to_generation(shard)`` is collective inside the rank's exchange group: every member calls
+   it with its :class:`TrainingShard`. It is the all-gather of the plan, posted as one batch of
+   point-to-point sends and receives (``batch_isend_irecv``): every member sends its buffer to
+   every peer that needs it and receives each peer's buffer into a buffer of its own. Bytes
+   received are those of an all-gather; what differs is where they land. ``all_gather`` and
+   ``all_gather_into_tensor`` write every member's chunk, the caller's own included, into one
+   output (``all_gather`` with a list output even flattens through a temporary of the whole
+   gathered size on gloo and NCCL), so the training shard would either be copied (a redundant
+   ``M/(tp)``) or have to live permanently inside a generation-sized buffer that cannot be
+   partly freed. Separate receive buffers keep the training shard where it is, read in place
+   by the generation engine (zero redundant bytes), and let ``to_training`` free exactly the
+   generation-only memory. The baselines run through the same path; they copy their own
+   buffer into the gathered model instead of reusing it, as their designs do.
+3. Between the two calls the caller generates with the returned :class:`GenerationShard` and
+   must not modify its training shard (HybridFlow's generation weights *are* that memory).
+4. ``to_training(generation)`` is local: it releases the generation shard (every received
+   buffer and copy; the training shard is untouched, it never stopped being the trainer's).
+   An engine holding the shard sees it released and refuses to generate until it is given the
+   next one.
+
+Both calls return a :class:`TransitionStats` (seconds, bytes received, parameter memory) that
+the observability layer can export as they are. Memory figures are measured from the tensors
+that exist (distinct storages, by their ``untyped_storage``), not copied from the plan; the
+tests check that the two agree. They do not see temporaries inside the communication library
+(none on the point-to-point path with gloo; NCCL keeps small internal staging buffers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.resharding.layout import Block, ReshardingError
+from hybridflow.resharding.plan import (
+    BUFFER_KINDS,
+    BufferKind,
+    Design,
+    ParamBytes,
+    TransitionPlan,
+    buffer_kind,
+)
+
+__all__ = [
+    "GenerationShard",
+    "Resharder",
+    "SubgroupCache",
+    "TrainingShard",
+    "TransitionStats",
+]
+
+_TAGS = {"partitioned": 0, "replicated": 1}
+
+
+def _offsets(blocks: Sequence[Block]) -> dict[Block, int]:
+    """Element offset of each block inside its kind's flat buffer (the plan's order)."""
+    offsets: dict[Block, int] = {}
+    cursor = dict.fromkeys(BUFFER_KINDS, 0)
+    for block in blocks:
+        kind = buffer_kind(block)
+        offsets[block] = cursor[kind]
+        cursor[kind] += block.numel
+    return offsets
+
+
+def _storage_bytes(tensors: Iterable[tuple[BufferKind, torch.Tensor]]) -> ParamBytes:
+    """Bytes of the distinct storages behind ``tensors``, by kind (a storage counts once)."""
+    seen: dict[int, tuple[BufferKind, int]] = {}
+    for kind, tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = (kind, storage.nbytes())
+    partitioned = sum(size for kind, size in seen.values() if kind == "partitioned")
+    replicated = sum(size for kind, size in seen.values() if kind == "replicated")
+    return ParamBytes(partitioned, replicated)
+
+
+# --------------------------------------------------------------------------- shards
+
+
+class TrainingShard:
+    """A rank's training parameters as two flat buffers, one per :data:`BufferKind`.
+
+    ``blocks`` is the rank's ``RankPlan.training``: partitioned blocks first, then replicated,
+    each laid out back to back in its buffer. :meth:`views` gives each block as a tensor of its
+    shape that shares the buffer's memory. A trainer that keeps its parameters as these views
+    (as Megatron's DDP keeps its parameters inside flat buffers) hands its shard over with no
+    copy; one that does not packs its local tensors with :meth:`pack` (one copy per step).
+    """
+
+    def __init__(self, blocks: Sequence[Block], partitioned: torch.Tensor, replicated: torch.Tensor) -> None:
+        self.blocks = tuple(blocks)
+        self._buffers: dict[BufferKind, torch.Tensor] = {"partitioned": partitioned, "replicated": replicated}
+        self._offsets = _offsets(self.blocks)
+        for kind, buffer in self._buffers.items():
+            expected = sum(block.numel for block in self.blocks if buffer_kind(block) == kind)
+            if buffer.dim() != 1 or buffer.numel() != expected or not buffer.is_contiguous():
+                raise ReshardingError(
+                    f"the {kind} buffer must be a contiguous 1-D tensor of {expected} elements, "
+                    f"got shape {tuple(buffer.shape)}"
+                )
+        if partitioned.dtype != replicated.dtype or partitioned.device != replicated.device:
+            raise ReshardingError("both buffers of a training shard must share one dtype and device")
+
+    @classmethod
+    def allocate(
+        cls, blocks: Sequence[Block], dtype: torch.dtype, device: torch.device | str
+    ) -> TrainingShard:
+        """Uninitialised buffers for ``blocks``; fill them through :meth:`views`."""
+        sizes = {kind: sum(b.numel for b in blocks if buffer_kind(b) == kind) for kind in BUFFER_KINDS}
+        return cls(
+            blocks,
+            torch.empty(sizes["partitioned"], dtype=dtype, device=device),
+            torch.empty(sizes["replicated"], dtype=dtype, device=device),
+        )
+
+    @classmethod
+    def pack(
+        cls,
+        blocks: Sequence[Block],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> TrainingShard:
+        """Copy a backend's local shards (by HF name, each of its block's shape) into fresh buffers."""
+        if not tensors:
+            raise ReshardingError("no local tensors to pack into a training shard")
+        first = next(iter(tensors.values()))
+        shard = cls.allocate(blocks, dtype or first.dtype, device or first.device)
+        views = shard.views()
+        for block in shard.blocks:
+            local = tensors.get(block.name)
+            if local is None:
+                raise ReshardingError(f"the training shard lacks {block.name}")
+            if tuple(local.shape) != block.shape:
+                raise ReshardingError(
+                    f"{block.name}: the local shard has shape {tuple(local.shape)}, expected {block.shape}"
+                )
+            views[block.name].copy_(local)
+        return shard
+
+    @classmethod
+    def from_full(
+        cls,
+        blocks: Sequence[Block],
+        full: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> TrainingShard:
+        """Cut ``blocks`` out of full HF tensors (a whole state dict): how tests and benchmarks start."""
+        return cls.pack(blocks, {b.name: full[b.name][b.index()] for b in blocks}, dtype=dtype, device=device)
+
+    def buffer(self, kind: BufferKind) -> torch.Tensor:
+        return self._buffers[kind]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._buffers["partitioned"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._buffers["partitioned"].device
+
+    def view(self, block: Block) -> torch.Tensor:
+        start = self._offsets[block]
+        return self._buffers[buffer_kind(block)][start : start + block.numel].view(block.shape)
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Each block as a tensor of its shape, sharing the buffers' memory."""
+        return {block.name: self.view(block) for block in self.blocks}
+
+    def storage_bytes(self) -> ParamBytes:
+        return _storage_bytes((kind, buffer) for kind, buffer in self._buffers.items())
+
+
+class GenerationShard:
+    """The weights one rank's generation engine reads, by HF name.
+
+    Each parameter's generation slice (:meth:`slice`, a :class:`Block` of the full tensor) is
+    held as the tuple of blocks that tile it along its split dimension (:meth:`blocks`), in
+    order; concatenating them gives the slice (:meth:`tensor`, which copies when there is more
+    than one). Engines compute on the blocks directly so that nothing is copied: with
+    HybridFlow one of them is the rank's own training memory. After :meth:`release` (called by
+    :meth:`Resharder.to_training`) every access raises :class:`ReshardingError`.
+    """
+
+    def __init__(self, slices: Mapping[str, Block], blocks: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        self._slices = dict(slices)
+        self._blocks: dict[str, tuple[torch.Tensor, ...]] | None = {
+            name: tuple(b) for name, b in blocks.items()
+        }
+        for name, block in self._slices.items():
+            pieces = self._blocks[name]
+            if block.dim is None:
+                if len(pieces) != 1 or tuple(pieces[0].shape) != block.shape:
+                    raise ReshardingError(f"{name}: a replicated parameter is one whole block")
+            elif sum(piece.shape[block.dim] for piece in pieces) != block.stop - block.start:
+                raise ReshardingError(f"{name}: the blocks do not tile the generation slice")
+
+    @classmethod
+    def from_full(cls, slices: Mapping[str, Block], full: Mapping[str, torch.Tensor]) -> GenerationShard:
+        """Engine-owned copies of the slices of full tensors (no resharding involved)."""
+        return cls(slices, {name: (full[name][block.index()].clone(),) for name, block in slices.items()})
+
+    def _live(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        if self._blocks is None:
+            raise ReshardingError(
+                "the generation shard was released (Resharder.to_training); reshard again for the next rollout"
+            )
+        return self._blocks
+
+    @property
+    def released(self) -> bool:
+        return self._blocks is None
+
+    def names(self) -> list[str]:
+        return list(self._slices)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._slices
+
+    def slice(self, name: str) -> Block:
+        return self._slices[name]
+
+    def blocks(self, name: str) -> tuple[torch.Tensor, ...]:
+        return self._live()[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The generation slice as one tensor (a copy unless it is a single block)."""
+        pieces = self.blocks(name)
+        dim = self._slices[name].dim
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim if dim is not None else 0)
+
+    def replace(self, name: str, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` (the whole generation slice) as the parameter's only block, engine-owned."""
+        block = self._slices[name]
+        if tuple(tensor.shape) != block.shape:
+            raise ReshardingError(
+                f"{name}: expected the generation slice's shape {block.shape}, got {tuple(tensor.shape)}"
+            )
+        self._live()[name] = (tensor,)
+
+    def tensors(self) -> Iterator[tuple[BufferKind, torch.Tensor]]:
+        for name, pieces in self._live().items():
+            for piece in pieces:
+                yield buffer_kind(self._slices[name]), piece
+
+    def read_bytes(self) -> ParamBytes:
+        """Bytes the engine reads: the generation slices themselves."""
+        total = ParamBytes()
+        for kind, piece in self.tensors():
+            size = piece.numel() * piece.element_size()
+            total += ParamBytes(size, 0) if kind == "partitioned" else ParamBytes(0, size)
+        return total
+
+    def release(self) -> None:
+        self._blocks = None
+
+
+# --------------------------------------------------------------------------- groups
+
+
+class SubgroupCache:
+    """Process groups by membership, created on first request and reused afterwards.
+
+    :meth:`get` is collective over the whole world the first time a partition is asked for
+    (``new_subgroups_by_enumeration`` calls ``new_group`` for every group of the partition on
+    every rank), so every rank must ask for the same partitions in the same order; later
+    requests are local. A rank gets the group it belongs to.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def get(self, partition: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+        me = dist.get_rank()
+        key = tuple(sorted(tuple(group) for group in partition))
+        mine = next((group for group in key if me in group), None)
+        if mine is None:
+            raise ReshardingError(f"rank {me} is in none of the groups {key}")
+        if mine not in self._groups:
+            created, _ = dist.new_subgroups_by_enumeration([list(group) for group in key])
+            if created is None:
+                raise ReshardingError(f"rank {me}: torch.distributed created no group for it in {key}")
+            for group in key:
+                if me in group:
+                    self._groups[group] = created
+        return self._groups[mine]
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class TransitionStats:
+    """What one rank measured in one transition (the observability layer exports :meth:`as_metrics`).
+
+    * ``seconds``: wall time of the call on this rank (CUDA work synchronised).
+    * ``received``: bytes received from peers.
+    * ``peak``: Table 2's peak parameter memory, the largest model the rank assembled at once
+      (its own training buffers count when they are part of it).
+    * ``peak_total``: every parameter byte alive at that moment, a training shard kept aside
+      included.
+    * ``held``: parameter memory alive at the end of the call (while generating, for
+      ``to_generation``; the training shard alone, for ``to_training``).
+    * ``redundant``: held but not read by the generation engine (``to_generation`` only).
+    * ``freed``: parameter memory released by the call (``to_training`` only).
+    """
+
+    design: Design
+    direction: Literal["to_generation", "to_training"]
+    rank: int
+    seconds: float
+    received: ParamBytes
+    peak: ParamBytes
+    peak_total: ParamBytes
+    held: ParamBytes
+    redundant: ParamBytes
+    freed: ParamBytes
+
+    @property
+    def bytes_received(self) -> int:
+        return self.received.total
+
+    def as_metrics(self) -> dict[str, float | int | str]:
+        """Flat ``{name: value}``, byte counts split as ``<field>_partitioned`` / ``_replicated``."""
+        flat: dict[str, float | int | str] = {}
+        for name, value in asdict(self).items():
+            if isinstance(value, dict):
+                for kind, count in value.items():
+                    flat[f"{name}_{kind}_bytes"] = count
+            else:
+                flat[name] = value
+        flat["bytes_received"] = self.bytes_received
+        return flat
+
+
+# --------------------------------------------------------------------------- resharder
+
+
+class Resharder:
+    """Runs one plan's transitions on one rank; see the module docstring for the protocol.
+
+    Construction is collective over the world (it creates the exchange groups); use one
+    :class:`SubgroupCache` per process so that groups are created once.
+    """
+
+    def __init__(self, plan: TransitionPlan, rank: int, groups: SubgroupCache) -> None:
+        self.plan = plan
+        self.rank = rank
+        self._me = plan.rank(rank)
+        self._group = groups.get(plan.groups) if any(len(group) > 1 for group in plan.groups) else None
+        self._offsets = {r: _offsets(plan.rank(r).training) for r in self._me.group}
+
+    def _synchronize(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def to_generation(self, shard: TrainingShard) -> tuple[GenerationShard, TransitionStats]:
+        """Train -> generate: exchange inside the exchange group (collective there), build the shard."""
+        me = self._me
+        if shard.blocks != me.training:
+            raise ReshardingError(
+                f"rank {self.rank}: the training shard's blocks are not the plan's for this rank"
+            )
+        device = shard.device
+        self._synchronize(device)
+        start = time.perf_counter()
+        gathered: dict[tuple[int, BufferKind], torch.Tensor] = {}
+        for kind in BUFFER_KINDS:
+            own = shard.buffer(kind)
+            if own.numel():
+                gathered[(self.rank, kind)] = own if me.reuses_training else own.clone()
+        for message in me.receives:
+            gathered[(message.src, message.kind)] = torch.empty(
+                message.numel, dtype=shard.dtype, device=device
+            )
+        ops = [
+            dist.P2POp(dist.isend, shard.buffer(m.kind), m.dst, self._group, _TAGS[m.kind]) for m in me.sends
+        ] + [
+            dist.P2POp(dist.irecv, gathered[(m.src, m.kind)], m.src, self._group, _TAGS[m.kind])
+            for m in me.receives
+        ]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        del ops  # the ops reference the buffers; drop them so that unused ones can be freed below
+        self._synchronize(device)
+        peak = _storage_bytes((kind, tensor) for (_, kind), tensor in gathered.items())
+        peak_total = _storage_bytes(
+            [*((kind, t) for (_, kind), t in gathered.items()), *((k, shard.buffer(k)) for k in BUFFER_KINDS)]
+        )
+        slices: dict[str, Block] = {}
+        blocks: dict[str, list[torch.Tensor]] = {}
+        for want, sources in me.generation:
+            slices[want.name] = want
+            pieces = blocks.setdefault(want.name, [])
+            for source in sources:
+                buffer = gathered[(source.rank, buffer_kind(source.block))]
+                offset = self._offsets[source.rank][source.block]
+                pieces.append(buffer[offset : offset + source.block.numel].view(source.block.shape))
+        generation = GenerationShard(slices, blocks)
+        # The buffers the transport filled (a size mismatch with the sender fails the receive).
+        received = ParamBytes()
+        for m in me.receives:
+            size = gathered[(m.src, m.kind)].nbytes
+            received += ParamBytes(size, 0) if m.kind == "partitioned" else ParamBytes(0, size)
+        del gathered  # buffers no generation block reads are freed here (the baselines' extra slices)
+        seconds = time.perf_counter() - start
+        held = _storage_bytes([*generation.tensors(), *((k, shard.buffer(k)) for k in BUFFER_KINDS)])
+        stats = TransitionStats(
+            design=self.plan.design,
+            direction="to_generation",
+            rank=self.rank,
+            seconds=seconds,
+            received=received,
+            peak=peak,
+            peak_total=peak_total,
+            held=held,
+            redundant=held - generation.read_bytes(),
+            freed=ParamBytes(),
+        )
+        return generation, stats
+
+    def to_training(self, generation: GenerationShard, shard: TrainingShard) -> TransitionStats:
+        """Generate -> train: release the generation-only memory (local, no communication).
+
+        ``shard`` is the training shard passed to :meth:`to_generation`; its memory stays.
+        """
+        start = time.perf_counter()
+        before = _storage_bytes([*generation.tensors(), *((k, shard.buffer(k)) for k in BUFFER_KINDS)])
+        generation.release()
+        held = shard.storage_bytes()
+        return TransitionStats(
+            design=self.plan.design,
+            direction="to_training",
+            rank=self.rank,
+            seconds=time.perf_counter() - start,
+            received=ParamBytes(),
+            peak=ParamBytes(),
+            peak_total=before,
+            held=held,
+            redundant=ParamBytes(),
+            freed=before - held,
+        )
