@@ -1,0 +1,505 @@
+"""The megatron-core backend on four gloo ranks (CPU, through ``tests/megatron_shim.py``) against HF references.
+
+One spawned four-rank job (no Ray, no torchrun) runs every check in order, switching megatron's
+parallel layout between checks (``destroy_parallel_state`` / ``initialize_parallel_state`` over
+the same world): TP=2 (DP=2), PP=2 (DP=2), TP=2 x PP=2, TP=4 and TP=1 (DP=4). The HF references
+(weights, log-probs, values, one optimizer step) are computed once in this pytest process and
+handed to the ranks in a file, so the ranks run megatron only. Each check's outcome (a traceback
+or ``None``) comes back per rank in a JSON file and each test below asserts one check; spawning
+once keeps the cost to one import of torch + megatron per rank.
+
+Data parallelism is real: the rows are split by DP rank, the loss is normalised by the global
+token count and scaled by the DP size (megatron's DDP averages gradients over DP ranks), so
+every layout's gradient is the reference's full-batch gradient. Inside a check every
+collective runs before the first assertion, so a failing rank does not leave its peers waiting;
+the gloo timeout and the job deadline bound the damage if that rule is ever broken.
+
+The shim is applied inside the spawned ranks only (never in this process).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.integration
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+WORLD_SIZE = 4
+JOB_DEADLINE_SECONDS = 240
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+CHECKS = [
+    "hf_round_trip_is_bit_exact",
+    "local_shards_are_the_hf_slices",
+    "logprobs_and_entropy_match_hf",
+    "critic_values_and_step_match_hf",
+    "train_step_matches_hf_and_tp1",
+    "checkpoint_round_trip_continues_identically",
+    "checkpoint_loads_into_another_layout",
+    "non_finite_grad_skips_the_step_everywhere",
+]
+
+ROWS = 8
+PROMPT_WIDTH = 6
+RESPONSE_WIDTH = 5
+TEMPERATURE = 0.8
+LEARNING_RATE = 1e-2
+WEIGHT_DECAY = 0.1
+# Adam's first step moves a weight by ~lr * g / (|g| + eps): with the default eps (1e-8) the few
+# gradients of ~1e-8 that a tiny random model has turn fp32 rounding differences between
+# kernels into lr-sized steps. eps = 1e-4 keeps the step a smooth function of the gradient.
+ADAM_EPS = 1e-4
+MAX_GRAD_NORM = 0.5  # below the first step's gradient norm, so clipping is exercised
+BUCKET_BYTES = 150_000  # below the 384 x 128 fp32 embedding (196,608 bytes), above a layer's q/k/v
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    """Engine-layout rows of varied prompt and response lengths, with advantages."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.full((ROWS, PROMPT_WIDTH + RESPONSE_WIDTH), 259)
+    attention_mask = torch.zeros_like(input_ids)
+    for row in range(ROWS):
+        prompt_len = 1 + row % PROMPT_WIDTH
+        response_len = RESPONSE_WIDTH - row % 3
+        start, end = PROMPT_WIDTH - prompt_len, PROMPT_WIDTH + response_len
+        input_ids[row, start:end] = torch.randint(0, 256, (end - start,), generator=generator)
+        attention_mask[row, start:end] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=-1) - 1).clamp_min(0),
+        "response_mask": attention_mask[:, PROMPT_WIDTH:].float(),
+        "advantages": torch.randn(ROWS, RESPONSE_WIDTH, generator=generator),
+        "returns": torch.randn(ROWS, RESPONSE_WIDTH, generator=generator),
+    }
+
+
+def value_loss(values: torch.Tensor, part: Mapping[str, torch.Tensor], scale: float) -> torch.Tensor:
+    """``scale`` * the sum over response tokens of the squared error to the returns."""
+    return scale * ((values - part["returns"]) ** 2 * part["response_mask"]).sum()
+
+
+def policy_loss(
+    log_probs: torch.Tensor, entropy: torch.Tensor | None, part: Mapping[str, torch.Tensor], scale: float
+) -> torch.Tensor:
+    """``scale`` * sum over response tokens of (-A * log p - 0.01 H): log-probs and entropy both carry grads."""
+    assert entropy is not None
+    return scale * ((-part["advantages"] * log_probs - 0.01 * entropy) * part["response_mask"]).sum()
+
+
+# ------------------------------------------------------------------------------ references (this process)
+
+
+def compute_references(model_dir: Path, reward_dir: Path, path: Path) -> None:
+    """HF results every check compares against, written to ``path`` (torch.save)."""
+    from hybridflow.backends import fsdp
+
+    data = {"first": batch(seed=0), "second": batch(seed=1)}
+    first = data["first"]
+    inputs = (first["input_ids"], first["attention_mask"], first["position_ids"])
+    model = fsdp.load_causal_lm(model_dir)
+    refs: dict[str, Any] = {"data": data, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    with torch.no_grad():
+        refs["log_probs"], refs["entropy"] = fsdp.token_logprobs_and_entropy(
+            model, *inputs, response_len=RESPONSE_WIDTH, temperature=TEMPERATURE
+        )
+        refs["values"] = fsdp.token_values(
+            fsdp.load_value_model(reward_dir), *inputs, response_len=RESPONSE_WIDTH
+        )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
+    )
+    scheduler = fsdp.build_lr_scheduler(optimizer, warmup_steps=0, total_steps=4, schedule="cosine")
+    log_probs, entropy = fsdp.token_logprobs_and_entropy(
+        model, *inputs, response_len=RESPONSE_WIDTH, temperature=TEMPERATURE
+    )
+    assert entropy is not None
+    per_token = (-first["advantages"] * log_probs - 0.01 * entropy) * first["response_mask"]
+    refs["row_losses"] = per_token.detach().sum(dim=1) / first["response_mask"].sum()
+    policy_loss(log_probs, entropy, first, 1.0 / first["response_mask"].sum().item()).backward()
+    refs["grad_norm"] = fsdp.clip_grad_norm_and_step(model, optimizer, scheduler, max_grad_norm=MAX_GRAD_NORM)
+    refs["stepped"] = {k: v.clone() for k, v in model.state_dict().items()}
+    # The critic: one clipped step on the value loss, its weights under the megatron export's names.
+    critic = fsdp.load_value_model(reward_dir)
+    critic_optimizer = torch.optim.AdamW(
+        critic.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
+    )
+    critic_scheduler = fsdp.build_lr_scheduler(
+        critic_optimizer, warmup_steps=0, total_steps=4, schedule="cosine"
+    )
+    values = fsdp.token_values(critic, *inputs, response_len=RESPONSE_WIDTH)
+    value_loss(values, first, 1.0 / first["response_mask"].sum().item()).backward()
+    refs["critic_grad_norm"] = fsdp.clip_grad_norm_and_step(
+        critic, critic_optimizer, critic_scheduler, max_grad_norm=MAX_GRAD_NORM
+    )
+    refs["critic_stepped"] = {
+        name.replace("backbone.", "model.", 1): tensor.clone() for name, tensor in critic.state_dict().items()
+    }
+    torch.save(refs, path)
+
+
+# ------------------------------------------------------------------------------ the ranks
+
+
+def run_checks(rank: int, port: int, root: str) -> None:
+    """One rank of the job: every check in order, each outcome recorded in ``rank<r>.json``."""
+    sys.path.insert(0, str(TESTS_DIR))
+    import megatron_shim
+
+    megatron_shim.install()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    from hybridflow.backends import megatron as mb
+    from hybridflow.backends.megatron.config import DecoderArch
+    from hybridflow.backends.megatron.convert import units
+    from hybridflow.backends.megatron.optim import torch_optimizer
+
+    work = Path(root)
+    qwen, llama, reward = work / "qwen2", work / "llama", work / "reward"
+    refs = torch.load(work / "references.pt", weights_only=False)
+    first: dict[str, torch.Tensor] = refs["data"]["first"]
+    tokens = first["response_mask"].sum().item()
+    outcomes: dict[str, str | None] = {}
+    shared: dict[str, Any] = {}
+
+    def check(name: str, body: Callable[[], None], *, keep_layout: bool = False) -> None:
+        try:
+            body()
+            outcomes[name] = None
+        except Exception:
+            outcomes[name] = traceback.format_exc()
+            keep_layout = False
+        if not keep_layout:
+            mb.destroy_parallel_state()
+
+    def my_rows(layout: mb.ParallelLayout, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = slice(layout.dp_rank * ROWS // layout.dp_size, (layout.dp_rank + 1) * ROWS // layout.dp_size)
+        return {name: tensor[rows] for name, tensor in data.items()}
+
+    def trainer(directory: Path) -> tuple[Any, Any, Any]:
+        model = mb.wrap_data_parallel(mb.load_causal_lm(directory))
+        optimizer = mb.build_optimizer(
+            model, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
+        )
+        scheduler = mb.build_lr_scheduler(optimizer, warmup_steps=0, total_steps=4, schedule="cosine")
+        return model, optimizer, scheduler
+
+    def train_step(
+        parts: tuple[Any, Any, Any], layout: mb.ParallelLayout, data: Mapping[str, torch.Tensor]
+    ) -> tuple[float, float]:
+        model, optimizer, scheduler = parts
+        mine = my_rows(layout, data)
+        half = (mine["input_ids"].shape[0] + 1) // 2
+        micro = [{k: v[:half] for k, v in mine.items()}, {k: v[half:] for k, v in mine.items()}]
+        scale = layout.dp_size / data["response_mask"].sum().item()
+
+        def loss_fn(
+            log_probs: torch.Tensor, entropy: torch.Tensor | None, part: Mapping[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = policy_loss(log_probs, entropy, part, scale)
+            return loss, {"loss": loss.detach()}
+
+        metrics = mb.forward_backward(
+            model, micro, loss_fn, response_len=RESPONSE_WIDTH, temperature=TEMPERATURE
+        )
+        norm = mb.clip_grad_norm_and_step(model, optimizer, scheduler, max_grad_norm=MAX_GRAD_NORM)
+        scheduler.step()
+        return sum(m["loss"] for m in metrics), norm
+
+    def assert_same(
+        got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], atol: float
+    ) -> None:
+        assert list(got) == list(expected)
+        for name, tensor in expected.items():
+            try:
+                torch.testing.assert_close(got[name], tensor, atol=atol, rtol=0)
+            except AssertionError as error:
+                raise AssertionError(f"{name}: {error}") from None
+
+    def round_trip() -> None:
+        exports: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = []
+        buckets: list[tuple[list[str], int]] = []
+        as_bf16: dict[str, torch.Tensor] = {}
+        for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+            mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            model = mb.load_causal_lm(qwen)
+            exports.append(((tp, pp), mb.full_state_dict(model)))
+            if (tp, pp) == (2, 2):
+                for bucket in mb.iter_full_weight_buckets(model, bucket_bytes=BUCKET_BYTES):
+                    buckets.append(
+                        ([n for n, _ in bucket], sum(t.numel() * t.element_size() for _, t in bucket))
+                    )
+                for bucket in mb.iter_full_weight_buckets(
+                    model, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16
+                ):
+                    as_bf16.update(bucket)
+            mb.destroy_parallel_state()
+        mb.initialize_parallel_state(tp_size=4, pp_size=1)
+        llama_export = mb.full_state_dict(mb.load_causal_lm(llama))
+        llama_state = torch.load(work / "llama_state.pt", weights_only=True)
+        for layout, export in exports:
+            assert list(export) == list(refs["state"]), layout
+            assert all(torch.equal(export[k], v) for k, v in refs["state"].items()), layout
+        assert list(llama_export) == list(llama_state)
+        assert all(torch.equal(llama_export[k], v) for k, v in llama_state.items()), "llama tp=4"
+        # A bucket stays within budget unless it is one conversion unit (q/k/v, gate/up never split).
+        unit_of = {
+            name: i
+            for i, unit in enumerate(units(DecoderArch.from_directory(qwen)))
+            for name in unit.hf_names
+        }
+        for names, size in buckets:
+            assert size <= BUCKET_BYTES or len({unit_of[n] for n in names}) == 1, (names, size)
+        assert len(buckets) > 3 and any(len({unit_of[n] for n in names}) > 1 for names, _ in buckets)
+        assert [n for names, _ in buckets for n in names] == list(refs["state"])
+        assert all(torch.equal(as_bf16[k], v.to(torch.bfloat16)) for k, v in refs["state"].items())
+
+    def shards() -> None:
+        for tp, pp in ((2, 1), (2, 2)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            pieces = mb.local_shards(mb.load_causal_lm(qwen))
+            owned = [name for name in refs["state"] if name in pieces]
+            assert list(pieces) == owned
+            for name, piece in pieces.items():
+                full = refs["state"][name]
+                assert torch.equal(piece.tensor, full[piece.index()]), name
+                assert (piece.tp_rank, piece.tp_size, piece.pp_rank) == (layout.tp_rank, tp, layout.pp_rank)
+                if piece.dim is not None:
+                    width = full.shape[piece.dim] // tp
+                    assert (piece.start, piece.stop) == (layout.tp_rank * width, (layout.tp_rank + 1) * width)
+            stage_layers = {int(n.split(".")[2]) for n in owned if n.startswith("model.layers.")}
+            assert stage_layers == ({layout.pp_rank} if pp == 2 else {0, 1}), stage_layers
+            mb.destroy_parallel_state()
+
+    def logprobs() -> None:
+        results = []
+        for tp, pp in ((2, 1), (1, 2), (2, 2)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            mine = my_rows(layout, first)
+            got = mb.token_logprobs_and_entropy(
+                mb.load_causal_lm(qwen),
+                mine["input_ids"],
+                mine["attention_mask"],
+                mine["position_ids"],
+                response_len=RESPONSE_WIDTH,
+                temperature=TEMPERATURE,
+                micro_batch_size=3,  # uneven micro-batches: 3 + 1 rows, or 3 + 3 + 2
+            )
+            results.append((layout, mine["response_mask"].bool(), got))
+            mb.destroy_parallel_state()
+        for layout, mask, (log_probs, entropy) in results:
+            rows = my_rows(layout, {"lp": refs["log_probs"], "ent": refs["entropy"]})
+            assert entropy is not None
+            torch.testing.assert_close(log_probs[mask], rows["lp"][mask], atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[mask], rows["ent"][mask], atol=1e-5, rtol=0)
+
+    def critic_loss(
+        values: torch.Tensor, _: torch.Tensor | None, part: Mapping[str, torch.Tensor], *, scale: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return value_loss(values, part, scale), {}
+
+    def values() -> None:
+        results = []
+        for tp, pp in ((2, 1), (2, 2)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            mine = my_rows(layout, first)
+            critic = mb.load_value_model(reward)
+            got = mb.token_values(
+                critic,
+                mine["input_ids"],
+                mine["attention_mask"],
+                mine["position_ids"],
+                response_len=RESPONSE_WIDTH,
+            )
+            names = list(mb.full_state_dict(critic))
+            results.append((layout, mine["response_mask"].bool(), got, names))
+            if (tp, pp) == (2, 2):  # and one clipped step of the critic on the value loss
+                ddp = mb.wrap_data_parallel(critic)
+                optimizer = mb.build_optimizer(
+                    ddp, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
+                )
+                scheduler = mb.build_lr_scheduler(optimizer, warmup_steps=0, total_steps=4, schedule="cosine")
+                scale = layout.dp_size / first["response_mask"].sum().item()
+                mb.forward_backward(
+                    ddp,
+                    [mine],
+                    partial(critic_loss, scale=scale),
+                    response_len=RESPONSE_WIDTH,
+                )
+                critic_norm = mb.clip_grad_norm_and_step(
+                    ddp, optimizer, scheduler, max_grad_norm=MAX_GRAD_NORM
+                )
+                critic_state = mb.full_state_dict(ddp)
+            mb.destroy_parallel_state()
+        for layout, mask, got, names in results:
+            expected = my_rows(layout, {"values": refs["values"]})["values"]
+            torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=0)
+            assert names[-2:] == ["value_head.weight", "value_head.bias"] and "lm_head.weight" not in names
+        assert critic_norm == pytest.approx(refs["critic_grad_norm"], rel=1e-5)
+        assert critic_norm > MAX_GRAD_NORM
+        assert_same(critic_state, refs["critic_stepped"], atol=1e-6)
+
+    def train() -> None:
+        stepped: dict[tuple[int, int], tuple[float, float, dict[str, torch.Tensor]]] = {}
+        for tp, pp in ((1, 1), (2, 1), (2, 2)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            parts = trainer(qwen)
+            loss, norm = train_step(parts, layout, first)
+            stepped[(tp, pp)] = (loss, norm, mb.full_state_dict(parts[0]))
+            if (tp, pp) == (2, 2):
+                shared["trainer"] = parts
+                continue
+            mb.destroy_parallel_state()
+        for (tp, pp), (loss, norm, state) in stepped.items():
+            dp = WORLD_SIZE // (tp * pp)
+            dp_rank = rank // tp % dp
+            # Each rank's loss is its DP shard's share of the reference loss, scaled by dp.
+            expected_loss = dp * refs["row_losses"].chunk(dp)[dp_rank].sum().item()
+            assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6), (tp, pp)
+            assert norm == pytest.approx(refs["grad_norm"], rel=1e-5) and norm > MAX_GRAD_NORM, (tp, pp)
+            assert_same(state, refs["stepped"], atol=1e-6)
+            assert_same(state, stepped[(1, 1)][2], atol=1e-6)
+
+    def checkpoint() -> None:
+        # Continues from the TP=2 x PP=2 trainer of the previous check (one step taken), whose
+        # parallel state is still up: its modules hold that state's process groups.
+        layout = mb.current_layout()
+        model, optimizer, scheduler = shared["trainer"]
+        directory = work / "train-state"
+        mb.save_train_state(directory, model, optimizer, scheduler)
+        restored = trainer(qwen)
+        mb.load_train_state(directory, *restored)
+        same_after_load = mb.full_state_dict(restored[0]), mb.full_state_dict(model)
+        continued = train_step((model, optimizer, scheduler), layout, refs["data"]["second"])
+        resumed = train_step(restored, layout, refs["data"]["second"])
+        after = mb.full_state_dict(model), mb.full_state_dict(restored[0])
+        shared["saved"] = same_after_load[1]
+        assert_same(*same_after_load, atol=0.0)
+        assert restored[2].last_epoch == scheduler.last_epoch == 2
+        assert restored[2].get_last_lr() == scheduler.get_last_lr()
+        assert resumed == continued
+        assert_same(after[1], after[0], atol=0.0)
+        files = sorted(path.name for path in directory.iterdir())
+        assert {".metadata", "common.pt", "metadata.json"} <= set(files), files
+
+    def reshard_checkpoint() -> None:
+        # Saved by TP=2 x PP=2 above; loaded by TP=1 x PP=2 (DP=2) and by TP=1 (DP=4).
+        loaded = []
+        for tp, pp in ((1, 2), (1, 1)):
+            mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            restored = trainer(qwen)
+            mb.load_train_state(work / "train-state", *restored)
+            loaded.append(mb.full_state_dict(restored[0]))
+            mb.destroy_parallel_state()
+        for state in loaded:
+            assert_same(state, shared["saved"], atol=0.0)
+
+    def non_finite() -> None:
+        layout = mb.initialize_parallel_state(tp_size=2, pp_size=1)
+        model, optimizer, scheduler = trainer(qwen)
+        before = mb.full_state_dict(model)
+        mine = my_rows(layout, first)
+
+        def loss_fn(
+            log_probs: torch.Tensor, entropy: torch.Tensor | None, part: Mapping[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            return policy_loss(log_probs, entropy, part, 1.0 / tokens), {}
+
+        mb.forward_backward(model, [mine], loss_fn, response_len=RESPONSE_WIDTH)
+        if rank == 0:  # poison one shard of one gradient on one rank only
+            mb.unwrap(model).decoder.layers[0].mlp.linear_fc1.weight.main_grad.fill_(float("nan"))
+        norm = mb.clip_grad_norm_and_step(model, optimizer, scheduler, max_grad_norm=MAX_GRAD_NORM)
+        after = mb.full_state_dict(model)
+        assert norm != norm, f"rank {rank} saw norm {norm}"  # NaN everywhere: the norm is global
+        assert_same(after, before, atol=0.0)
+        assert not torch_optimizer(optimizer).state  # no Adam state: no step was taken
+
+    try:
+        check("hf_round_trip_is_bit_exact", round_trip)
+        check("local_shards_are_the_hf_slices", shards)
+        check("logprobs_and_entropy_match_hf", logprobs)
+        check("critic_values_and_step_match_hf", values)
+        # The next three share state: train leaves its TP=2 x PP=2 trainer (and layout) to
+        # checkpoint, which leaves its save to the resharded load.
+        check("train_step_matches_hf_and_tp1", train, keep_layout=True)
+        check("checkpoint_round_trip_continues_identically", checkpoint)
+        check("checkpoint_loads_into_another_layout", reshard_checkpoint)
+        check("non_finite_grad_skips_the_step_everywhere", non_finite)
+    finally:
+        (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, str | None]]:
+    """Runs the four-rank job once; ``{check: {rank: traceback or None}}``."""
+    from hybridflow.models import build_tiny_model, write_tiny_model
+
+    root = tmp_path_factory.mktemp("megatron-4ranks")
+    sizes: dict[str, Any] = {"hidden": 128, "heads": 4, "layers": 2, "intermediate": 256}
+    model_dir = write_tiny_model(root / "qwen2", "qwen2", seed=11, kv_heads=2, **sizes)
+    reward_dir = write_tiny_model(root / "reward", "qwen2", seed=12, kv_heads=2, head="score", **sizes)
+    write_tiny_model(root / "llama", "llama", seed=13, kv_heads=4, **sizes)
+    llama = build_tiny_model("llama", 384, kv_heads=4, seed=13, **sizes)
+    torch.save(llama.state_dict(), root / "llama_state.pt")
+    compute_references(model_dir, reward_dir, root / "references.pt")
+    context = mp.start_processes(
+        run_checks, args=(free_port(), str(root)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + JOB_DEADLINE_SECONDS
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the four-rank megatron job did not finish within {JOB_DEADLINE_SECONDS} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+    results: dict[str, dict[int, str | None]] = {name: {} for name in CHECKS}
+    for rank in range(WORLD_SIZE):
+        for name, outcome in json.loads((root / f"rank{rank}.json").read_text()).items():
+            results[name][rank] = outcome
+    shutil.rmtree(root / "train-state", ignore_errors=True)
+    return results
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_four_rank_megatron(outcomes: dict[str, dict[int, str | None]], check: str) -> None:
+    per_rank = outcomes[check]
+    assert sorted(per_rank) == list(range(WORLD_SIZE)), f"{check} did not run on every rank: {per_rank}"
+    failures = {rank: trace for rank, trace in per_rank.items() if trace is not None}
+    assert not failures, "\n".join(f"--- rank {rank}\n{trace}" for rank, trace in failures.items())
