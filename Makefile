@@ -46,6 +46,8 @@ format: setup
 bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
+	$(PY) bench/resharding.py
+	$(PY) bench/operator.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from kubernetes import client
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from hybridflow.spec import GROUP, PLURAL, VERSION
@@ -49,11 +49,21 @@ def _missing_ok(call: Callable[[], Any], *, also: tuple[int, ...] = ()) -> Any:
 class ApiCluster:
     """:class:`Cluster` over ``kubernetes.client`` (sync; kopf runs sync handlers in threads)."""
 
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
-        self.api_client = api_client or client.ApiClient()
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
         self.core = client.CoreV1Api(self.api_client)
         self.rbac = client.RbacAuthorizationV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+
+    @classmethod
+    def from_environment(cls) -> ApiCluster:
+        """The service account's credentials inside a pod, else the local kubeconfig (``$KUBECONFIG``)."""
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+        return cls(client.ApiClient(configuration))
 
     def _serialize(self, obj: Any) -> dict[str, Any] | None:
         if obj is None:

@@ -5,7 +5,9 @@ Triggers, all calling :func:`hybridflow_operator.reconcile.reconcile` on the cur
 * any event of an RLHFJob (``on.event``: no kopf bookkeeping is written on the object, so a
   reconcile that changes nothing writes nothing);
 * any event of a RayJob labelled as ours: the owning RLHFJob is read and reconciled;
-* a timer on every RLHFJob, for transitions that only time causes (deadline, TTL).
+* a periodic sweep over the RLHFJobs seen so far, for transitions that only time causes
+  (deadline, TTL). It is a plain thread rather than a kopf timer: kopf puts a finalizer on
+  every object that has a timer, which would be a write per job that the design avoids.
 
 A per-job lock serialises the reconciles of one job across these triggers, and each reconcile
 reads the job afresh under that lock, so a pass never acts on a body older than the previous
@@ -64,7 +66,7 @@ def register(
 ) -> OperatorMetrics:
     """Register the handlers on ``registry`` (the default one in production, a fresh one in tests)."""
     metrics = metrics or OperatorMetrics()
-    api: Cluster = cluster or ApiCluster()
+    api: Cluster = cluster or ApiCluster.from_environment()
     locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 
     def run(namespace: str, name: str, trigger: str) -> ReconcileResult | None:
@@ -90,20 +92,38 @@ def register(
         metrics.observe_phase(key, None if result.deleted else result.phase)
         return result
 
+    known: set[tuple[str, str]] = set()
+    stop_sweeping = threading.Event()
+
+    def sweep() -> None:
+        while not stop_sweeping.wait(config.timer_seconds):
+            for namespace, name in sorted(known):
+                run(namespace, name, "timer")
+
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         # The reconcile writes status itself; kopf must not add its own annotations or events.
         settings.posting.enabled = False
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="hybridflow.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="hybridflow.io")
+        # kopf waits this long after an event for more events of the same object. Each reconcile
+        # re-reads the job anyway, so batching buys nothing and the default 0.1 s is pure latency.
+        settings.batching.batch_window = 0.01
         if serve_metrics:
             metrics.serve(config.metrics_port)
+        threading.Thread(target=sweep, name="hybridflow-sweep", daemon=True).start()
+
+    @kopf.on.cleanup(registry=registry)
+    def cleanup(**_: Any) -> None:
+        stop_sweeping.set()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def job_changed(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
         if type == "DELETED":
+            known.discard((str(namespace), name))
             metrics.observe_phase(f"{namespace}/{name}", None)
             return
+        known.add((str(namespace), name))
         run(str(namespace), name, "rlhfjob")
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={MANAGED_BY_LABEL: MANAGED_BY}, registry=registry)
@@ -114,9 +134,5 @@ def register(
         name = owners[0]["name"] if owners else owner
         if name:
             run(str(meta["namespace"]), str(name), "rayjob")
-
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=config.timer_seconds, idle=None, registry=registry)
-    def periodic(*, namespace: str | None, name: str, **_: Any) -> None:
-        run(str(namespace), name, "timer")
 
     return metrics

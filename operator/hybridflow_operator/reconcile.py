@@ -110,9 +110,16 @@ def reconcile(
         defaults=defaults,
         active_deadline_seconds=remaining_deadline_seconds(spec, status, now),
     )
+    first_attempt_of_new_job = decision.start_attempt == 1 and not current.conditions
     for child in children:
         kind, child_name = child["kind"], child["metadata"]["name"]
         if kind == "RayJob" and decision.start_attempt is None:
+            continue
+        if first_attempt_of_new_job:
+            # A job never reconciled before has no children yet: create without reading first
+            # (a 409 from an earlier, interrupted pass is fine). This is the latency-critical path.
+            cluster.create(child)
+            writes += 1
             continue
         existing = cluster.get(kind, owner.namespace, child_name)
         if existing is None:

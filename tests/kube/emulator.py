@@ -307,6 +307,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     _watches_closed: bool = attrs.field(default=False, init=False)
     # The outcome of each write, computed in _handle() and served by the fallback reactions.
     _write_results: dict[int, rendering.Payload] = attrs.field(factory=dict, init=False)
+    # Every write request in arrival order, and how many requests were served (see _forget()).
+    _writes: list[kmock.Request] = attrs.field(factory=list, init=False)
+    request_count: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -371,7 +374,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     def write_requests(self) -> list[kmock.Request]:
         """Every POST/PUT/PATCH/DELETE received so far, in arrival order (for write counting)."""
-        return [request for request in list(self) if request.method.value in WRITE_METHODS]
+        return list(self._writes)
 
     def close_watches(self) -> None:
         """End every open watch stream, so that the HTTP server can shut down promptly.
@@ -387,6 +390,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # change: state changes here, under kmock's lock, even when a user reaction intercepts
         # the response (kmock's documented behaviour), and the fallback reactions registered by
         # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome.
+        self.request_count += 1
+        if request.method.value in WRITE_METHODS:
+            self._writes.append(request)
         if self._is_emulated_write(request):
             async with self._lock:
                 self._write_results[id(request)] = self._apply_write(request)
@@ -396,6 +402,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return await super(kmock.KubernetesEmulator, self)._handle(request)
         finally:
             self._write_results.pop(id(request), None)
+            self._forget(request)
+
+    def _forget(self, request: kmock.Request) -> None:
+        # Fixes kmock 0.8's cost per request, which grows with every request ever served: to
+        # pick a reaction it checks `request in reaction_source`, which filters the whole request
+        # log. A finished request is dropped from that log (writes stay in self._writes), so the
+        # log holds only requests still in flight (open watches) and a request costs O(1).
+        self._requests[:] = [r for r in self._requests if r is not request]
 
     @staticmethod
     def _is_emulated_write(request: kmock.Request) -> bool:

@@ -345,11 +345,11 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
         its long-lived watch streams stay open.
         """
         deadline = time.monotonic() + timeout_seconds
-        seen, quiet_since = len(self.emulator), time.monotonic()
+        seen, quiet_since = self.emulator.request_count, time.monotonic()
         while time.monotonic() - quiet_since < quiet_seconds:
             if time.monotonic() > deadline:
                 raise AssertionError(f"requests kept arriving for {timeout_seconds} s")
             time.sleep(0.02)
-            if (count := len(self.emulator)) != seen:
+            if (count := self.emulator.request_count) != seen:
                 seen, quiet_since = count, time.monotonic()
         return seen
