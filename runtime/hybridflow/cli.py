@@ -83,6 +83,13 @@ def _run(args: argparse.Namespace) -> int:
     missing += [
         f"spec.data.trainFiles: {f} does not exist" for f in spec.data.train_files if not Path(f).is_file()
     ]
+    if not missing:
+        from hybridflow.models.compat import tokenizer_model_mismatch
+
+        actor = spec.models.actor
+        mismatch = tokenizer_model_mismatch(actor.path, actor.tokenizer_path or actor.path)
+        if mismatch:
+            missing.append(f"spec.models.actor: {mismatch}")
     if missing:
         print("\n".join(f"error: {args.manifest}: {m}" for m in missing), file=sys.stderr)
         return EXIT_USER_ERROR

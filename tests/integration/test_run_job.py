@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,14 @@ def test_user_errors_exit_2_without_a_traceback(tiny: Path, tmp_path: Path) -> N
     assert result.returncode == 2
     assert f"spec.models.actor.path: {tmp_path / 'no-model'} does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+    small = tmp_path / "small-vocab-model"
+    shutil.copytree(tiny / "model", small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 128
+    (small / "config.json").write_text(json.dumps(config))
+    doc["spec"]["models"]["actor"]["path"] = str(small)
+    path.write_text(yaml.safe_dump(doc))
+    result = run(path)
+    assert result.returncode == 2
+    assert "spec.models.actor: the tokenizer at" in result.stderr and "128 embedding rows" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from pathlib import Path
@@ -227,3 +228,18 @@ def test_a_writer_that_loses_the_race_returns_the_winners_directory(
     assert write_tiny_model(target) == target
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
     assert (target / "hybridflow_tiny.json").is_file()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path: Path) -> None:
+    from hybridflow.models.compat import tokenizer_model_mismatch
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    assert tokenizer_model_mismatch(model_dir, model_dir) is None
+    config_file = model_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    config["vocab_size"] = 128  # fewer rows than the tokenizer's 260 tokens
+    config_file.write_text(json.dumps(config))
+    problem = tokenizer_model_mismatch(model_dir, model_dir)
+    assert (
+        problem is not None and "has 260 tokens but the model" in problem and "128 embedding rows" in problem
+    )
