@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Per-file progress bars of model loading, from every worker through Ray's log forwarding,
+    # drown the step lines; the workers inherit this environment.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
     return int(args.handler(args))
 
