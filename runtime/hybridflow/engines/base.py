@@ -171,3 +171,34 @@ class RolloutEngine(ABC):
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def check_prompts(
+    prompt_token_ids: list[list[int]],
+    params: SamplingParams,
+    *,
+    vocab_size: int | None,
+    max_length: int | None,
+    max_length_name: str,
+) -> None:
+    """The prompt checks every engine makes before generating (``ValueError`` naming the prompt).
+
+    Every prompt needs a token, every token id must index the vocabulary, and the longest prompt
+    plus ``max_new_tokens`` must fit ``max_length`` (``max_length_name`` says which setting that
+    is, e.g. the model's ``max_position_embeddings`` or vLLM's ``max_model_len``).
+    """
+    for index, prompt in enumerate(prompt_token_ids):
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+        if vocab_size is not None:
+            bad = [token for token in prompt if not 0 <= token < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary [0, {vocab_size})"
+                )
+    longest = max(len(prompt) for prompt in prompt_token_ids)
+    if max_length is not None and longest + params.max_new_tokens > max_length:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
+            f"{max_length_name}={max_length}"
+        )

@@ -41,6 +41,7 @@ from hybridflow.engines.base import (
     RolloutEngine,
     RolloutOutput,
     SamplingParams,
+    check_prompts,
 )
 
 EngineState = Literal["awake", "asleep", "closed"]
@@ -200,29 +201,18 @@ class TorchRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def _check_prompts(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> None:
-        for index, prompt in enumerate(prompt_token_ids):
-            if not prompt:
-                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-            if self._vocab_size is not None:
-                bad = [token for token in prompt if not 0 <= token < self._vocab_size]
-                if bad:
-                    raise ValueError(
-                        f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary [0, {self._vocab_size})"
-                    )
-        longest = max(len(prompt) for prompt in prompt_token_ids)
-        if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
-            raise ValueError(
-                f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
-                f"the model's max_position_embeddings={self._max_positions}"
-            )
-
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """See :meth:`RolloutEngine.generate`; decoding is described in the module docstring."""
         model = self._awake_model("generate")
         if not prompt_token_ids:
             return RolloutOutput([], [], [] if params.return_logprobs else None)
-        self._check_prompts(prompt_token_ids, params)
+        check_prompts(
+            prompt_token_ids,
+            params,
+            vocab_size=self._vocab_size,
+            max_length=self._max_positions,
+            max_length_name="the model's max_position_embeddings",
+        )
         rows = [prompt for prompt in prompt_token_ids for _ in range(params.n)]
         was_training = model.training
         model.eval()

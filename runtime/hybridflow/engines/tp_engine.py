@@ -55,6 +55,7 @@ from hybridflow.engines.base import (
     RolloutEngine,
     RolloutOutput,
     SamplingParams,
+    check_prompts,
 )
 from hybridflow.resharding.layout import DecoderSpec, ModelLayout, decoder_layout
 from hybridflow.resharding.transfer import GenerationShard, SubgroupCache
@@ -340,20 +341,13 @@ class TensorParallelRolloutEngine(RolloutEngine):
         self._awake_weights("generate")
         if not prompt_token_ids:
             return RolloutOutput([], [], [] if params.return_logprobs else None)
-        for index, prompt in enumerate(prompt_token_ids):
-            if not prompt:
-                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-            bad = [token for token in prompt if not 0 <= token < self._spec.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary [0, {self._spec.vocab_size})"
-                )
-        longest = max(len(prompt) for prompt in prompt_token_ids)
-        if longest + params.max_new_tokens > self._spec.max_position_embeddings:
-            raise ValueError(
-                f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
-                f"the model's max_position_embeddings={self._spec.max_position_embeddings}"
-            )
+        check_prompts(
+            prompt_token_ids,
+            params,
+            vocab_size=self._spec.vocab_size,
+            max_length=self._spec.max_position_embeddings,
+            max_length_name="the model's max_position_embeddings",
+        )
         rows = [prompt for prompt in prompt_token_ids for _ in range(params.n)]
         with torch.inference_mode():
             return self._decode(rows, params)

@@ -109,6 +109,7 @@ from hybridflow.engines.base import (
     RolloutEngine,
     RolloutOutput,
     SamplingParams,
+    check_prompts,
 )
 
 if TYPE_CHECKING:
@@ -369,23 +370,6 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def _check_prompts(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> None:
-        for index, prompt in enumerate(prompt_token_ids):
-            if not prompt:
-                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-            if self._vocab_size is not None:
-                bad = [token for token in prompt if not 0 <= token < self._vocab_size]
-                if bad:
-                    raise ValueError(
-                        f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary [0, {self._vocab_size})"
-                    )
-        longest = max(len(prompt) for prompt in prompt_token_ids)
-        if self._max_model_len is not None and longest + params.max_new_tokens > self._max_model_len:
-            raise ValueError(
-                f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
-                f"the engine's max_model_len={self._max_model_len}"
-            )
-
     def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
 
@@ -424,7 +408,13 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         if not prompt_token_ids:
             return RolloutOutput([], [], [] if params.return_logprobs else None)
-        self._check_prompts(prompt_token_ids, params)
+        check_prompts(
+            prompt_token_ids,
+            params,
+            vocab_size=self._vocab_size,
+            max_length=self._max_model_len,
+            max_length_name="the engine's max_model_len",
+        )
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompt_token_ids]
