@@ -18,8 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +25,12 @@ from typing import Any
 
 import pytest
 
+from spawned_ranks import run_spawned_ranks
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from hybridflow.backends.fsdp import (
@@ -279,39 +278,20 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, str | None]]:
     """Runs the two-rank job once; ``{check: {rank: traceback or None}}``."""
     root = tmp_path_factory.mktemp("fsdp-2ranks")
     model_dir = write_tiny_model(root / "qwen2", "qwen2", seed=11)
-    context = mp.start_processes(
+    results: dict[str, dict[int, str | None]] = run_spawned_ranks(
         run_checks,
-        args=(free_port(), str(model_dir), str(root)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
+        (str(model_dir), str(root)),
+        world_size=WORLD_SIZE,
+        work_dir=root,
+        deadline_seconds=JOB_DEADLINE_SECONDS,
+        expected=CHECKS,
+        what="the two-rank FSDP job",
     )
-    deadline = time.monotonic() + JOB_DEADLINE_SECONDS
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the two-rank FSDP job did not finish within {JOB_DEADLINE_SECONDS} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-    results: dict[str, dict[int, str | None]] = {name: {} for name in CHECKS}
-    for rank in range(WORLD_SIZE):
-        for name, outcome in json.loads((root / f"rank{rank}.json").read_text()).items():
-            results[name][rank] = outcome
     return results
 
 

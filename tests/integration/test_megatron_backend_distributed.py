@@ -23,9 +23,7 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -34,12 +32,13 @@ from typing import Any
 
 import pytest
 
+from spawned_ranks import run_spawned_ranks
+
 pytest.importorskip("megatron.core")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.integration
 
@@ -456,13 +455,6 @@ def run_checks(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, str | None]]:
     """Runs the four-rank job once; ``{check: {rank: traceback or None}}``."""
@@ -476,23 +468,15 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, st
     llama = build_tiny_model("llama", 384, kv_heads=4, seed=13, **sizes)
     torch.save(llama.state_dict(), root / "llama_state.pt")
     compute_references(model_dir, reward_dir, root / "references.pt")
-    context = mp.start_processes(
-        run_checks, args=(free_port(), str(root)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+    results: dict[str, dict[int, str | None]] = run_spawned_ranks(
+        run_checks,
+        (str(root),),
+        world_size=WORLD_SIZE,
+        work_dir=root,
+        deadline_seconds=JOB_DEADLINE_SECONDS,
+        expected=CHECKS,
+        what="the four-rank megatron job",
     )
-    deadline = time.monotonic() + JOB_DEADLINE_SECONDS
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the four-rank megatron job did not finish within {JOB_DEADLINE_SECONDS} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-    results: dict[str, dict[int, str | None]] = {name: {} for name in CHECKS}
-    for rank in range(WORLD_SIZE):
-        for name, outcome in json.loads((root / f"rank{rank}.json").read_text()).items():
-            results[name][rank] = outcome
     shutil.rmtree(root / "train-state", ignore_errors=True)
     return results
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.engines.base import EngineStateError, SamplingParams
 from hybridflow.resharding import DESIGNS, DecoderSpec, Design, ReshardingError, build_plan, decoder_layout
 from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
+from spawned_ranks import free_port, run_spawned_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -225,13 +224,6 @@ def run_job(rank: int, port: int, work_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def tiny() -> Any:
     from hybridflow.models import build_tiny_model
@@ -252,23 +244,15 @@ def outcomes(tiny: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, d
     (root / "model.json").write_text(
         json.dumps({"spec": spec.__dict__, "eos": eos, "pad": tiny.generation_config.pad_token_id})
     )
-    context = mp.start_processes(
-        run_job, args=(free_port(), str(root)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+    results: dict[str, dict[int, dict[str, Any]]] = run_spawned_ranks(
+        run_job,
+        (str(root),),
+        world_size=WORLD_SIZE,
+        work_dir=root,
+        deadline_seconds=JOB_DEADLINE_SECONDS,
+        expected=[case_id(case) for case in CASES],
+        what="the 8-rank resharding job",
     )
-    deadline = time.monotonic() + JOB_DEADLINE_SECONDS
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 8-rank resharding job did not finish within {JOB_DEADLINE_SECONDS} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-    results: dict[str, dict[int, dict[str, Any]]] = {case_id(case): {} for case in CASES}
-    for rank in range(WORLD_SIZE):
-        for name, outcome in json.loads((root / f"rank{rank}.json").read_text()).items():
-            results[name][rank] = outcome
     return results
 
 
