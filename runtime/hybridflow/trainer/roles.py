@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.controller import Deployment, ResourcePool, RoleSpec, WorkerGroup
-from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec
+from hybridflow.controller import Deployment, DeviceMesh, ResourcePool, RoleSpec, Worker, WorkerGroup
+from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec, RoleName
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
 from hybridflow.workers.value import CostModelWorker, CriticWorker, RewardModelWorker
 
-__all__ = ["JobWorkers", "job_roles", "resource_pools"]
+__all__ = ["JobWorkers", "job_roles", "resource_pools", "uses_hybrid_engine"]
 
 
 def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
@@ -26,16 +26,65 @@ def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
     ]
 
 
+def uses_hybrid_engine(spec: RLHFJobSpec) -> bool:
+    """Whether the rollout reshards the actor's model-parallel shards (megatron with ``t*p > 1``).
+
+    Otherwise the rollout loads the actor's full weights bucket by bucket into its own engine.
+    """
+    training = spec.training
+    return (
+        training.backend == "megatron" and training.tensor_parallel_size * training.pipeline_parallel_size > 1
+    )
+
+
+def _pool_size(spec: RLHFJobSpec, role: RoleName) -> int:
+    pool = spec.pool(role)
+    return pool.nodes * pool.gpus_per_node
+
+
 def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
-    """Which worker class runs each role, on which pool. The rollout always shares the actor's pool."""
+    """Which worker class runs each role, on which pool, with which mesh.
+
+    The rollout always shares the actor's pool. With ``spec.training.backend: megatron`` the
+    actor, reference and critic train/score under ``DeviceMesh.training(pp, tp)`` of their pools, and
+    (``t*p > 1``) the rollout generates under the HybridFlow generation mesh derived from the
+    actor's. The worker modules are imported only for the backend in use: megatron-core is not
+    installed everywhere FSDP runs.
+    """
     kwargs = {"spec": spec}
+    training = spec.training
+    actor_cls: type[Worker] = ActorWorker
+    reference_cls: type[Worker] = ReferenceWorker
+    rollout_cls: type[Worker] = RolloutWorker
+    critic_cls: type[Worker] = CriticWorker
+    actor_mesh = reference_mesh = rollout_mesh = critic_mesh = None
+    if training.backend == "megatron":
+        from hybridflow.workers.megatron_policy import MegatronActorWorker, MegatronReferenceWorker
+
+        actor_cls, reference_cls = MegatronActorWorker, MegatronReferenceWorker
+        pp, tp = training.pipeline_parallel_size, training.tensor_parallel_size
+        actor_mesh = DeviceMesh.training(_pool_size(spec, "actor"), pp=pp, tp=tp)
+        reference_mesh = DeviceMesh.training(_pool_size(spec, "reference"), pp=pp, tp=tp)
+        if spec.algorithm.name in CRITIC_ALGORITHMS:
+            from hybridflow.workers.megatron_value import MegatronCriticWorker
+
+            critic_cls = MegatronCriticWorker
+            critic_mesh = DeviceMesh.training(_pool_size(spec, "critic"), pp=pp, tp=tp)
+        if uses_hybrid_engine(spec):
+            from hybridflow.workers.hybrid_rollout import HybridRolloutWorker
+
+            rollout_cls = HybridRolloutWorker
+            rollout_mesh = DeviceMesh.generation(
+                actor_mesh, pp=spec.rollout.pipeline_parallel_size, tp=spec.rollout.tensor_parallel_size
+            )
+    actor_pool = spec.pool("actor").name
     roles = {
-        "actor": RoleSpec(ActorWorker, spec.pool("actor").name, kwargs=kwargs),
-        "rollout": RoleSpec(RolloutWorker, spec.pool("actor").name, kwargs=kwargs),
-        "reference": RoleSpec(ReferenceWorker, spec.pool("reference").name, kwargs=kwargs),
+        "actor": RoleSpec(actor_cls, actor_pool, mesh=actor_mesh, kwargs=kwargs),
+        "rollout": RoleSpec(rollout_cls, actor_pool, mesh=rollout_mesh, kwargs=kwargs),
+        "reference": RoleSpec(reference_cls, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs),
     }
     if spec.algorithm.name in CRITIC_ALGORITHMS:
-        roles["critic"] = RoleSpec(CriticWorker, spec.pool("critic").name, kwargs=kwargs)
+        roles["critic"] = RoleSpec(critic_cls, spec.pool("critic").name, mesh=critic_mesh, kwargs=kwargs)
     if spec.models.reward is not None:
         roles["reward"] = RoleSpec(RewardModelWorker, spec.pool("reward").name, kwargs=kwargs)
     if spec.models.cost is not None:

@@ -29,9 +29,16 @@ from hybridflow.metrics import MetricsWriter, format_progress
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.report import StepReport
 from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools
+from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools, uses_hybrid_engine
 
-__all__ = ["ALGORITHM_STEPS", "RunSummary", "StepReport", "UnsupportedAlgorithmError", "run_training"]
+__all__ = [
+    "ALGORITHM_STEPS",
+    "RunSummary",
+    "StepReport",
+    "UnsupportedAlgorithmError",
+    "reshard_metrics",
+    "run_training",
+]
 
 StepFn = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
 ALGORITHM_STEPS: dict[str, StepFn] = {
@@ -74,18 +81,7 @@ def run_training(
             f"spec.algorithm.name: {spec.algorithm.name!r} is not runnable yet; runnable: {sorted(ALGORITHM_STEPS)}"
         )
     step_fn = ALGORITHM_STEPS[spec.algorithm.name]
-    layout = {
-        "spec.training.tensorParallelSize": spec.training.tensor_parallel_size,
-        "spec.training.pipelineParallelSize": spec.training.pipeline_parallel_size,
-        "spec.rollout.tensorParallelSize": spec.rollout.tensor_parallel_size,
-        "spec.rollout.pipelineParallelSize": spec.rollout.pipeline_parallel_size,
-    }
-    unsupported = [f"{field}: {value}" for field, value in layout.items() if value != 1]
-    if unsupported:
-        raise UnsupportedAlgorithmError(
-            f"{', '.join(unsupported)}: model parallelism is not runnable yet (the FSDP backend shards by "
-            "data parallelism only; TP/PP generation comes with the 3D-HybridEngine); set these to 1"
-        )
+    _check_parallel_layout(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
     dataset = PromptDataset.from_spec(spec.data, tokenizer)
     sampler = PromptSampler(dataset, seed=spec.data.seed, shuffle=spec.data.shuffle)
@@ -98,6 +94,7 @@ def run_training(
     state = AlgorithmState(spec)
     pools = resource_pools(spec, simulated=simulated)
     history: list[dict[str, float]] = []
+    hybrid = uses_hybrid_engine(spec)
     with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
@@ -127,6 +124,8 @@ def run_training(
                 },
             )
             metrics = step_fn(workers, batch, scorer, state)
+            if hybrid:
+                metrics.update(reshard_metrics(workers.rollout.transition_stats()))
             seconds = time.monotonic() - step_started
             metrics["perf/step_seconds"] = seconds
             # Everything after rollout and scoring: advantages, critic and actor updates.
@@ -145,6 +144,49 @@ def run_training(
                 on_report(StepReport(step, total, metrics, eta, last_checkpoint))
     writer.close()
     return RunSummary(start, last, resumed, history)
+
+
+def _check_parallel_layout(spec: RLHFJobSpec) -> None:
+    """Refuse model-parallel layouts the chosen backend cannot run, naming the fields."""
+    training, rollout = spec.training, spec.rollout
+    if training.backend == "fsdp":
+        layout = {
+            "spec.training.tensorParallelSize": training.tensor_parallel_size,
+            "spec.training.pipelineParallelSize": training.pipeline_parallel_size,
+            "spec.rollout.tensorParallelSize": rollout.tensor_parallel_size,
+            "spec.rollout.pipelineParallelSize": rollout.pipeline_parallel_size,
+        }
+        unsupported = [f"{field}: {value}" for field, value in layout.items() if value != 1]
+        if unsupported:
+            raise UnsupportedAlgorithmError(
+                f"{', '.join(unsupported)}: the FSDP backend shards by data parallelism only; set these "
+                "to 1, or set spec.training.backend: megatron for tensor/pipeline parallelism"
+            )
+        return
+    if uses_hybrid_engine(spec) and rollout.engine != "torch":
+        raise UnsupportedAlgorithmError(
+            f"spec.rollout.engine: {rollout.engine!r}: with spec.training.backend 'megatron' and "
+            "tensor/pipeline parallelism, the 3D-HybridEngine generates with the tensor-parallel torch "
+            "engine only; set spec.rollout.engine: torch"
+        )
+
+
+def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Step metrics from the rollout ranks' ``transition_stats``: the slowest rank, the most received.
+
+    ``reshard/seconds`` is train -> generate plus generate -> train on the slowest rank (the
+    step waits for it); ``reshard/bytes_received_per_rank`` the largest amount any rank received.
+    """
+    ranks = [stats for stats in per_rank if stats]
+    if not ranks:
+        return {}
+    return {
+        "reshard/seconds": max(
+            s.get("to_generation_seconds", 0.0) + s.get("to_training_seconds", 0.0) for s in ranks
+        ),
+        "reshard/bytes_received_per_rank": max(s.get("bytes_received", 0.0) for s in ranks),
+        "reshard/redundant_bytes_per_rank": max(s.get("redundant_bytes", 0.0) for s in ranks),
+    }
 
 
 def _save(

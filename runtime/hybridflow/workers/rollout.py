@@ -9,17 +9,19 @@ extra memory is one bucket.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, Worker, WorkerContext, register
-from hybridflow.engines.base import RolloutEngine, SamplingParams
+from hybridflow.engines.base import RolloutEngine, RolloutOutput, SamplingParams
 from hybridflow.engines.layout import response_tensors
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.spec import RLHFJobSpec
 
-__all__ = ["RolloutWorker"]
+__all__ = ["RolloutWorker", "pack_responses", "prompt_token_ids", "sampling_params"]
 
 WEIGHT_BUCKET_BYTES = 64 << 20
 
@@ -77,37 +79,59 @@ class RolloutWorker(Worker):
     @register(DP_SPLIT)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """``samples`` responses per prompt (meta ``samples``, ``greedy``), rows interleaved per prompt."""
-        rollout = self.spec.rollout
-        samples = int(prompts.meta.get("samples", self.spec.algorithm.samples_per_prompt))
-        greedy = bool(prompts.meta.get("greedy", False))
-        seed = prompts.meta.get("seed")
-        params = SamplingParams(
-            max_new_tokens=rollout.max_response_tokens,
-            temperature=0.0 if greedy else rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            n=samples,
-            seed=None if seed is None else int(seed) * 1000 + self.ctx.rank,
-        )
-        prompt_ids = [list(map(int, ids)) for ids in prompts.non_tensors["prompt_token_ids"]]
+        params = sampling_params(self.spec, prompts, stream=self.ctx.rank)
+        prompt_ids = prompt_token_ids(prompts)
         self.engine.wake_up()
         output = self.engine.generate(prompt_ids, params)
         self.engine.sleep()
-        tensors = response_tensors(
-            prompt_ids,
-            output,
-            pad_id=self.pad_id,
-            max_prompt_len=self.spec.data.max_prompt_tokens,
-            max_response_len=rollout.max_response_tokens,
-        )
-        repeat = np.repeat(np.arange(len(prompts)), samples)
-        per_prompt = {k: prompts.non_tensors[k][repeat] for k in PROMPT_FIELDS if k in prompts.non_tensors}
-        texts = self.tokenizer.batch_decode(output.response_token_ids, skip_special_tokens=True)
-        return Batch.from_dict(
-            {
-                **{k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)},
-                **per_prompt,
-                "response_text": texts,
-            },
-            meta=prompts.meta,
-        )
+        return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
+
+
+def sampling_params(spec: RLHFJobSpec, prompts: Batch, *, stream: int) -> SamplingParams:
+    """The call's sampling parameters; ``stream`` separates the seeds of ranks that sample independently."""
+    rollout = spec.rollout
+    samples = int(prompts.meta.get("samples", spec.algorithm.samples_per_prompt))
+    greedy = bool(prompts.meta.get("greedy", False))
+    seed = prompts.meta.get("seed")
+    return SamplingParams(
+        max_new_tokens=rollout.max_response_tokens,
+        temperature=0.0 if greedy else rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        n=samples,
+        seed=None if seed is None else int(seed) * 1000 + stream,
+    )
+
+
+def prompt_token_ids(prompts: Batch) -> list[list[int]]:
+    return [list(map(int, ids)) for ids in prompts.non_tensors["prompt_token_ids"]]
+
+
+def pack_responses(
+    spec: RLHFJobSpec,
+    tokenizer: Any,
+    pad_id: int,
+    prompts: Batch,
+    prompt_ids: list[list[int]],
+    output: RolloutOutput,
+    samples: int,
+) -> Batch:
+    """The training layout of a rollout (:func:`response_tensors`) plus each prompt's fields, repeated per sample."""
+    tensors = response_tensors(
+        prompt_ids,
+        output,
+        pad_id=pad_id,
+        max_prompt_len=spec.data.max_prompt_tokens,
+        max_response_len=spec.rollout.max_response_tokens,
+    )
+    repeat = np.repeat(np.arange(len(prompts)), samples)
+    per_prompt = {k: prompts.non_tensors[k][repeat] for k in PROMPT_FIELDS if k in prompts.non_tensors}
+    texts = tokenizer.batch_decode(output.response_token_ids, skip_special_tokens=True)
+    return Batch.from_dict(
+        {
+            **{k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)},
+            **per_prompt,
+            "response_text": texts,
+        },
+        meta=prompts.meta,
+    )

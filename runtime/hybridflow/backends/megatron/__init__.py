@@ -82,7 +82,9 @@ Known limits
   on CPU they run only under the test shim (the product has no CPU branch).
 * Saving a checkpoint starts megatron's writer processes (a spawned multiprocessing manager per
   rank, once per process): a few seconds on small CPU machines.
-* Wiring into the Ray workers (``spec.training.backend``) is not done yet.
+* The Ray workers are in ``hybridflow.workers.megatron_policy`` and ``megatron_value``; with
+  ``spec.training.backend: megatron`` and t*p > 1 the rollout reshards through the 3D-HybridEngine
+  (``hybridflow.workers.hybrid_rollout``).
 """
 
 from hybridflow.backends.megatron.checkpoint import load_train_state, save_train_state

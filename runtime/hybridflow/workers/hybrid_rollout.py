@@ -1,0 +1,135 @@
+"""The rollout role of the 3D-HybridEngine: model-parallel generation from the actor's own shards.
+
+Deployed (by :func:`hybridflow.trainer.roles.job_roles`) when the actor trains on megatron with
+``t*p > 1``, on the actor's pool, with the generation mesh
+``DeviceMesh.generation(training mesh, pp=p_g, tp=t_g)`` (``spec.rollout.pipelineParallelSize``
+and ``tensorParallelSize``). ``DP_SPLIT`` on that mesh gives every generation replica (one
+generation DP index: a TP x PP group of ``t_g*p_g`` ranks) its own prompts, the same on each of
+its ranks, and collects the replica's output from its TP rank 0 of the last generation stage.
+
+Protocol, per RL step, every rank of the pool taking part in each call:
+
+1. ``sync_weights`` (controller, before generation): asks the colocated actor for this rank's
+   :class:`~hybridflow.resharding.transfer.TrainingShard` and runs
+   :meth:`Resharder.to_generation`, the all-gather inside each micro-DP group (collective there),
+   then points the :class:`~hybridflow.engines.tp_engine.TensorParallelRolloutEngine` at the
+   resulting generation shard (no copy). The first call builds the engine, which creates the
+   generation TP and replica process groups (collective over the pool).
+2. ``generate_sequences`` (controller): decodes over each replica, then
+   :meth:`Resharder.to_training` releases the generation-only memory (received buffers), and the
+   training shard is dropped. If no shard is live (a second generation in one step, a
+   validation pass), it runs step 1 first.
+3. ``transition_stats`` (controller, after the step): the last transitions' seconds and bytes
+   received on this rank, which :mod:`hybridflow.trainer.runner` turns into ``reshard/*`` metrics.
+
+Between 1 and 2 the actor must not train (the controller's step order guarantees it); the
+generation shard reads a snapshot of its weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, DeviceMesh, Worker, WorkerContext, register
+from hybridflow.engines.tp_engine import TensorParallelRolloutEngine
+from hybridflow.resharding import DecoderSpec, decoder_layout, hybridflow_plan
+from hybridflow.resharding.transfer import GenerationShard, Resharder, SubgroupCache, TrainingShard
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.rollout import pack_responses, prompt_token_ids, sampling_params
+
+__all__ = ["HybridRolloutWorker", "eos_token_ids"]
+
+
+def eos_token_ids(model_path: str) -> list[int]:
+    """The ids HF ``generate`` stops on: the generation config's, else the model config's."""
+    try:
+        found: Any = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        found = None
+    if found is None:
+        found = AutoConfig.from_pretrained(model_path).eos_token_id
+    if found is None:
+        return []
+    return [int(found)] if isinstance(found, int) else [int(token) for token in found]
+
+
+class HybridRolloutWorker(Worker):
+    """Generates with the generation layout ``p_g-t_g`` from the colocated megatron actor's shards."""
+
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        actor_path = spec.models.actor.path
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or actor_path)
+        self.eos_ids = eos_token_ids(actor_path) or [int(self.tokenizer.eos_token_id)]
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.eos_ids[0])
+        self.decoder = DecoderSpec.from_hf_config(AutoConfig.from_pretrained(actor_path))
+        train = DeviceMesh.training(
+            ctx.world_size, pp=spec.training.pipeline_parallel_size, tp=spec.training.tensor_parallel_size
+        )
+        self.plan = hybridflow_plan(decoder_layout(self.decoder), train, ctx.mesh)
+        self.groups = SubgroupCache()
+        self.resharder = Resharder(self.plan, ctx.rank, self.groups)  # collective: the micro-DP groups
+        self.engine: TensorParallelRolloutEngine | None = None
+        self._shard: TrainingShard | None = None
+        self._generation: GenerationShard | None = None
+        self._stats: dict[str, float] = {}
+
+    @register(BROADCAST)
+    def sync_weights(self) -> int:
+        """Train -> generate (see the module docstring); returns the bytes this rank received."""
+        self._release()
+        actor = self.ctx.colocated("actor")
+        self._shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
+        self._generation, stats = self.resharder.to_generation(self._shard)
+        if self.engine is None:
+            self.engine = TensorParallelRolloutEngine(
+                self.decoder,
+                self._generation,
+                self.ctx.mesh,
+                self.ctx.rank,
+                self.groups,
+                eos_token_ids=self.eos_ids,
+                pad_token_id=self.pad_id,
+            )
+        else:
+            self.engine.set_weights(self._generation)
+        self._stats = {
+            "to_generation_seconds": stats.seconds,
+            "bytes_received": float(stats.bytes_received),
+            "held_bytes": float(stats.held.total),
+            "redundant_bytes": float(stats.redundant.total),
+        }
+        return stats.bytes_received
+
+    def _release(self) -> None:
+        """Generate -> train: free the generation-only memory and this step's training shard copy."""
+        if self._generation is None or self._shard is None:
+            return
+        stats = self.resharder.to_training(self._generation, self._shard)
+        self._stats["to_training_seconds"] = stats.seconds
+        self._stats["freed_bytes"] = float(stats.freed.total)
+        self._generation, self._shard = None, None
+
+    @register(DP_SPLIT)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """As :meth:`RolloutWorker.generate_sequences`, decoded by this rank's generation replica."""
+        if self._generation is None:
+            self.sync_weights()
+        assert self.engine is not None
+        # One sampling stream per replica: only its output rank samples, the others follow.
+        params = sampling_params(self.spec, prompts, stream=self.ctx.coord.dp)
+        prompt_ids = prompt_token_ids(prompts)
+        self.engine.wake_up()
+        output = self.engine.generate(prompt_ids, params)
+        self.engine.sleep()
+        self._release()
+        return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
+
+    @register(BROADCAST)
+    def transition_stats(self) -> dict[str, float]:
+        """This rank's figures of the last train -> generate -> train round (empty before the first)."""
+        return dict(self._stats)
