@@ -37,6 +37,7 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spawned_ranks import free_port  # noqa: E402
 from test_megatron_backend_distributed import (  # noqa: E402
     ADAM_EPS,
     LEARNING_RATE,
@@ -46,7 +47,6 @@ from test_megatron_backend_distributed import (  # noqa: E402
     TEMPERATURE,
     WEIGHT_DECAY,
     compute_references,
-    free_port,
     policy_loss,
 )
 
