@@ -37,7 +37,6 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawned_ranks import free_port  # noqa: E402
 from test_megatron_backend_distributed import (  # noqa: E402
     ADAM_EPS,
     LEARNING_RATE,
@@ -49,6 +48,8 @@ from test_megatron_backend_distributed import (  # noqa: E402
     compute_references,
     policy_loss,
 )
+
+from spawned_ranks import free_port  # noqa: E402
 
 JOB_DEADLINE_SECONDS = 600
 SIZES: dict[str, Any] = {"hidden": 256, "heads": 8, "kv_heads": 4, "layers": 4, "intermediate": 512}
