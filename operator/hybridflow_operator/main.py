@@ -106,9 +106,6 @@ def register(
         settings.posting.enabled = False
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="hybridflow.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="hybridflow.io")
-        # kopf waits this long after an event for more events of the same object. Each reconcile
-        # re-reads the job anyway, so batching buys nothing and the default 0.1 s is pure latency.
-        settings.batching.batch_window = 0.01
         if serve_metrics:
             metrics.serve(config.metrics_port)
         threading.Thread(target=sweep, name="hybridflow-sweep", daemon=True).start()

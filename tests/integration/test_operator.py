@@ -115,7 +115,8 @@ def test_rlhfjob_lifecycle_through_kuberay_states(cluster: Any) -> None:
 
     kuberay(cluster, "life-1", "Failed", "FAILED", reason="AppFailed")
     wait_until(lambda: rayjob(cluster, "life-2"), message="a retry as a new RayJob")
-    assert phase(cluster, "life") == "Retrying"
+    # The status is patched after the new attempt's children are created: wait for it too.
+    wait_until(lambda: phase(cluster, "life") == "Retrying")
     kuberay(cluster, "life-2", "Running", "RUNNING")
     wait_until(lambda: phase(cluster, "life") == "Running")
     kuberay(cluster, "life-2", "Complete", "SUCCEEDED")
