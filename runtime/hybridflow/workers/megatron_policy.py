@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.algorithms import core
+from hybridflow.algorithms.objectives import actor_objective
 from hybridflow.backends import megatron as mb
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.resharding.layout import Block
@@ -138,30 +138,15 @@ class MegatronActorWorker(_MegatronPolicyModel):
                     micro: Mapping[str, torch.Tensor],
                     rows: int = rows,
                 ) -> tuple[torch.Tensor, dict[str, Any]]:
-                    mask = micro["response_mask"].float()
-                    policy_loss, stats = core.policy_loss_clipped(
+                    loss, metrics = actor_objective(
+                        algo,
                         log_probs,
-                        micro["old_log_probs"],
-                        micro["advantages"],
-                        mask,
-                        algo.clip_ratio_low,
-                        algo.clip_ratio_high,
+                        entropy,
+                        old_log_probs=micro["old_log_probs"],
+                        advantages=micro["advantages"],
+                        response_mask=micro["response_mask"],
+                        ref_log_probs=micro["ref_log_probs"] if use_kl_loss else None,
                     )
-                    assert entropy is not None
-                    entropy_mean = core.masked_mean(entropy, mask)
-                    loss = policy_loss - algo.entropy_coef * entropy_mean
-                    metrics: dict[str, Any] = {
-                        "actor/policy_loss": policy_loss.detach(),
-                        "actor/entropy": entropy_mean.detach(),
-                        "actor/clipfrac": float(stats["clipfrac"]),
-                        "actor/approx_kl": float(stats["approx_kl"]),
-                    }
-                    if use_kl_loss:
-                        kl = core.masked_mean(
-                            core.kl_penalty(log_probs, micro["ref_log_probs"], algo.kl.estimator), mask
-                        )
-                        loss = loss + algo.kl.coef * kl
-                        metrics["actor/kl_loss"] = kl.detach()
                     # Weighted by rows, as the FSDP actor's ``loss * len(micro) / len(mini)``.
                     return loss * (len(micro["input_ids"]) / rows), metrics
 

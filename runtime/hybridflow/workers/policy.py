@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms import core
+from hybridflow.algorithms.objectives import actor_objective
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
     build_optimizer,
@@ -139,33 +139,19 @@ class ActorWorker(_PolicyModel):
                 self.optimizer.zero_grad(set_to_none=True)
                 micro_batches = mini.chunk_by_size(self.micro_batch_size)
                 for micro in micro_batches:
-                    mask = micro.tensors["response_mask"].to(device).float()
                     log_probs, entropy = self._log_probs(micro, with_entropy=True)
-                    policy_loss, stats = core.policy_loss_clipped(
+                    loss, stats = actor_objective(
+                        algo,
                         log_probs,
-                        micro.tensors["old_log_probs"].to(device),
-                        micro.tensors["advantages"].to(device),
-                        mask,
-                        algo.clip_ratio_low,
-                        algo.clip_ratio_high,
+                        entropy,
+                        old_log_probs=micro.tensors["old_log_probs"].to(device),
+                        advantages=micro.tensors["advantages"].to(device),
+                        response_mask=micro.tensors["response_mask"].to(device),
+                        ref_log_probs=micro.tensors["ref_log_probs"].to(device) if use_kl_loss else None,
                     )
-                    assert entropy is not None
-                    entropy_mean = core.masked_mean(entropy, mask)
-                    loss = policy_loss - algo.entropy_coef * entropy_mean
-                    if use_kl_loss:
-                        kl = core.masked_mean(
-                            core.kl_penalty(
-                                log_probs, micro.tensors["ref_log_probs"].to(device), algo.kl.estimator
-                            ),
-                            mask,
-                        )
-                        loss = loss + algo.kl.coef * kl
-                        totals.setdefault("actor/kl_loss", []).append(float(kl.detach()))
                     (loss * len(micro) / len(mini)).backward()
-                    totals.setdefault("actor/policy_loss", []).append(float(policy_loss.detach()))
-                    totals.setdefault("actor/entropy", []).append(float(entropy_mean.detach()))
-                    totals.setdefault("actor/clipfrac", []).append(float(stats["clipfrac"]))
-                    totals.setdefault("actor/approx_kl", []).append(float(stats["approx_kl"]))
+                    for name, value in stats.items():
+                        totals.setdefault(name, []).append(float(value))
                 grad_norm = clip_grad_norm_and_step(
                     self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
                 )
