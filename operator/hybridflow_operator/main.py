@@ -82,6 +82,7 @@ def register(
                     metrics.observe_phase(key, None)
                     return None
                 result = reconcile(body, api, config.defaults, now=datetime.now(UTC))
+                metrics.observe_attempts(key, int((body.get("status") or {}).get("attempts") or 0))
         except Exception as err:
             metrics.errors.labels(error=type(err).__name__).inc()
             log.exception("reconcile of RLHFJob %s failed", key)

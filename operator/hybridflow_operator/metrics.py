@@ -1,40 +1,107 @@
-"""The operator's own Prometheus metrics (served on ``--metrics-port``, default 8080).
+"""The operator's own Prometheus metrics (served on ``HYBRIDFLOW_OPERATOR_METRICS_PORT``, default 8080).
 
-* ``hybridflow_operator_reconciles_total{trigger}``: reconciles run, by what triggered them;
-* ``hybridflow_operator_reconcile_errors_total{error}``: reconciles that raised, by exception type;
-* ``hybridflow_operator_reconcile_seconds``: latency histogram;
-* ``hybridflow_operator_api_writes_total``: writes the reconciles made (0 per no-op reconcile);
-* ``hybridflow_operator_jobs{phase}``: RLHFJobs this operator saw last in each phase.
+:data:`OPERATOR_METRICS` is the one list of them (name, kind, unit, help, labels): the
+collectors below are built from it, and ``docs/observability.md`` and the chart's dashboards
+are checked against it by tests. The operator may not import the runtime's metric catalogue
+(it imports nothing of ``hybridflow`` but the spec), so the entry type is this module's own,
+with the same fields as ``hybridflow.metrics.catalogue.MetricDefinition``.
+
+Who calls what: ``main.register`` counts each reconcile and its trigger, times it, counts the
+writes it made and, when it raised, the error class; after each pass it reports the job's phase
+(:meth:`OperatorMetrics.observe_phase`) and the attempts the job's status records
+(:meth:`OperatorMetrics.observe_attempts`); a deleted job is forgotten by both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["OperatorMetrics"]
+__all__ = ["OPERATOR_METRICS", "OperatorMetricDefinition", "OperatorMetrics"]
+
+
+@dataclass(frozen=True)
+class OperatorMetricDefinition:
+    name: str
+    kind: Literal["gauge", "counter", "histogram"]
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    key: None = None
+    group: str = "operator"
+    job_labels: tuple[str, ...] = ()
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return self.labels
+
+    @property
+    def exposed_names(self) -> tuple[str, ...]:
+        if self.kind == "counter":
+            return (f"{self.name}_total",)
+        if self.kind == "histogram":
+            return tuple(f"{self.name}_{suffix}" for suffix in ("bucket", "count", "sum"))
+        return (self.name,)
+
+
+RECONCILES = OperatorMetricDefinition(
+    "hybridflow_operator_reconciles",
+    "counter",
+    "reconciles",
+    "Reconciles run, by trigger (rlhfjob, rayjob, timer).",
+    ("trigger",),
+)
+ERRORS = OperatorMetricDefinition(
+    "hybridflow_operator_reconcile_errors",
+    "counter",
+    "reconciles",
+    "Reconciles that raised, by reason (the error's class, e.g. ApiException).",
+    ("error",),
+)
+LATENCY = OperatorMetricDefinition(
+    "hybridflow_operator_reconcile_seconds",
+    "histogram",
+    "seconds",
+    "Reconcile latency, from trigger to done.",
+)
+WRITES = OperatorMetricDefinition(
+    "hybridflow_operator_api_writes",
+    "counter",
+    "writes",
+    "API writes made by reconciles (a no-op reconcile makes none).",
+)
+JOBS = OperatorMetricDefinition(
+    "hybridflow_operator_jobs", "gauge", "jobs", "RLHFJobs by the phase this operator saw last.", ("phase",)
+)
+ATTEMPTS = OperatorMetricDefinition(
+    "hybridflow_operator_job_attempts",
+    "gauge",
+    "attempts",
+    "Attempts (RayJobs) each RLHFJob's status records; above 1 after a retry.",
+    ("namespace", "rlhfjob"),
+)
+OPERATOR_METRICS: tuple[OperatorMetricDefinition, ...] = (RECONCILES, ERRORS, LATENCY, WRITES, JOBS, ATTEMPTS)
+
+
+def _help(definition: OperatorMetricDefinition) -> str:
+    return f"{definition.help} Unit: {definition.unit}."
 
 
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.reconciles = Counter(
-            "hybridflow_operator_reconciles", "Reconciles run", ["trigger"], registry=self.registry
+            RECONCILES.name, _help(RECONCILES), list(RECONCILES.labels), registry=self.registry
         )
-        self.errors = Counter(
-            "hybridflow_operator_reconcile_errors",
-            "Reconciles that raised",
-            ["error"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "hybridflow_operator_reconcile_seconds", "Reconcile latency", registry=self.registry
-        )
-        self.writes = Counter(
-            "hybridflow_operator_api_writes", "API writes made by reconciles", registry=self.registry
-        )
-        self.jobs = Gauge("hybridflow_operator_jobs", "RLHFJobs by phase", ["phase"], registry=self.registry)
+        self.errors = Counter(ERRORS.name, _help(ERRORS), list(ERRORS.labels), registry=self.registry)
+        self.latency = Histogram(LATENCY.name, _help(LATENCY), registry=self.registry)
+        self.writes = Counter(WRITES.name, _help(WRITES), registry=self.registry)
+        self.jobs = Gauge(JOBS.name, _help(JOBS), list(JOBS.labels), registry=self.registry)
+        self.attempts = Gauge(ATTEMPTS.name, _help(ATTEMPTS), list(ATTEMPTS.labels), registry=self.registry)
         self._phases: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -43,6 +110,7 @@ class OperatorMetrics:
         with self._lock:
             if phase is None:
                 self._phases.pop(job_key, None)
+                self._forget_attempts(job_key)
             else:
                 self._phases[job_key] = phase
             counts: dict[str, int] = {}
@@ -50,6 +118,16 @@ class OperatorMetrics:
                 counts[value] = counts.get(value, 0) + 1
             for label in {*counts, *(s.labels["phase"] for m in self.jobs.collect() for s in m.samples)}:
                 self.jobs.labels(phase=label).set(counts.get(label, 0))
+
+    def observe_attempts(self, job_key: str, attempts: int) -> None:
+        """Record the attempts ``job_key`` (``namespace/name``) has made so far."""
+        namespace, _, name = job_key.partition("/")
+        self.attempts.labels(namespace=namespace, rlhfjob=name).set(attempts)
+
+    def _forget_attempts(self, job_key: str) -> None:
+        namespace, _, name = job_key.partition("/")
+        with contextlib.suppress(KeyError):
+            self.attempts.remove(namespace, name)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

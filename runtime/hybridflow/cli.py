@@ -102,9 +102,15 @@ def _run(args: argparse.Namespace) -> int:
 
     print(f"hybridflow run: {job.metadata.name} ({spec.algorithm.name}, {spec.training.total_steps} steps)")
     print(f"  output: {spec.output_dir}  checkpoints: {spec.checkpoint_dir}")
+    from hybridflow.metrics.progress import ProgressDisplay
+
     init_local_ray(resource_pools(spec, simulated=True))
     try:
-        summary = run_training(spec, stop_after_steps=args.max_steps)
+        # A live bar on a terminal, one plain line per step otherwise (CI, logs).
+        with ProgressDisplay(sys.stdout, total_steps=spec.training.total_steps) as display:
+            summary = run_training(
+                spec, stop_after_steps=args.max_steps, on_step=display.line, on_report=display.update
+            )
     except (UnsupportedAlgorithmError, PromptDataError, RewardFunctionError, ValueError) as err:
         print(f"error: {args.manifest}: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -151,6 +157,7 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     import ray
 
     from hybridflow.incluster import StatusPusher, TrainingMetricsExporter
+    from hybridflow.metrics import progress_line
     from hybridflow.trainer.report import StepReport
     from hybridflow.trainer.runner import run_training
 
@@ -159,11 +166,27 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     pusher = StatusPusher.in_cluster(namespace, job.metadata.name)
 
     def report(step: StepReport) -> None:
+        print(progress_line(step), flush=True)  # the pod's log
         exporter(step)
         pusher(step)
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
     run_training(job.spec, simulated=False, on_report=report)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hybridflow.metrics.run_report import ReportError, load_records, plot_curves, render_report
+
+    try:
+        print(render_report(args.output_dir, checkpoint_dir=args.checkpoint_dir, rows=args.rows))
+        records = load_records(args.output_dir)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if args.plot != "":
+        target = plot_curves(records, args.plot or Path(args.output_dir) / "report.png")
+        print(f"plot: {target}")
     return 0
 
 
@@ -190,6 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of /metrics with --in-cluster (8080 is KubeRay's metrics agent on every Ray node)",
     )
     run.set_defaults(handler=_run)
+
+    summary = commands.add_parser("report", help="summarise a run from its metrics and checkpoints")
+    summary.add_argument("output_dir", help="the job's spec.outputDir (holds metrics.jsonl)")
+    summary.add_argument(
+        "--checkpoint-dir", default=None, help="checkpoint directory (default: OUTPUT_DIR/checkpoints)"
+    )
+    summary.add_argument(
+        "--plot",
+        default=None,
+        help="PNG of the reward and KL curves (default OUTPUT_DIR/report.png; '' for none)",
+    )
+    summary.add_argument("--rows", type=int, default=10, help="rows of the learning-curve table")
+    summary.set_defaults(handler=_report)
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")
     tiny.add_argument("--model-dir", default="outputs/tiny-model")

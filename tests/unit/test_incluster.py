@@ -76,4 +76,4 @@ def test_exporter_turns_step_metrics_into_labelled_gauges() -> None:
     text = generate_latest(registry).decode()
     assert 'hybridflow_step{namespace="team-a",rlhfjob="grpo-qwen"} 4.0' in text
     assert 'hybridflow_reward_mean{namespace="team-a",rlhfjob="grpo-qwen"} 0.25' in text
-    assert 'hybridflow_timing_generate{namespace="team-a",rlhfjob="grpo-qwen"} 0.5' in text
+    assert 'hybridflow_phase_seconds{namespace="team-a",phase="generate",rlhfjob="grpo-qwen"} 0.5' in text

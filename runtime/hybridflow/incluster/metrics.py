@@ -1,54 +1,67 @@
-"""Prometheus metrics of a training run, served by the controller on ``/metrics``.
+"""Prometheus metrics of a training run, served by the controller (the RayJob head) on ``/metrics``.
 
-Every numeric step metric becomes a gauge ``hybridflow_<name>`` (``reward/mean`` ->
-``hybridflow_reward_mean``, ``timing/generate`` -> ``hybridflow_timing_generate``), labelled with
-the job's namespace and name, plus ``hybridflow_step`` and ``hybridflow_total_steps``. Gauges
-are created on first sight, so a metric added to an algorithm is exported without a change here.
+Names, units and labels come from :data:`hybridflow.metrics.catalogue.TRAINING_METRICS`, the same
+entries that say which step-report key each metric is (and so what ``metrics.jsonl`` and
+TensorBoard record). Every catalogued metric is registered up front, so the exposition text
+always carries its ``# HELP``/``# TYPE`` lines; a series appears once a step reported the key
+(MFU, for example, never appears on a GPU the peak table does not know). A numeric key no entry
+describes is exported as ``hybridflow_training_metric{name="<key>"}``.
 """
 
 from __future__ import annotations
 
-import re
+import math
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from hybridflow.metrics.catalogue import TRAINING_METRICS, UNCATALOGUED, MetricDefinition, find_definition
 from hybridflow.trainer.report import StepReport
 
-__all__ = ["TrainingMetricsExporter", "prometheus_name"]
-
-_INVALID = re.compile(r"[^a-zA-Z0-9_]")
+__all__ = ["TrainingMetricsExporter", "report_values"]
 
 
-def prometheus_name(metric: str) -> str:
-    return "hybridflow_" + _INVALID.sub("_", metric).strip("_").lower()
+def report_values(report: StepReport) -> dict[str, float]:
+    """A step report as one flat dict of step-report keys (the catalogue's ``key`` field)."""
+    values: dict[str, float] = {
+        "step": float(report.step),
+        "total_steps": float(report.total_steps),
+        "eta_seconds": float(report.eta_seconds),
+    }
+    if report.last_checkpoint_step is not None:
+        values["checkpoint/last_step"] = float(report.last_checkpoint_step)
+    for key, value in report.metrics.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            values[key] = float(value)
+    return values
 
 
 class TrainingMetricsExporter:
-    """A StepReport sink that updates gauges; ``serve(port)`` starts the HTTP endpoint."""
+    """A StepReport sink that sets the catalogue's gauges; ``serve(port)`` starts the HTTP endpoint."""
 
     def __init__(self, namespace: str, job: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self._labels = {"namespace": namespace, "rlhfjob": job}
-        self._gauges: dict[str, Gauge] = {}
+        self._job = {"namespace": namespace, "rlhfjob": job}
+        self._gauges: dict[str, Gauge] = {
+            definition.name: Gauge(
+                definition.name,
+                f"{definition.help} Unit: {definition.unit}.",
+                list(definition.all_labels),
+                registry=self.registry,
+            )
+            for definition in (*TRAINING_METRICS, UNCATALOGUED)
+        }
 
-    def _gauge(self, name: str, documentation: str) -> Gauge:
-        if name not in self._gauges:
-            self._gauges[name] = Gauge(name, documentation, list(self._labels), registry=self.registry)
-        return self._gauges[name]
+    def _set(self, definition: MetricDefinition, labels: dict[str, str], value: float) -> None:
+        self._gauges[definition.name].labels(**self._job, **labels).set(value)
 
     def __call__(self, report: StepReport) -> None:
-        self._gauge("hybridflow_step", "last finished training step").labels(**self._labels).set(report.step)
-        self._gauge("hybridflow_total_steps", "training steps of the job").labels(**self._labels).set(
-            report.total_steps
-        )
-        self._gauge("hybridflow_eta_seconds", "estimated seconds to the last step").labels(
-            **self._labels
-        ).set(report.eta_seconds)
-        for metric, value in report.metrics.items():
-            if isinstance(value, int | float):
-                self._gauge(prometheus_name(metric), f"training metric {metric}").labels(**self._labels).set(
-                    value
-                )
+        for key, value in report_values(report).items():
+            found = find_definition(key)
+            if found is None:
+                self._set(UNCATALOGUED, {"name": key}, value)
+            else:
+                definition, labels = found
+                self._set(definition, dict(labels), value)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

@@ -1,5 +1,6 @@
-"""Training metrics: JSONL and TensorBoard files in the output directory, and the progress line."""
+"""Training metrics: the catalogue of names, JSONL and TensorBoard files, derived figures, the progress line."""
 
-from hybridflow.metrics.writer import MetricsWriter, format_progress
+from hybridflow.metrics.catalogue import TRAINING_METRICS, MetricDefinition
+from hybridflow.metrics.writer import MetricsWriter, progress_line
 
-__all__ = ["MetricsWriter", "format_progress"]
+__all__ = ["TRAINING_METRICS", "MetricDefinition", "MetricsWriter", "progress_line"]

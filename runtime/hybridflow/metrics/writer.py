@@ -1,5 +1,6 @@
 """Metrics sinks. ``metrics.jsonl`` (one object per step) is the record tests and tools read;
-TensorBoard event files under ``tensorboard/`` are for people."""
+TensorBoard event files under ``tensorboard/`` are for people. Both use the step-report keys
+as they are (``reward/mean``); ``catalogue.py`` says what each key means and its Prometheus name."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["MetricsWriter", "format_progress"]
+if TYPE_CHECKING:
+    from hybridflow.trainer.report import StepReport
+
+__all__ = ["MetricsWriter", "progress_line"]
 
 
 class MetricsWriter:
@@ -45,10 +49,12 @@ class MetricsWriter:
         self._tensorboard.close()
 
 
-def format_progress(step: int, total: int, metrics: dict[str, float], eta_seconds: float) -> str:
-    eta = f"{int(eta_seconds // 60)}m{int(eta_seconds % 60):02d}s"
+def progress_line(report: StepReport) -> str:
+    """The plain progress line of a step (logs, CI, pods; a terminal gets a live bar instead)."""
+    eta = f"{int(report.eta_seconds // 60)}m{int(report.eta_seconds % 60):02d}s"
+    metrics = report.metrics
     return (
-        f"step {step}/{total} | reward {metrics.get('reward/mean', float('nan')):.3f} "
+        f"step {report.step}/{report.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} "
         f"| kl {metrics.get('kl/actor_ref', float('nan')):.4f} "
         f"| {metrics.get('perf/tokens_per_second', 0.0):.0f} tok/s | ETA {eta}"
     )

@@ -25,7 +25,8 @@ from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.controller import Batch, deploy
 from hybridflow.data import PromptDataset, PromptSampler
-from hybridflow.metrics import MetricsWriter, format_progress
+from hybridflow.metrics import MetricsWriter, progress_line
+from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.report import StepReport
 from hybridflow.trainer.rewards import RewardScorer
@@ -74,7 +75,8 @@ def run_training(
     """Train ``spec`` on the current Ray cluster.
 
     ``on_step`` receives human-readable lines, ``on_report`` a :class:`StepReport` after every
-    step (after the step's checkpoint, if any); ``stop_after_steps`` ends early (resume tests).
+    step (after the step's checkpoint, if any); without ``on_report`` each step's progress line
+    goes to ``on_step``. ``stop_after_steps`` ends early (resume tests).
     """
     if spec.algorithm.name not in ALGORITHM_STEPS:
         raise UnsupportedAlgorithmError(
@@ -95,6 +97,8 @@ def run_training(
     pools = resource_pools(spec, simulated=simulated)
     history: list[dict[str, float]] = []
     hybrid = uses_hybrid_engine(spec)
+    job_gpus = sum(pool.nodes * pool.gpus_per_node for pool in spec.resource_pools)
+    actor_parameters = model_parameter_count(spec.models.actor.path)
     with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
@@ -132,16 +136,19 @@ def run_training(
             measured = sum(v for k, v in metrics.items() if k.startswith("timing/"))
             metrics["timing/update"] = max(0.0, seconds - measured)
             metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
+            metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
             history.append({"step": float(step), **metrics})
             writer.write(step, metrics)
             done = step - start + 1
             eta = (time.monotonic() - began) / done * (total - step)
-            on_step(format_progress(step, total, metrics, eta))
             if step % spec.checkpoint.interval_steps == 0 or step == total:
                 _save(checkpoints, workers, step, sampler, state)
                 last_checkpoint = step
+            report = StepReport(step, total, metrics, eta, last_checkpoint)
             if on_report is not None:
-                on_report(StepReport(step, total, metrics, eta, last_checkpoint))
+                on_report(report)
+            else:
+                on_step(progress_line(report))
     writer.close()
     return RunSummary(start, last, resumed, history)
 

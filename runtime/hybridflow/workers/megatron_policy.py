@@ -31,6 +31,7 @@ import torch
 from hybridflow.algorithms.objectives import actor_objective
 from hybridflow.backends import megatron as mb
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.transfer import TrainingShard
 from hybridflow.spec import RLHFJobSpec
@@ -166,6 +167,7 @@ class MegatronActorWorker(_MegatronPolicyModel):
         self.model.eval()
         result = {name: float(np.mean(values)) for name, values in totals.items()}
         result["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        result.update(device_metrics("actor"))
         self.scheduler.step()
         return result
 

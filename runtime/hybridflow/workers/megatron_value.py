@@ -21,6 +21,7 @@ import torch
 from hybridflow.algorithms import core
 from hybridflow.backends import megatron as mb
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.metrics.device import device_metrics
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.megatron_policy import MODEL_FIELDS, parameter_dtype
 from hybridflow.workers.policy import seed_everything
@@ -106,7 +107,7 @@ class MegatronCriticWorker(Worker):
                 totals.setdefault("critic/grad_norm", []).append(norm)
         self.model.eval()
         self.scheduler.step()
-        return {name: float(np.mean(values)) for name, values in totals.items()}
+        return {name: float(np.mean(values)) for name, values in totals.items()} | device_metrics("critic")
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:

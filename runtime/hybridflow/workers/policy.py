@@ -32,6 +32,7 @@ from hybridflow.backends.fsdp import (
     token_logprobs_and_entropy,
 )
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.metrics.device import device_metrics
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = ["ActorWorker", "ReferenceWorker", "seed_everything"]
@@ -158,6 +159,7 @@ class ActorWorker(_PolicyModel):
                 totals.setdefault("actor/grad_norm", []).append(grad_norm)
         metrics = {name: float(np.mean(values)) for name, values in totals.items()}
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics.update(device_metrics("actor"))
         self.scheduler.step()
         return metrics
 

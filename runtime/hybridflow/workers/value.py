@@ -24,6 +24,7 @@ from hybridflow.backends.fsdp import (
     token_values,
 )
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.metrics.device import device_metrics
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.policy import seed_everything
 
@@ -138,7 +139,7 @@ class CriticWorker(_ValueRole):
                 )
                 totals.setdefault("critic/grad_norm", []).append(norm)
         self.scheduler.step()
-        return {name: float(np.mean(v)) for name, v in totals.items()}
+        return {name: float(np.mean(v)) for name, v in totals.items()} | device_metrics("critic")
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:

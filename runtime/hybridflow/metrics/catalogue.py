@@ -1,0 +1,383 @@
+"""The one list of a training run's metrics: step-report keys, Prometheus names, units and help.
+
+Every figure a step produces travels as a key of the step's metrics dict (``reward/mean``,
+``timing/generate``, ``memory/actor/allocated_bytes``). That key is what ``metrics.jsonl`` and
+TensorBoard record, and this catalogue says which Prometheus metric the controller's ``/metrics``
+exports it as, with which unit and labels. Docs (``docs/observability.md``) and the dashboards'
+PromQL are checked against it by tests, so there is no second list of names.
+
+Keys with ``{placeholders}`` (``timing/{phase}``) match any value there and turn it into a label
+(``hybridflow_phase_seconds{phase="generate"}``): the trainer can add a phase, a role or a
+reward function without a change here. Every exported metric also carries the job's labels
+``namespace`` and ``rlhfjob`` (not ``job``: Prometheus sets ``job`` to the scrape job, and a
+clash would rename ours to ``exported_job``); never a step or a rank, which would make one
+series per step. A numeric key no entry matches is still exported, as
+``hybridflow_training_metric{name="<key>"}``, and still written to JSONL and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "JOB_LABELS",
+    "TRAINING_METRICS",
+    "UNCATALOGUED",
+    "MetricDefinition",
+    "MetricKind",
+    "find_definition",
+]
+
+MetricKind = Literal["gauge", "counter", "histogram"]
+
+# Labels every training metric carries: the RLHFJob's namespace and name.
+JOB_LABELS: tuple[str, ...] = ("namespace", "rlhfjob")
+
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+_PROMETHEUS_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+# What a placeholder matches: one path segment of a key.
+_SEGMENT = r"([A-Za-z0-9_.+-]+)"
+
+
+@dataclass(frozen=True)
+class MetricDefinition:
+    """One metric: ``key`` in the step report (and JSONL/TensorBoard), ``name`` in Prometheus.
+
+    ``labels`` are the labels beyond :data:`JOB_LABELS`; for training metrics each is a
+    ``{placeholder}`` of ``key``. ``group`` orders the documentation and names the dashboard
+    that shows the metric. Operator metrics have no ``key``.
+    """
+
+    name: str
+    kind: MetricKind
+    unit: str
+    help: str
+    key: str | None = None
+    labels: tuple[str, ...] = ()
+    group: str = ""
+    job_labels: tuple[str, ...] = JOB_LABELS
+    _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _PROMETHEUS_NAME.match(self.name) or not self.name.startswith("hybridflow_"):
+            raise ValueError(f"metric name {self.name!r}: must be hybridflow_ followed by [a-z0-9_]")
+        if self.key is not None:
+            placeholders = tuple(_PLACEHOLDER.findall(self.key))
+            if placeholders != self.labels:
+                raise ValueError(
+                    f"metric {self.name}: key {self.key!r} has placeholders {placeholders}, labels {self.labels}"
+                )
+            if placeholders:
+                regex = "".join(
+                    _SEGMENT if i % 2 else re.escape(part)
+                    for i, part in enumerate(_PLACEHOLDER.split(self.key))
+                )
+                object.__setattr__(self, "_pattern", re.compile(f"^{regex}$"))
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return (*self.job_labels, *self.labels)
+
+    @property
+    def exposed_names(self) -> tuple[str, ...]:
+        """The sample names the exposition text carries (what PromQL refers to)."""
+        if self.kind == "counter":
+            return (f"{self.name}_total",)
+        if self.kind == "histogram":
+            return tuple(f"{self.name}_{suffix}" for suffix in ("bucket", "count", "sum"))
+        return (self.name,)
+
+    def match(self, key: str) -> dict[str, str] | None:
+        """The label values ``key`` gives this metric, or None when ``key`` is not this metric's."""
+        if self.key is None:
+            return None
+        if self._pattern is None:
+            return {} if key == self.key else None
+        found = self._pattern.match(key)
+        return dict(zip(self.labels, found.groups(), strict=True)) if found else None
+
+    def key_for(self, **labels: str) -> str:
+        """The step-report key of this metric with the given label values (the inverse of match)."""
+        assert self.key is not None, self.name
+        return self.key.format(**labels)
+
+
+def _gauge(name: str, unit: str, key: str, help: str, group: str, *labels: str) -> MetricDefinition:
+    return MetricDefinition(name, "gauge", unit, help, key=key, labels=tuple(labels), group=group)
+
+
+TRAINING_METRICS: tuple[MetricDefinition, ...] = (
+    # Progress.
+    _gauge("hybridflow_step", "steps", "step", "Last finished training step.", "progress"),
+    _gauge("hybridflow_total_steps", "steps", "total_steps", "Training steps of the job.", "progress"),
+    _gauge(
+        "hybridflow_eta_seconds", "seconds", "eta_seconds", "Estimated time to the last step.", "progress"
+    ),
+    _gauge(
+        "hybridflow_last_checkpoint_step",
+        "steps",
+        "checkpoint/last_step",
+        "Step of the newest complete checkpoint.",
+        "progress",
+    ),
+    # Throughput and the step breakdown.
+    _gauge(
+        "hybridflow_tokens_per_second",
+        "tokens/s",
+        "perf/tokens_per_second",
+        "Prompt plus response tokens of the step over the step's wall time (the paper's throughput).",
+        "throughput",
+    ),
+    _gauge(
+        "hybridflow_tokens_per_second_per_gpu",
+        "tokens/s",
+        "perf/tokens_per_second_per_gpu",
+        "hybridflow_tokens_per_second divided by all GPUs of the job's resource pools.",
+        "throughput",
+    ),
+    _gauge(
+        "hybridflow_step_tokens",
+        "tokens",
+        "tokens/step",
+        "Prompt plus response tokens of the step.",
+        "throughput",
+    ),
+    _gauge(
+        "hybridflow_step_seconds",
+        "seconds",
+        "perf/step_seconds",
+        "Wall time of the whole step.",
+        "throughput",
+    ),
+    _gauge(
+        "hybridflow_phase_seconds",
+        "seconds",
+        "timing/{phase}",
+        "Wall time of one phase of the step (weight_sync, generate, reward, log_probs, values, "
+        "advantages, actor_update, critic_update, checkpoint, ...; `update` is what the step spent "
+        "outside the measured phases).",
+        "throughput",
+        "phase",
+    ),
+    _gauge(
+        "hybridflow_mfu",
+        "ratio",
+        "perf/mfu",
+        "Model FLOPs utilisation: 6 x actor parameters x step tokens / (step seconds x GPUs x the GPU's "
+        "dense bf16 peak). Absent when the GPU is not in the peak table (and on CPU).",
+        "gpu",
+    ),
+    _gauge(
+        "hybridflow_gpu_peak_flops",
+        "FLOP/s",
+        "gpu/peak_flops",
+        "Dense bf16 peak of one of the actor's GPUs, from the table of known GPUs.",
+        "gpu",
+    ),
+    _gauge(
+        "hybridflow_gpu_memory_allocated_bytes",
+        "bytes",
+        "memory/{role}/allocated_bytes",
+        "CUDA memory held by tensors in the role's processes after its update (mean over ranks).",
+        "gpu",
+        "role",
+    ),
+    _gauge(
+        "hybridflow_gpu_memory_reserved_bytes",
+        "bytes",
+        "memory/{role}/reserved_bytes",
+        "CUDA memory reserved by the caching allocator in the role's processes (mean over ranks).",
+        "gpu",
+        "role",
+    ),
+    _gauge(
+        "hybridflow_gpu_memory_peak_bytes",
+        "bytes",
+        "memory/{role}/peak_allocated_bytes",
+        "Peak CUDA memory held by tensors during the role's update (mean over ranks).",
+        "gpu",
+        "role",
+    ),
+    # Transitions between the training and generation layouts (3D-HybridEngine).
+    _gauge(
+        "hybridflow_reshard_seconds",
+        "seconds",
+        "reshard/seconds",
+        "Train -> generate plus generate -> train resharding time of the slowest rollout rank.",
+        "resharding",
+    ),
+    _gauge(
+        "hybridflow_reshard_received_bytes",
+        "bytes",
+        "reshard/bytes_received_per_rank",
+        "Most bytes any rollout rank received while resharding in the step.",
+        "resharding",
+    ),
+    _gauge(
+        "hybridflow_reshard_redundant_bytes",
+        "bytes",
+        "reshard/redundant_bytes_per_rank",
+        "Most bytes any rank held twice (training and generation copies); 0 for HybridFlow's layout.",
+        "resharding",
+    ),
+    # Learning.
+    _gauge(
+        "hybridflow_reward_mean",
+        "score",
+        "reward/mean",
+        "Mean sequence score of the step's responses.",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_reward_std",
+        "score",
+        "reward/std",
+        "Standard deviation of the sequence scores.",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_reward_greedy_baseline",
+        "score",
+        "reward/greedy_baseline",
+        "Mean score of the greedy responses (ReMax's baseline).",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_reward_source_mean",
+        "score",
+        "reward/{source}",
+        "Mean score from one reward source (a rule function by name, or `model`).",
+        "learning",
+        "source",
+    ),
+    _gauge("hybridflow_cost_mean", "score", "cost/mean", "Mean cost-model score (Safe-RLHF).", "learning"),
+    _gauge(
+        "hybridflow_cost_limit",
+        "score",
+        "cost/limit",
+        "The cost limit of the constraint (Safe-RLHF).",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_cost_lagrange_multiplier",
+        "ratio",
+        "cost/lambda",
+        "Lagrange multiplier of the cost constraint (Safe-RLHF).",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_kl",
+        "nats/token",
+        "kl/actor_ref",
+        "Token-mean KL of the actor to the reference over the responses.",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_kl_coefficient",
+        "ratio",
+        "kl/coef",
+        "KL penalty coefficient (adaptive or fixed).",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_entropy",
+        "nats/token",
+        "{role}/entropy",
+        "Token-mean entropy of the policy over the responses.",
+        "learning",
+        "role",
+    ),
+    _gauge(
+        "hybridflow_response_length_tokens",
+        "tokens",
+        "response/length_mean",
+        "Mean response length.",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_policy_loss",
+        "loss",
+        "actor/policy_loss",
+        "Clipped surrogate loss of the actor.",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_kl_loss",
+        "loss",
+        "actor/kl_loss",
+        "KL loss term of the actor (kl.mode: loss).",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_approx_kl",
+        "nats/token",
+        "actor/approx_kl",
+        "Approximate KL between the updated and the old policy.",
+        "learning",
+    ),
+    _gauge(
+        "hybridflow_value_loss", "loss", "critic/value_loss", "Clipped value loss of the critic.", "learning"
+    ),
+    _gauge(
+        "hybridflow_clip_fraction",
+        "ratio",
+        "{role}/clipfrac",
+        "Fraction of tokens where the clipped objective was taken.",
+        "learning",
+        "role",
+    ),
+    _gauge(
+        "hybridflow_grad_norm",
+        "norm",
+        "{role}/grad_norm",
+        "Gradient norm before clipping.",
+        "learning",
+        "role",
+    ),
+    _gauge(
+        "hybridflow_learning_rate",
+        "ratio",
+        "{role}/lr",
+        "Learning rate of the role's optimizer.",
+        "learning",
+        "role",
+    ),
+)
+
+UNCATALOGUED = MetricDefinition(
+    "hybridflow_training_metric",
+    "gauge",
+    "as named",
+    "A numeric step metric no catalogue entry describes, by its step-report key.",
+    labels=("name",),
+    group="other",
+)
+
+
+def _check_unique(definitions: Iterable[MetricDefinition]) -> None:
+    seen: set[str] = set()
+    for definition in definitions:
+        if definition.name in seen:
+            raise ValueError(f"metric {definition.name} is defined twice")
+        seen.add(definition.name)
+
+
+_check_unique((*TRAINING_METRICS, UNCATALOGUED))
+
+
+def find_definition(
+    key: str, catalogue: Iterable[MetricDefinition] = TRAINING_METRICS
+) -> tuple[MetricDefinition, Mapping[str, str]] | None:
+    """The entry for ``key`` and its label values: an exact key wins over a ``{placeholder}`` one."""
+    templated: list[tuple[MetricDefinition, Mapping[str, str]]] = []
+    for definition in catalogue:
+        labels = definition.match(key)
+        if labels is None:
+            continue
+        if not definition.labels:
+            return definition, labels
+        templated.append((definition, labels))
+    return templated[0] if templated else None
