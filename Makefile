@@ -8,7 +8,7 @@ HELM := $(VENV)/bin/helm
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench format clean images
+.PHONY: setup demo test lint bench format clean images crds dashboards
 
 setup: $(STAMP) $(HELM)
 
@@ -53,6 +53,15 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator.py
+
+# Regenerate the CRD from the typed spec and the chart's copy of it (a test diffs both).
+crds: setup
+	$(PY) -m hybridflow_operator.crd
+	cp crds/*.yaml helm/hybridflow/crds/
+
+# Regenerate the chart's Grafana dashboards (a test checks they are current).
+dashboards:
+	$(PYTHON) helm/render_dashboards.py
 
 # The operator and runtime images (images/*/Dockerfile), where a Docker engine answers.
 IMAGE_TAG ?= 0.1.0
