@@ -68,7 +68,14 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 kind="stat",
                 width=8,
             ),
-            Panel("Step", "Last finished training step.", (series("hybridflow_step"),), kind="stat", width=8),
+            Panel("Step", "Last finished training step.", (series("hybridflow_step"),), kind="stat", width=4),
+            Panel(
+                "Last checkpoint",
+                "Step of the newest complete checkpoint (a retry resumes there).",
+                (series("hybridflow_last_checkpoint_step"),),
+                kind="stat",
+                width=4,
+            ),
             Panel(
                 "ETA",
                 "Estimated time to the last step.",
@@ -120,7 +127,15 @@ DASHBOARDS: tuple[Dashboard, ...] = (
         "HybridFlow / Learning",
         "Reward, KL, entropy, response length, losses and optimiser figures per step.",
         (
-            Panel("Reward (mean)", "Mean sequence score.", (series("hybridflow_reward_mean"),)),
+            Panel(
+                "Reward",
+                "Mean and standard deviation of the sequence scores; ReMax's greedy baseline.",
+                (
+                    series("hybridflow_reward_mean", "{{rlhfjob}} mean"),
+                    series("hybridflow_reward_std", "{{rlhfjob}} std"),
+                    series("hybridflow_reward_greedy_baseline", "{{rlhfjob}} greedy baseline"),
+                ),
+            ),
             Panel(
                 "Reward by source",
                 "Mean score of each reward function or model.",
@@ -151,6 +166,11 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 "Gradient norm",
                 "Before clipping, by role.",
                 (series("hybridflow_grad_norm", "{{rlhfjob}} {{role}}"),),
+            ),
+            Panel(
+                "Learning rate",
+                "Of each role's optimizer.",
+                (series("hybridflow_learning_rate", "{{rlhfjob}} {{role}}"),),
             ),
             Panel(
                 "Clip fraction and approximate KL",
