@@ -150,3 +150,14 @@ def test_a_wrong_metric_or_label_is_caught() -> None:
         check_query('hybridflow_reward_mean{phase="generate"}', "probe")
     with pytest.raises(AssertionError, match="groups by labels"):
         check_query("sum by (role) (hybridflow_reward_mean)", "probe")
+
+
+def test_observability_doc_lists_each_dashboards_panels() -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    for path in DASHBOARDS:
+        dashboard = load(path)
+        heading = f"### {dashboard['title']} (`{path.name}`)"
+        assert heading in doc, f"docs/observability.md lacks {heading}"
+        section = doc.split(heading, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+        for panel in dashboard["panels"]:
+            assert f"**{panel['title']}**" in section, f"{path.name}: panel {panel['title']!r} not in the docs"

@@ -401,3 +401,17 @@ def test_rbac_grants_exactly_what_the_operator_uses(name: str, tmp_path: Path) -
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
         ]
+
+
+def test_the_readme_cluster_example_is_a_job_the_operator_runs() -> None:
+    """``kubectl apply -f examples/grpo-qwen-cluster.yaml`` (README): valid, and built into a RayJob."""
+    from hybridflow.spec import load_job_manifest
+    from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
+
+    job = load_job_manifest(ROOT / "examples" / "grpo-qwen-cluster.yaml")
+    job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": "research"})})
+    body = job.model_dump(by_alias=True, exclude_none=True)
+    body["metadata"]["uid"] = "0000-uid"
+    children = build_children(job, JobRef.from_body(body), attempt=1, defaults=RayJobDefaults(image="x"))
+    assert {child["kind"] for child in children} >= {"ConfigMap", "RayJob"}
+    assert (ROOT / "README.md").read_text().count("examples/grpo-qwen-cluster.yaml") >= 1
