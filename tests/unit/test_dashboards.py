@@ -160,4 +160,6 @@ def test_observability_doc_lists_each_dashboards_panels() -> None:
         assert heading in doc, f"docs/observability.md lacks {heading}"
         section = doc.split(heading, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
         for panel in dashboard["panels"]:
-            assert f"**{panel['title']}**" in section, f"{path.name}: panel {panel['title']!r} not in the docs"
+            assert f"**{panel['title']}**" in section, (
+                f"{path.name}: panel {panel['title']!r} not in the docs"
+            )
