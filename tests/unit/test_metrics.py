@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridflow.incluster import TrainingMetricsExporter
@@ -167,3 +167,34 @@ def test_observability_doc_lists_every_metric_with_its_unit() -> None:
         assert f"| {definition.unit} |" in rows[definition.name], definition.name
         if definition.key is not None:
             assert f"`{definition.key}`" in rows[definition.name], definition.name
+
+
+def test_operator_metrics_are_the_listed_ones_and_forget_deleted_jobs() -> None:
+    from hybridflow_operator.metrics import OPERATOR_METRICS, OperatorMetrics
+
+    metrics = OperatorMetrics(CollectorRegistry())
+    metrics.reconciles.labels(trigger="rlhfjob").inc()
+    metrics.errors.labels(error="ApiException").inc()
+    metrics.latency.observe(0.02)
+    metrics.writes.inc(3)
+    metrics.observe_phase("team-a/grpo", "Running")
+    metrics.observe_attempts("team-a/grpo", 2)
+    port = free_port()
+    metrics.serve(port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    names = {name for name, _ in samples}
+    for definition in OPERATOR_METRICS:
+        assert set(definition.exposed_names) <= names, definition.name
+    assert samples[("hybridflow_operator_job_attempts", (("namespace", "team-a"), ("rlhfjob", "grpo")))] == 2
+    assert samples[("hybridflow_operator_jobs", (("phase", "Running"),))] == 1
+    assert samples[("hybridflow_operator_reconcile_errors_total", (("error", "ApiException"),))] == 1
+    metrics.observe_phase("team-a/grpo", None)  # deleted
+    after = generate_latest(metrics.registry).decode()
+    assert 'hybridflow_operator_job_attempts{namespace="team-a"' not in after
+    assert 'hybridflow_operator_jobs{phase="Running"} 0.0' in after

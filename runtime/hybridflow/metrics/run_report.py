@@ -140,6 +140,7 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str | os.PathLike[str])
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(1, len(PLOTTED), figsize=(8, 3), dpi=100)
     for axis, (key, title) in zip(axes, PLOTTED, strict=True):
@@ -149,6 +150,7 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str | os.PathLike[str])
             axis.plot(steps, values, marker=".", linewidth=1)
         axis.set_title(title)
         axis.set_xlabel("step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
     figure.tight_layout()
     target = Path(path)
