@@ -415,3 +415,27 @@ def test_the_readme_cluster_example_is_a_job_the_operator_runs() -> None:
     children = build_children(job, JobRef.from_body(body), attempt=1, defaults=RayJobDefaults(image="x"))
     assert {child["kind"] for child in children} >= {"ConfigMap", "RayJob"}
     assert (ROOT / "README.md").read_text().count("examples/grpo-qwen-cluster.yaml") >= 1
+
+
+def test_notes_name_the_watched_namespaces_and_a_real_example() -> None:
+    result = subprocess.run(
+        [
+            helm_binary(),
+            "install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NAMESPACE,
+            "--dry-run=client",
+            "--set",
+            "watch.namespaces={team-a,team-b}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "the namespace(s) team-a,team-b" in notes
+    assert "kubectl apply -n team-a -f examples/grpo-qwen-cluster.yaml" in notes
+    assert (ROOT / "examples" / "grpo-qwen-cluster.yaml").is_file()

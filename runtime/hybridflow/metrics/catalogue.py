@@ -158,7 +158,8 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "timing/{phase}",
         "Wall time of one phase of the step (weight_sync, generate, reward, log_probs, values, "
         "advantages, actor_update, critic_update, checkpoint, ...; `update` is what the step spent "
-        "outside the measured phases).",
+        "outside the measured phases; `checkpoint`, on checkpoint steps, comes after the step and "
+        "is not part of hybridflow_step_seconds).",
         "throughput",
         "phase",
     ),

@@ -137,13 +137,16 @@ def run_training(
             metrics["timing/update"] = max(0.0, seconds - measured)
             metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
             metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
+            if step % spec.checkpoint.interval_steps == 0 or step == total:
+                saving = time.monotonic()
+                _save(checkpoints, workers, step, sampler, state)
+                last_checkpoint = step
+                # After the step proper: not part of perf/step_seconds or tokens/s.
+                metrics["timing/checkpoint"] = time.monotonic() - saving
             history.append({"step": float(step), **metrics})
             writer.write(step, metrics)
             done = step - start + 1
             eta = (time.monotonic() - began) / done * (total - step)
-            if step % spec.checkpoint.interval_steps == 0 or step == total:
-                _save(checkpoints, workers, step, sampler, state)
-                last_checkpoint = step
             report = StepReport(step, total, metrics, eta, last_checkpoint)
             if on_report is not None:
                 on_report(report)
