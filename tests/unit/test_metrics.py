@@ -198,3 +198,14 @@ def test_operator_metrics_are_the_listed_ones_and_forget_deleted_jobs() -> None:
     after = generate_latest(metrics.registry).decode()
     assert 'hybridflow_operator_job_attempts{namespace="team-a"' not in after
     assert 'hybridflow_operator_jobs{phase="Running"} 0.0' in after
+
+
+def test_a_cpu_worker_reports_no_device_figures() -> None:
+    """On CUDA the figures are the allocator's counters; without it nothing (no zeros that look real)."""
+    import torch
+
+    from hybridflow.metrics.device import device_metrics
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; this checks the CPU contract")
+    assert device_metrics("actor") == {}
