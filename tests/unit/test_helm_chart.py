@@ -42,7 +42,7 @@ def helm_binary() -> str:
     pytest.skip("no helm binary: `make setup` installs one into .venv/bin (helm/install_helm_binary.py)")
 
 
-def helm(*args: str, chart: Path = CHART, check: bool = True) -> subprocess.CompletedProcess[str]:
+def helm(*args: str, chart: Path = CHART) -> subprocess.CompletedProcess[str]:
     return subprocess.run([helm_binary(), *args, str(chart)], capture_output=True, text=True, check=False)
 
 
