@@ -36,7 +36,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kube.harness import EmulatedCluster, wait_until  # noqa: E402
 
-JOBS = int(os.environ.get("HYBRIDFLOW_BENCH_JOBS", "200"))
+QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
+"""Quick mode (``make bench-smoke``): a few jobs, to prove the bench runs and prints its JSON line."""
+JOBS = int(os.environ.get("HYBRIDFLOW_BENCH_JOBS", "20" if QUICK else "200"))
 CREATE_INTERVAL_SECONDS = 0.1
 """Jobs arrive at 10 per second, a rate the operator sustains; ``burst_*`` figures create them all at once."""
 NAMESPACE = "default"
