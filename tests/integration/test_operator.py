@@ -7,16 +7,18 @@ conditions, events, the children it owns, and that reconciles with nothing to do
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from hybridflow_operator.cluster import ApiCluster
 from hybridflow_operator.main import OperatorConfig, register
-from kube.harness import EmulatedCluster, operator_registry, wait_until
+from kube.harness import EmulatedCluster, load_crd, operator_registry, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +30,7 @@ GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
 
 def rayjob_crd() -> dict[str, Any]:
     if RAYJOB_CRD.is_file():
-        return dict(yaml.safe_load(RAYJOB_CRD.read_text()))
+        return dict(load_crd(RAYJOB_CRD))
     # Without ../shared the emulator only needs the names, not KubeRay's schema.
     return {
         "spec": {
@@ -43,9 +45,7 @@ def rayjob_crd() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster() -> Any:
     with EmulatedCluster() as cluster:
-        cluster.emulator.register_crd(
-            yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text())
-        )
+        cluster.emulator.register_crd(load_crd(ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml"))
         cluster.emulator.register_crd(rayjob_crd())
         registry = operator_registry()
         config = OperatorConfig(
@@ -140,17 +140,22 @@ def test_reconciles_with_nothing_to_do_write_nothing(cluster: Any) -> None:
     assert extra == [], [(r.method, r.name, r.subresource, r.data) for r in extra[:4]]
 
 
-def test_a_spec_the_operator_rejects_creates_no_children(cluster: Any) -> None:
-    create_job(cluster, "bad", algorithm={"name": "ppo2"})
+def test_the_api_server_rejects_an_invalid_spec_before_the_operator_sees_it(cluster: Any) -> None:
+    """The CRD's schema and CEL rules answer 422 naming the field; nothing is stored or created.
 
-    def validated() -> dict[str, Any] | None:
-        conditions = (job(cluster, "bad").get("status") or {}).get("conditions") or []
-        return next((c for c in conditions if c["type"] == "Validated"), None)
-
-    condition = wait_until(validated)
-    assert condition["status"] == "False" and "spec.algorithm.name: 'ppo2'" in condition["message"]
+    (A spec the operator cannot parse after admission, e.g. from an older CRD, sets
+    ``Validated=False``: tests/unit/test_reconcile.py covers that path.)
+    """
+    with pytest.raises(ApiException) as rejected:
+        create_job(cluster, "bad", algorithm={"name": "ppo2"})
+    assert rejected.value.status == 422
+    body = json.loads(rejected.value.body)
+    assert body["reason"] == "Invalid"
+    assert [c["field"] for c in body["details"]["causes"]] == ["spec.algorithm.name"]
+    with pytest.raises(ApiException) as cel:
+        create_job(cluster, "bad", resourcePools=[{"name": "pool", "nodes": 1, "gpusPerNode": 1}])
+    assert cel.value.status == 422 and "spec.roles" in cel.value.body  # a CEL rule: the actor's pool
     assert rayjob(cluster, "bad-1") is None
-    assert "InvalidSpec" in event_reasons(cluster, "bad")
 
 
 def test_suspend_reaches_the_rayjob_and_deletion_cascades(cluster: Any) -> None:

@@ -27,6 +27,13 @@ kmock 0.8 behaviour it fixes:
                                    every object as ADDED, which stalls kopf).
 ``_parse_namespace_paths``         ``/api/v1/namespaces[/{name}]`` (kmock's URL parser raises);
                                    the ``default`` namespace exists from the start.
+``_admit``                         what kmock stores unchecked: ObjectMeta rules, each served
+                                   CRD's structural schema (pruning, defaults, types, enums,
+                                   bounds, required; ``status`` on its own subresource) and CEL
+                                   rules with ``oldSelf`` (``kube.validation``), Kubernetes'
+                                   schemas for built-ins (kubernetes-validate); 422 Status
+                                   bodies listing every cause. Unknown fields are a 422 unless
+                                   the request asks ``fieldValidation=Warn|Ignore`` (pruned).
 =================================  ===========================================================
 
 Threading protocol: every state change happens in :meth:`ApiServerEmulator._handle` on the
@@ -35,8 +42,7 @@ server's event loop, under kmock's ``_lock``; stored object versions are never m
 Tests on other threads may read ``emulator.objects`` and iterate requests, may register a
 resource before its first request, and must change objects only through the API.
 
-Deliberately absent (the operator does not rely on them): schema/CEL validation and defaulting,
-admission, RBAC, server-side apply (415), strategic merge (treated as a JSON merge patch, so
+Deliberately absent (the operator does not rely on them): admission webhooks, RBAC, server-side apply (415), strategic merge (treated as a JSON merge patch, so
 lists are replaced, not merged by key), foreground deletion (treated as background; orphaning
 leaves the dependents' ownerReferences in place), deletecollection, paginated lists (``limit``
 is ignored), namespace existence checks, watch bookmarks and history expiry (no 410 Gone).
@@ -63,6 +69,8 @@ import jsonpatch
 import jsonpointer
 import kmock
 from kmock._internal import parsing, rendering
+
+from kube.validation import BuiltinSchemas, Cause, CustomResourceSchema
 
 # The extension reaches into kmock's internals (listed at the end of this file); any other
 # version may rename them, so refuse to run on one rather than fail obscurely.
@@ -140,8 +148,72 @@ def invalid(kind: str, name: str, field: str, message: str) -> kmock.KubernetesE
     )
 
 
+def invalid_causes(
+    resource: kmock.resource, kind: str, name: str, causes: list[Cause]
+) -> kmock.KubernetesError:
+    """422 with every problem, in the API server's shape (``details.causes``, one per field)."""
+    summary = "; ".join(f"{cause.field}: {cause.message}" for cause in causes)
+    return kmock.KubernetesError(
+        422,
+        "Invalid",
+        f'{kind}.{resource.group} "{name}" is invalid: {summary}'
+        if resource.group
+        else f'{kind} "{name}" is invalid: {summary}',
+        {
+            "name": name,
+            "group": resource.group,
+            "kind": kind,
+            "causes": [cause.to_json() for cause in causes],
+        },
+    )
+
+
 def bad_request(message: str) -> kmock.KubernetesError:
     return kmock.KubernetesError(400, "BadRequest", message, {"causes": [{"message": message}]})
+
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def _metadata_causes(meta: JsonObject) -> list[Cause]:
+    """ObjectMeta validation every kind shares: the name, label keys and values, ownerReferences."""
+    causes: list[Cause] = []
+    name = meta.get("name", "")
+    if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        causes.append(
+            Cause(
+                "FieldValueInvalid",
+                f"Invalid value: {name!r}: a lowercase RFC 1123 subdomain",
+                "metadata.name",
+            )
+        )
+    for key, value in (meta.get("labels") or {}).items():
+        prefix, _, label = key.rpartition("/")
+        if not _LABEL_NAME.match(label) or len(label) > 63 or (prefix and not _DNS_SUBDOMAIN.match(prefix)):
+            causes.append(
+                Cause("FieldValueInvalid", f"Invalid value: {key!r}: not a qualified name", "metadata.labels")
+            )
+        if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
+            causes.append(
+                Cause(
+                    "FieldValueInvalid",
+                    f"Invalid value: {value!r}: not a valid label value",
+                    f"metadata.labels.{key}",
+                )
+            )
+    for index, ref in enumerate(meta.get("ownerReferences") or []):
+        for required in ("apiVersion", "kind", "name", "uid"):
+            if not ref.get(required):
+                causes.append(
+                    Cause(
+                        "FieldValueRequired",
+                        "Required value",
+                        f"metadata.ownerReferences[{index}].{required}",
+                    )
+                )
+    return causes
 
 
 def _group_resource(resource: kmock.resource) -> str:
@@ -310,6 +382,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     # Every write request in arrival order, and how many requests were served (see _forget()).
     _writes: list[kmock.Request] = attrs.field(factory=list, init=False)
     request_count: int = attrs.field(default=0, init=False)
+    # Admission: the schema of each served custom resource version, Kubernetes' own for the rest.
+    _schemas: dict[kmock.resource, CustomResourceSchema] = attrs.field(factory=dict, init=False)
+    _builtin_schemas: BuiltinSchemas = attrs.field(factory=BuiltinSchemas, init=False)
+    _custom: set[kmock.resource] = attrs.field(factory=set, init=False)
+    unknown_fields: str = "Strict"
+    """What a write with a field no schema declares gets when the request does not say
+    (``?fieldValidation=``): "Strict" answers 422, stricter than the API server's default of
+    pruning with a warning, so that an operator bug cannot hide; "Warn"/"Ignore" prune."""
+    validate_builtins: bool = True
+    """Check built-in objects against Kubernetes' schemas (kubernetes-validate)."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -342,6 +424,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         ``subresources.status: {}`` does; kopf then writes status through ``/status``.
         """
         resource = kmock.resource(group, version, plural)
+        self._custom.add(resource)
         self.resources[resource] = kmock.ResourceInfo(
             kind=kind,
             singular=kind.lower(),
@@ -356,8 +439,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         """Serve every served version of a CustomResourceDefinition manifest (a parsed YAML)."""
         spec = crd["spec"]
         names = spec["names"]
-        return [
-            self.register_custom_resource(
+        registered = []
+        for version in spec["versions"]:
+            if not version.get("served", True):
+                continue
+            resource = self.register_custom_resource(
                 group=spec["group"],
                 version=version["name"],
                 plural=names["plural"],
@@ -366,9 +452,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 subresources={name for name in (version.get("subresources") or {}) if name == "status"},
                 shortnames=set(names.get("shortNames", [])),
             )
-            for version in spec["versions"]
-            if version.get("served", True)
-        ]
+            schema = CustomResourceSchema.from_crd_version(version)
+            if schema is not None:
+                self._schemas[resource] = schema
+            registered.append(resource)
+        return registered
+
+    def unregister(self, resource: kmock.resource) -> None:
+        """Serve ``resource`` no more, as after its CRD is deleted (requests to it answer 404)."""
+        self.resources.pop(resource, None)
+        self._schemas.pop(resource, None)
 
     # --- request routing ------------------------------------------------------------------------
 
@@ -496,6 +589,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
         if "status" in info.subresources:
             obj.pop("status", None)  # status is written only through the status subresource
+        obj = self._admit(request, resource, obj, None)
+        meta = obj["metadata"]
         meta.update(
             uid=str(uuid.uuid4()),
             resourceVersion=self._next_resource_version(),
@@ -504,6 +599,30 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         self._store(key, obj)
         self._record(resource, "ADDED", None, obj)
+        return obj
+
+    def _admit(
+        self, request: kmock.Request, resource: kmock.resource, obj: JsonObject, old: JsonObject | None
+    ) -> JsonObject:
+        # Fixes kmock 0.8, which stores whatever it is sent: metadata, the CRD's structural
+        # schema (pruning, defaults, types, CEL with oldSelf) or Kubernetes' own schema are
+        # checked as the API server does (kube.validation), and a violation is a 422 whose
+        # Status lists every cause. Deletion in progress is not re-validated (finalizer removal
+        # must always succeed, as on the real server).
+        kind = str(obj.get("kind") or resource.plural)
+        name = str(obj["metadata"].get("name", ""))
+        causes = _metadata_causes(obj["metadata"])
+        mode = request.params.get("fieldValidation") or self.unknown_fields
+        if resource in self._schemas:
+            stored, schema_causes = self._schemas[resource].admit(
+                obj, old, subresource=request.subresource, strict_fields=mode == "Strict"
+            )
+            obj = {**stored, "metadata": obj["metadata"]}
+            causes += schema_causes
+        elif self.validate_builtins and resource not in self._custom:
+            causes += self._builtin_schemas.causes(obj)
+        if causes and not (old is not None and old["metadata"].get("deletionTimestamp")):
+            raise invalid_causes(resource, kind, name, causes)
         return obj
 
     def _generated_name(self, resource: kmock.resource, namespace: str | None, prefix: str) -> str:
@@ -537,6 +656,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             new = self._patched(request, resource, old)
         new = self._confine_to_endpoint(old, new, request.subresource, info)
         new = self._with_server_metadata(old, new)
+        new = self._admit(request, resource, new, old)
         if new == old:
             return old  # a no-op write: same resourceVersion, no watch event, as the real server
 

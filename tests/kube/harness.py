@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import importlib
 import os
 import sys
@@ -66,6 +68,19 @@ T = TypeVar("T")
 
 STARTUP_TIMEOUT_SECONDS = 10.0
 SHUTDOWN_TIMEOUT_SECONDS = 10.0
+
+
+@functools.cache
+def _parsed_yaml(path: str, mtime_ns: int) -> Any:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 5x faster on KubeRay's 1.4 MB CRD
+    with open(path) as stream:
+        return yaml.load(stream, Loader=loader)
+
+
+def load_crd(path: Path) -> dict[str, Any]:
+    """A CRD manifest, parsed once per process (a fresh copy each call: callers may change it)."""
+    parsed: dict[str, Any] = _parsed_yaml(str(path), path.stat().st_mtime_ns)
+    return copy.deepcopy(parsed)
 
 
 def wait_until(
