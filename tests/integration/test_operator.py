@@ -49,7 +49,7 @@ def cluster() -> Any:
         cluster.emulator.register_crd(rayjob_crd())
         registry = operator_registry()
         config = OperatorConfig(
-            {"HYBRIDFLOW_RECONCILE_INTERVAL_SECONDS": "1", "HYBRIDFLOW_RUNTIME_IMAGE": "img:test"}
+            {"HYBRIDFLOW_RETRY_BACKOFF_SECONDS": "1", "HYBRIDFLOW_RUNTIME_IMAGE": "img:test"}
         )
         register(registry, config=config, cluster=ApiCluster(cluster.api_client), serve_metrics=False)
         with cluster.run_operator(registry):

@@ -35,7 +35,6 @@ from hybridflow_operator.builders import (
     build_role_binding,
     build_service_account,
     pool_resource_name,
-    suspend_update,
 )
 from hybridflow_operator.builders.rayjob import CONTROLLER_METRICS_PORT, ray_resources_param, scale_quantity
 from hybridflow_operator.names import (
@@ -457,28 +456,6 @@ def test_deadline_is_the_remaining_budget() -> None:
     retry = build_rayjob(job, JobRef.of(job), attempt=2, defaults=DEFAULTS, active_deadline_seconds=5000)
     assert retry["spec"]["activeDeadlineSeconds"] == 5000
     assert retry["spec"]["ttlSecondsAfterFinished"] == 0  # spec.ttlSecondsAfterFinished is the RLHFJob's
-
-
-@pytest.mark.parametrize(
-    ("suspend", "queue", "rayjob_suspended", "write"),
-    [
-        (False, None, False, None),
-        (False, None, True, False),
-        (True, None, False, True),
-        (True, None, True, None),
-        (False, "q", True, None),
-        (False, "q", False, None),
-        (True, "q", False, True),
-        (True, "q", True, None),
-    ],
-)
-def test_suspend_update(suspend: bool, queue: str | None, rayjob_suspended: bool, write: bool | None) -> None:
-    manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
-    manifest["spec"]["suspend"] = suspend
-    if queue:
-        manifest["spec"]["queueName"] = queue
-    spec = parse_job_manifest(manifest, "t").spec
-    assert suspend_update(spec, rayjob_suspended) is write
 
 
 @pytest.mark.parametrize(

@@ -50,10 +50,11 @@ that long, and a failed attempt's pods would hold the GPUs its successor is wait
 
 Suspension and Kueue. ``suspend`` is ``spec.suspend``, and true at creation whenever
 ``spec.queueName`` is set: Kueue admits a RayJob by flipping ``suspend`` to false, so it must
-be created suspended with the ``kueue.x-k8s.io/queue-name`` label. After creation the
-operator must not write ``suspend`` back on a queue-managed RayJob; :func:`suspend_update`
-says when to write it. KubeRay requires ``shutdownAfterJobFinishes`` for a suspendable
-RayJob (``ValidateRayJobSpec``), which it is.
+be created suspended with the ``kueue.x-k8s.io/queue-name`` label. The RayJob records the
+user's ``spec.suspend`` in the annotation ``hybridflow.io/user-suspend``; the reconcile writes
+``suspend`` again only when the user's value changes, so Kueue's admissions and preemptions are
+never written back (no write loop). KubeRay requires ``shutdownAfterJobFinishes`` for a
+suspendable RayJob (``ValidateRayJobSpec``), which it is.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from hybridflow_operator.builders.metadata import (
     ATTEMPT_LABEL,
     NODE_TYPE_LABEL,
     POOL_LABEL,
+    USER_SUSPEND_ANNOTATION,
     JobRef,
     child_metadata,
     job_labels,
@@ -296,23 +298,8 @@ def build_rayjob(
             _worker_group(spec, pool, owner, attempt, image) for pool in spec.resource_pools
         ],
     }
-    return {
-        "apiVersion": RAY_API_VERSION,
-        "kind": "RayJob",
-        "metadata": child_metadata(rayjob_name(owner.name, attempt), owner, labels),
-        "spec": rayjob_spec,
-    }
-
-
-def suspend_update(spec: RLHFJobSpec, rayjob_suspended: bool) -> bool | None:
-    """The ``spec.suspend`` to write on an existing RayJob, or None to leave it alone.
-
-    The user's ``spec.suspend: true`` always wins. Un-suspending is the operator's to do only
-    for a job outside Kueue; a queue-managed RayJob is un-suspended by Kueue on admission,
-    and writing ``true`` back would fight it.
-    """
-    if spec.suspend:
-        return True if not rayjob_suspended else None
-    if rayjob_suspended and spec.queue_name is None:
-        return False
-    return None
+    metadata = child_metadata(rayjob_name(owner.name, attempt), owner, labels)
+    # The user's suspend as written at creation: the reconcile writes `suspend` again only when
+    # spec.suspend differs from this record, never in reply to Kueue (see suspend in the docstring).
+    metadata["annotations"] = {USER_SUSPEND_ANNOTATION: str(spec.suspend).lower()}
+    return {"apiVersion": RAY_API_VERSION, "kind": "RayJob", "metadata": metadata, "spec": rayjob_spec}
