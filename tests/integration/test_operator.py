@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client import CoreV1Api, CustomObjectsApi
 from kubernetes.client.exceptions import ApiException
 
 from hybridflow_operator.cluster import ApiCluster
@@ -51,7 +52,9 @@ def cluster() -> Any:
         config = OperatorConfig(
             {"HYBRIDFLOW_RETRY_BACKOFF_SECONDS": "1", "HYBRIDFLOW_RUNTIME_IMAGE": "img:test"}
         )
-        register(registry, config=config, cluster=ApiCluster(cluster.api_client), serve_metrics=False)
+        cluster.metrics = register(
+            registry, config=config, cluster=ApiCluster(cluster.api_client), serve_metrics=False
+        )
         with cluster.run_operator(registry):
             yield cluster
 
@@ -168,3 +171,88 @@ def test_suspend_reaches_the_rayjob_and_deletion_cascades(cluster: Any) -> None:
     wait_until(lambda: (rayjob(cluster, "pause-1") or {}).get("spec", {}).get("suspend") is True)
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "pause")
     wait_until(lambda: rayjob(cluster, "pause-1") is None, message="owner-reference garbage collection")
+
+
+def reconciles(cluster: Any, trigger: str) -> float:
+    return float(cluster.metrics.reconciles.labels(trigger=trigger)._value.get())
+
+
+def test_the_controllers_identity_can_push_progress_and_nothing_it_writes_steers_the_job(
+    cluster: Any,
+) -> None:
+    """The head pod's token: RBAC allows its status patches only; the operator's decisions ignore them."""
+    create_job(cluster, "ctl", maxRestarts=1)
+    wait_until(lambda: rayjob(cluster, "ctl-1"))
+    kuberay(cluster, "ctl-1", "Running", "RUNNING")
+    wait_until(lambda: phase(cluster, "ctl") == "Running")
+    controller = cluster.api_client_as(f"system:serviceaccount:{NS}:ctl-controller")
+    as_controller = CustomObjectsApi(controller)
+    cluster.wait_until_idle()
+    before = reconciles(cluster, "rlhfjob")
+    as_controller.patch_namespaced_custom_object_status(
+        GROUP, VERSION, NS, PLURAL, "ctl", {"status": {"progress": {"step": 3, "reward": 0.5}}}
+    )
+    cluster.wait_until_idle()
+    assert reconciles(cluster, "rlhfjob") == before  # a progress push triggers no reconcile
+
+    # The Role allows patching status, so a forged lifecycle gets in; the operator puts it back.
+    as_controller.patch_namespaced_custom_object_status(
+        GROUP, VERSION, NS, PLURAL, "ctl", {"status": {"attempts": 2, "phase": "Succeeded"}}
+    )
+    wait_until(lambda: phase(cluster, "ctl") == "Running", message="the operator restores its own keys")
+    assert job(cluster, "ctl")["status"]["attempts"] == 1
+    assert rayjob(cluster, "ctl-2") is None
+    assert job(cluster, "ctl")["status"]["progress"]["step"] == 3
+
+    for forbidden in (
+        lambda: as_controller.patch_namespaced_custom_object(
+            GROUP, VERSION, NS, PLURAL, "ctl", {"spec": {"suspend": True}}
+        ),
+        lambda: as_controller.patch_namespaced_custom_object_status(
+            GROUP, VERSION, NS, PLURAL, "life", {"status": {}}
+        ),
+        lambda: as_controller.patch_namespaced_custom_object(
+            "ray.io", "v1", NS, "rayjobs", "ctl-1", {"spec": {"suspend": True}}
+        ),
+        lambda: CoreV1Api(controller).read_namespaced_config_map("ctl-config", NS),
+    ):
+        with pytest.raises(ApiException) as denied:
+            forbidden()
+        assert denied.value.status == 403
+
+
+def test_a_leftover_child_of_a_deleted_namesake_is_never_adopted(cluster: Any) -> None:
+    """A RayJob left by a deleted job of the same name (not yet garbage-collected) is not this job's."""
+    leftover = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {
+            "name": "again-1",
+            "namespace": NS,
+            "labels": {"app.kubernetes.io/managed-by": "hybridflow-operator", "hybridflow.io/job": "again"},
+            "ownerReferences": [
+                {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RLHFJob", "name": "again", "uid": "0ld-uid"}
+            ],
+        },
+        "spec": {"entrypoint": "python old.py", "suspend": True},
+    }
+    cluster.custom.create_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", leftover)
+    kuberay(cluster, "again-1", "Complete", "SUCCEEDED")
+    create_job(cluster, "again")
+
+    def children_ready() -> dict[str, Any] | None:
+        conditions = (job(cluster, "again").get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "ChildrenReady"), None)
+
+    condition = wait_until(children_ready)
+    assert condition["status"] == "False" and condition["reason"] == "NameConflict"
+    assert phase(cluster, "again") == "Pending"  # not Succeeded: the old run is not this job's
+    wait_until(lambda: "NameConflict" in event_reasons(cluster, "again"))  # emitted after the status patch
+    cluster.custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", "again-1")
+    wait_until(
+        lambda: (
+            (rayjob(cluster, "again-1") or {}).get("metadata", {}).get("ownerReferences", [{}])[0].get("uid")
+            == job(cluster, "again")["metadata"]["uid"]
+        )
+    )
+    wait_until(lambda: (children_ready() or {}).get("status") == "True")

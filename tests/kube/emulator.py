@@ -324,6 +324,38 @@ def _field_test(requirement: str) -> Callable[[JsonObject], bool]:
     return lambda obj: getter(obj) == value
 
 
+# --- authorization -----------------------------------------------------------------------------
+
+
+def _verb(request: kmock.Request) -> str:
+    method = request.method.value
+    if method == "GET":
+        if request.name is not None:
+            return "get"
+        return "watch" if request.params.get("watch") in ("true", "1") else "list"
+    if method == "DELETE" and request.name is None:
+        return "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
+
+
+def _rule_allows(rule: JsonObject, group: str, resource: str, verb: str, name: str | None) -> bool:
+    """One PolicyRule of a Role, evaluated as RBAC does (``*`` wildcards; resourceNames need a name)."""
+    groups, resources, verbs = (
+        rule.get("apiGroups") or [],
+        rule.get("resources") or [],
+        rule.get("verbs") or [],
+    )
+    names = rule.get("resourceNames") or []
+    return (
+        ("*" in groups or group in groups)
+        and ("*" in resources or resource in resources)
+        and ("*" in verbs or verb in verbs)
+        and (not names or (name is not None and name in names))
+    )
+
+
 # --- patches -----------------------------------------------------------------------------------
 
 
@@ -392,6 +424,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     pruning with a warning, so that an operator bug cannot hide; "Warn"/"Ignore" prune."""
     validate_builtins: bool = True
     """Check built-in objects against Kubernetes' schemas (kubernetes-validate)."""
+    identities: dict[str, str] = attrs.field(factory=dict)
+    """Bearer token -> user name for tokens that get RBAC checks (``system:serviceaccount:NS:NAME``
+    users are authorized by the Roles bound to that ServiceAccount). Any other token is an admin,
+    as the harness's own clients and the operator under test are."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -484,6 +520,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # the response (kmock's documented behaviour), and the fallback reactions registered by
         # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome.
         self.request_count += 1
+        denied = self._authorize(request)
+        if denied is not None:
+            self._forget(request)
+            return self._forbidden_response(denied)
         if request.method.value in WRITE_METHODS:
             self._writes.append(request)
         if self._is_emulated_write(request):
@@ -496,6 +536,73 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         finally:
             self._write_results.pop(id(request), None)
             self._forget(request)
+
+    def _authorize(self, request: kmock.Request) -> kmock.KubernetesError | None:
+        # Fixes kmock 0.8, which has no authorization: a request whose token names a
+        # ServiceAccount is allowed only by a rule of a Role bound to it (RBAC, namespaced
+        # Roles only, which is all the operator grants), else 403 Forbidden with the API
+        # server's message. Discovery (no resource) is open, as to system:authenticated.
+        header = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
+        user = self.identities.get(header.removeprefix("Bearer ").strip())
+        resource = request.resource
+        if user is None or resource is None or resource.plural is None:
+            return None
+        verb = _verb(request)
+        plural = resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        namespace = request.namespace
+        if user.startswith("system:serviceaccount:") and namespace is not None:
+            sa_namespace, sa_name = user.removeprefix("system:serviceaccount:").split(":", 1)
+            for rule in self._rules_for(namespace, sa_namespace, sa_name):
+                if _rule_allows(rule, resource.group or "", plural, verb, request.name):
+                    return None
+        where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
+        target = (
+            f'{_group_resource(resource)} "{request.name}"' if request.name else _group_resource(resource)
+        )
+        return kmock.KubernetesError(
+            403,
+            "Forbidden",
+            f'{target} is forbidden: User "{user}" cannot {verb} resource "{plural}" in API group '
+            f'"{resource.group or ""}"{where}',
+            {"name": request.name or "", "group": resource.group, "kind": resource.plural},
+        )
+
+    def _rules_for(self, namespace: str, sa_namespace: str, sa_name: str) -> list[JsonObject]:
+        bindings = kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings")
+        roles = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
+        rules: list[JsonObject] = []
+        for binding in self._live_objects(bindings):
+            if binding["metadata"].get("namespace") != namespace:
+                continue
+            if not any(
+                s.get("kind") == "ServiceAccount"
+                and s.get("name") == sa_name
+                and s.get("namespace", namespace) == sa_namespace
+                for s in binding.get("subjects") or []
+            ):
+                continue
+            ref = binding.get("roleRef") or {}
+            role = (
+                self._live_object((roles, namespace, ref.get("name", "")))
+                if ref.get("kind") == "Role"
+                else None
+            )
+            rules += (role or {}).get("rules") or []
+        return rules
+
+    @staticmethod
+    def _forbidden_response(error: kmock.KubernetesError) -> aiohttp.web.Response:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "code": 403,
+            "reason": "Forbidden",
+            "message": error.message,
+            "details": error.details,
+        }
+        return aiohttp.web.json_response(body, status=403)
 
     def _forget(self, request: kmock.Request) -> None:
         # Fixes kmock 0.8's cost per request, which grows with every request ever served: to

@@ -327,6 +327,20 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
             "current-context": "emulator",
         }
 
+    def api_client_as(self, user: str) -> kubernetes.client.ApiClient:
+        """A client whose requests the emulator authorizes as ``user`` (RBAC: the Roles bound to it).
+
+        ``user`` is a ServiceAccount's name in the API server's form,
+        ``system:serviceaccount:<namespace>:<name>``; the token is made up and registered here.
+        """
+        token = f"token-for-{user}"
+        self.emulator.identities[token] = user
+        configuration = copy.copy(kubernetes.client.Configuration.get_default_copy())
+        configuration.refresh_api_key_hook = None  # it would put the kubeconfig's token back
+        configuration.api_key = {"BearerToken": token}
+        configuration.api_key_prefix = {"BearerToken": "Bearer"}
+        return self._exit_stack.enter_context(kubernetes.client.ApiClient(configuration))
+
     @contextlib.contextmanager
     def run_operator(
         self,
