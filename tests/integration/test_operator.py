@@ -60,7 +60,7 @@ def cluster() -> Any:
 
 
 def create_job(cluster: Any, name: str, **spec: Any) -> None:
-    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-cluster.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": NS}
     doc["spec"].update(spec)
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)

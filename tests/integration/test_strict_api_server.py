@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiException
 
-from hybridflow.spec import parse_job_manifest
+from hybridflow.spec import in_cluster_problems, parse_job_manifest
 from hybridflow_operator.builders import RayJobDefaults, build_children
 from hybridflow_operator.builders.metadata import JobRef
 from kube.harness import EmulatedCluster, load_crd
@@ -43,7 +43,7 @@ def cluster() -> Iterator[EmulatedCluster]:
 
 
 def manifest(name: str, **spec: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "grpo-cluster.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": NS}
     doc["spec"].update(spec)
     return doc
@@ -98,7 +98,8 @@ def test_cel_rules_and_transition_rules_with_old_self(cluster: EmulatedCluster) 
         lambda: cluster.custom.create_namespaced_custom_object(*RLHF, manifest("c1", resourcePools=pools))
     )
     assert "spec.roles.actor" in fields(body)  # the actor's pool must exist: a CEL rule
-    cluster.custom.create_namespaced_custom_object(*RLHF, manifest("c1", checkpoint={"path": "a"}))
+    checkpoint = {**manifest("x")["spec"]["checkpoint"], "path": "a"}
+    cluster.custom.create_namespaced_custom_object(*RLHF, manifest("c1", checkpoint=checkpoint))
     # checkpoint.path may be anything on create, but never change afterwards (oldSelf).
     body = rejection(
         lambda: cluster.custom.patch_namespaced_custom_object(
@@ -108,6 +109,28 @@ def test_cel_rules_and_transition_rules_with_old_self(cluster: EmulatedCluster) 
     assert fields(body) == ["spec.checkpoint.path"]
     assert "immutable" in body["message"]
     cluster.custom.patch_namespaced_custom_object(*RLHF, "c1", {"spec": {"suspend": True}})
+
+
+def test_in_cluster_rules_reject_restarts_without_a_checkpoint_volume(cluster: EmulatedCluster) -> None:
+    checkpoint = {key: value for key, value in manifest("x")["spec"]["checkpoint"].items() if key != "volume"}
+    body = rejection(
+        lambda: cluster.custom.create_namespaced_custom_object(*RLHF, manifest("ic", checkpoint=checkpoint))
+    )
+    assert fields(body) == ["spec.checkpoint.volume"]
+    laptop = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
+    laptop["metadata"] = {"name": "ic", "namespace": NS}
+    body = rejection(lambda: cluster.custom.create_namespaced_custom_object(*RLHF, laptop))
+    assert sorted(fields(body)) == ["spec.checkpoint.volume", "spec.outputDir"]
+    # `hybridflow validate --in-cluster` says the same (the spec's rules are the CEL's twins).
+    spec = parse_job_manifest(laptop, source="laptop").spec
+    assert [line.split(":")[0] for line in in_cluster_problems(spec)] == fields(body)
+    assert all(
+        cause["message"].split(" (got")[0] in " ".join(in_cluster_problems(spec))
+        for cause in body["details"]["causes"]
+    )
+    cluster.custom.create_namespaced_custom_object(
+        *RLHF, {**laptop, "spec": {**laptop["spec"], "maxRestarts": 0}}
+    )
 
 
 def test_status_is_validated_on_its_own_subresource(cluster: EmulatedCluster) -> None:
