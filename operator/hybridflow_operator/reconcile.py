@@ -60,6 +60,7 @@ from hybridflow_operator.status import (
     set_children_ready,
     status_patch,
     ttl_remaining_seconds,
+    with_rayjob_created,
 )
 
 __all__ = ["ReconcileResult", "owned_by", "reconcile"]
@@ -191,7 +192,10 @@ def reconcile(
         existing = owned.get((kind, name))
         try:
             if existing is None:
-                if not cluster.create(child):
+                created = cluster.create(child)
+                if created and kind == "RayJob":
+                    status = with_rayjob_created(current, status, now=now)
+                if not created:
                     problem = (
                         "NameConflict",
                         f"{kind} {name} already exists and is not owned by this RLHFJob (uid {owner.uid}); "

@@ -81,6 +81,8 @@ PHASES: tuple[Phase, ...] = (
     "Failed",
 )
 TERMINAL_PHASES: tuple[Phase, ...] = ("Succeeded", "Failed")
+QUIET_PHASES: tuple[Phase, ...] = ("Pending", "Initializing", "Running")
+"""Phases every job passes through: reported in the status only, without an Event."""
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 CONDITION_TYPES: tuple[str, ...] = (
@@ -517,8 +519,14 @@ def _conditions(
 def _phase_event(
     old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str
 ) -> tuple[Event, ...]:
-    """One event per phase change: Warning for failures and retries, Normal otherwise."""
-    if old == new:
+    """One event per phase change a person acts on: Warning for failures and retries, Normal for
+    Succeeded, Suspended and Queued.
+
+    Pending, Initializing and Running, which every job passes through, get no Event: their times
+    are in ``status.conditions``, and an Event is one more API write per job (the write budget of
+    a job's whole lifecycle is 10, see ``docs/operator.md``).
+    """
+    if old == new or new in QUIET_PHASES:
         return ()
     messages: dict[Phase, str] = {
         "Pending": f"waiting for RayJob {rayjob} ({attempt_text})",
@@ -701,6 +709,17 @@ def invalid_spec_status(
     changed = old is None or old.status != "False" or old.message != message
     events = (Event("Warning", "InvalidSpec", message),) if changed else ()
     return StatusDecision(status, None, events)
+
+
+def with_rayjob_created(previous: RLHFJobStatus, status: RLHFJobStatus, *, now: datetime) -> RLHFJobStatus:
+    """``status`` once this pass has created the attempt's RayJob: ``RayJobCreated=True`` right away,
+    so the pass that then observes the RayJob finds nothing to change (one status write, not two)."""
+    old = status.condition("RayJobCreated")
+    message = old.message.removeprefix("creating ") if old is not None else f"RayJob {status.ray_job_name}"
+    created = _set_condition(previous, "RayJobCreated", "True", "Created", message, _now(now))
+    return status.model_copy(
+        update={"conditions": tuple(created if c.type == "RayJobCreated" else c for c in status.conditions)}
+    )
 
 
 CHILDREN_READY = "ChildrenReady"
