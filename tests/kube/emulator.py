@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import copy
 import dataclasses
 import datetime
@@ -327,6 +328,11 @@ def _field_test(requirement: str) -> Callable[[JsonObject], bool]:
 # --- authorization -----------------------------------------------------------------------------
 
 
+def _bearer_token(request: kmock.Request) -> str:
+    header = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
+    return str(header).removeprefix("Bearer ").strip()
+
+
 def _verb(request: kmock.Request) -> str:
     method = request.method.value
     if method == "GET":
@@ -414,6 +420,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     # Every write request in arrival order, and how many requests were served (see _forget()).
     _writes: list[kmock.Request] = attrs.field(factory=list, init=False)
     request_count: int = attrs.field(default=0, init=False)
+    requests_by_token: collections.Counter[tuple[str, str, str]] = attrs.field(
+        factory=collections.Counter, init=False
+    )
+    """Requests served, by (bearer token, RBAC verb, resource plural): who read and wrote what."""
     # Admission: the schema of each served custom resource version, Kubernetes' own for the rest.
     _schemas: dict[kmock.resource, CustomResourceSchema] = attrs.field(factory=dict, init=False)
     _builtin_schemas: BuiltinSchemas = attrs.field(factory=BuiltinSchemas, init=False)
@@ -520,6 +530,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # the response (kmock's documented behaviour), and the fallback reactions registered by
         # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome.
         self.request_count += 1
+        if request.resource is not None and request.resource.plural is not None:
+            token = _bearer_token(request)
+            self.requests_by_token[(token, _verb(request), request.resource.plural)] += 1
         denied = self._authorize(request)
         if denied is not None:
             self._forget(request)
@@ -542,8 +555,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # ServiceAccount is allowed only by a rule of a Role bound to it (RBAC, namespaced
         # Roles only, which is all the operator grants), else 403 Forbidden with the API
         # server's message. Discovery (no resource) is open, as to system:authenticated.
-        header = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
-        user = self.identities.get(header.removeprefix("Bearer ").strip())
+        user = self.identities.get(_bearer_token(request))
         resource = request.resource
         if user is None or resource is None or resource.plural is None:
             return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
@@ -143,8 +144,34 @@ def _cel_program(rule: str) -> Any:
     return environment.program(environment.compile(rule))
 
 
+_VERDICTS: dict[tuple[str, str, str | None], bool | str] = {}
+_VERDICT_CACHE_SIZE: Final = 65536
+
+
 def _cel_verdict(rule: str, value: Any, old: Any, has_old: bool) -> bool | str:
-    """True/False, or the evaluation error's text (the API server reports those as invalid)."""
+    """True/False, or the evaluation error's text (the API server reports those as invalid).
+
+    A rule is a pure function of ``self`` and ``oldSelf``, so verdicts are memoised by the
+    values' canonical JSON: cel-python interprets each rule by walking its parse tree (about
+    10 ms for the RLHFJob's larger rules, where the API server's compiled CEL takes
+    microseconds), and the same spec is usually checked many times (a test's or a benchmark's
+    jobs share one; every write re-checks an unchanged spec).
+    """
+    key = (
+        rule,
+        json.dumps(value, sort_keys=True, separators=(",", ":")),
+        json.dumps(old, sort_keys=True, separators=(",", ":")) if has_old else None,
+    )
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    verdict = _evaluate_cel(rule, value, old, has_old)
+    if len(_VERDICTS) >= _VERDICT_CACHE_SIZE:
+        _VERDICTS.clear()
+    _VERDICTS[key] = verdict
+    return verdict
+
+
+def _evaluate_cel(rule: str, value: Any, old: Any, has_old: bool) -> bool | str:
     import celpy
 
     activation = {"self": celpy.json_to_cel(value)}
