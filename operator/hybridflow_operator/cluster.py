@@ -9,8 +9,9 @@ AlreadyExists instead, since the caller must then find out whose the existing ob
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -54,6 +55,7 @@ class Cluster(Protocol):
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
     def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
     def emit_event(self, job: Mapping[str, Any], event: Event) -> None: ...
+    def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]: ...
 
 
 def _call(verb: str, kind: str, name: str, call: Callable[[], Any], *, missing_ok: bool = False) -> Any:
@@ -236,3 +238,61 @@ class ApiCluster:
                 return False
             raise
         return True
+
+    # --- the startup listing of the children (main.py fills its caches with it) ----------------
+
+    def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]:
+        """Every object of the five child kinds matching ``label_selector`` (all namespaces when empty).
+
+        One list per kind and namespace, at startup: the caches then hold every child before the
+        first reconcile, so a restarted operator never mistakes a child it has not yet been told
+        about for a missing one.
+        """
+        found: list[dict[str, Any]] = []
+        kinds = (
+            ("v1", "ConfigMap"),
+            ("v1", "ServiceAccount"),
+            ("rbac.authorization.k8s.io/v1", "Role"),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+            ("ray.io/v1", "RayJob"),
+        )
+        for namespace in namespaces or [""]:
+            for api_version, kind in kinds:
+                listed = self._serialize(
+                    _call(
+                        "list",
+                        kind,
+                        namespace or "*",
+                        functools.partial(self._list, kind, namespace, label_selector),
+                        missing_ok=kind == "RayJob",  # KubeRay missing: reported by the first create
+                    )
+                )
+                for item in (listed or {}).get("items") or []:
+                    found.append({"apiVersion": api_version, "kind": kind, **item})
+        return found
+
+    def _list(self, kind: str, namespace: str, label_selector: str) -> Any:
+        if kind == "RayJob":
+            if namespace:
+                return self.custom.list_namespaced_custom_object(
+                    RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, label_selector=label_selector
+                )
+            return self.custom.list_cluster_custom_object(
+                RAY_GROUP, RAY_VERSION, RAY_PLURAL, label_selector=label_selector
+            )
+        listers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+            "ConfigMap": (self.core.list_namespaced_config_map, self.core.list_config_map_for_all_namespaces),
+            "ServiceAccount": (
+                self.core.list_namespaced_service_account,
+                self.core.list_service_account_for_all_namespaces,
+            ),
+            "Role": (self.rbac.list_namespaced_role, self.rbac.list_role_for_all_namespaces),
+            "RoleBinding": (
+                self.rbac.list_namespaced_role_binding,
+                self.rbac.list_role_binding_for_all_namespaces,
+            ),
+        }
+        in_namespace, everywhere = listers[kind]
+        if namespace:
+            return in_namespace(namespace, label_selector=label_selector)
+        return everywhere(label_selector=label_selector)

@@ -96,6 +96,7 @@ class OperatorConfig:
         self.namespace = env.get("POD_NAMESPACE", "default")
         self.identity = env.get("POD_NAME") or f"hybridflow-operator-{os.getpid()}"
         self.timer_workers = int(env.get("HYBRIDFLOW_TIMER_WORKERS", "4"))
+        self.namespaces = [n for n in env.get("WATCH_NAMESPACES", "").split(",") if n]
 
 
 JobKey = tuple[str, str]
@@ -298,6 +299,10 @@ def register(
             settings.watching.label_selectors[(group, plural) if group else (version, plural)] = (
                 MANAGED_SELECTOR
             )
+        # Fill the child caches before kopf delivers the first RLHFJob (startup handlers run before
+        # the watches start): a pass must never take a child it has not heard of yet for a missing one.
+        for child in api.list_children(config.namespaces, MANAGED_SELECTOR):
+            cache.put_child(child, deleted=False)
         if serve_metrics:
             metrics.serve(config.metrics_port)
             HealthServer(config.health_port, alive=scheduler.alive, ready=lambda: ready.is_set()).start()

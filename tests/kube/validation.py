@@ -246,7 +246,7 @@ class CustomResourceSchema:
     def __init__(self, openapi: Mapping[str, Any], *, status_subresource: bool) -> None:
         self.openapi = dict(openapi)
         self.status_subresource = status_subresource
-        self._validator = jsonschema.Draft4Validator(_openapi_to_json_schema(self.openapi))
+        self._validators: dict[frozenset[str], jsonschema.Draft4Validator] = {}
 
     @classmethod
     def from_crd_version(cls, version: Mapping[str, Any]) -> CustomResourceSchema | None:
@@ -278,9 +278,7 @@ class CustomResourceSchema:
             else []
         )
         defaulted = apply_defaults(schema, pruned)
-        for error in self._validator.iter_errors({**kept, **defaulted}):
-            if error.absolute_path and error.absolute_path[0] not in parts:
-                continue
+        for error in self._validator(parts).iter_errors(defaulted):
             causes.append(
                 Cause(_reason(error), error.message, _field(tuple(error.absolute_path)) or "<root>")
             )
@@ -289,6 +287,19 @@ class CustomResourceSchema:
             causes += cel_causes(schema, defaulted, old_body if old is not None else _MISSING)
         stored = {**kept, **defaulted}
         return stored, causes
+
+    def _validator(self, parts: frozenset[str]) -> jsonschema.Draft4Validator:
+        """The schema of just ``parts`` (a status write re-checks only the status, not a large spec)."""
+        if parts not in self._validators:
+            root = {
+                **self.openapi,
+                "properties": {k: v for k, v in (self.openapi.get("properties") or {}).items() if k in parts},
+                "required": [k for k in self.openapi.get("required") or [] if k in parts],
+            }
+            if not root["required"]:
+                del root["required"]
+            self._validators[parts] = jsonschema.Draft4Validator(_openapi_to_json_schema(root))
+        return self._validators[parts]
 
     def _checked_parts(self, subresource: str | None) -> frozenset[str]:
         everything = frozenset(self.openapi.get("properties", {})) - ROOT_METADATA_FIELDS
