@@ -151,7 +151,7 @@ class JobCache:
 def _owned_status(status: object) -> dict[str, Any]:
     if not isinstance(status, Mapping):
         return {}
-    return {key: status.get(key) for key in OPERATOR_OWNED_KEYS if status.get(key) is not None}
+    return {key: status.get(key) for key in OPERATOR_OWNED_KEYS if status.get(key) not in (None, [], {})}
 
 
 class Scheduler:
