@@ -76,6 +76,12 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (/proc/<pid>/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def job_manifest(name: str) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "examples" / "grpo-cluster.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": NAMESPACE}
@@ -269,6 +275,7 @@ def run(cluster: EmulatedCluster, operator: Operator, stand_in: StandIn, size: i
         lambda: operator_requests(cluster).get("watch"), timeout_seconds=60, message="the operator's watches"
     )
     time.sleep(1.0)
+    operator_cpu_before, bench_cpu_before = cpu_seconds(operator.process.pid), time.process_time()
     created: dict[str, float] = {}
     for index in range(size):
         name = f"job-{index:04d}"
@@ -292,6 +299,8 @@ def run(cluster: EmulatedCluster, operator: Operator, stand_in: StandIn, size: i
     lifecycle = operator_requests(cluster)
     reconciles = operator.reconciles()
     rss = rss_mb(operator.process.pid)
+    operator_cpu = cpu_seconds(operator.process.pid) - operator_cpu_before
+    bench_cpu = time.process_time() - bench_cpu_before
 
     # A second reconcile of every job with nothing changed: a restarted operator lists them all.
     errors = operator.stop()
@@ -322,6 +331,9 @@ def run(cluster: EmulatedCluster, operator: Operator, stand_in: StandIn, size: i
         "reads_per_reconcile": round(lifecycle.get("get", 0) / max(1.0, reconciles), 3),
         "noop_reconcile_writes": noop_writes,
         "operator_rss_mb": round(rss, 1),
+        "operator_cpu_ms_per_job": round(1000 * operator_cpu / size, 1),
+        "double_and_stand_in_cpu_ms_per_job": round(1000 * bench_cpu / size, 1),
+        "load_average_1m": round(os.getloadavg()[0], 1),
     }
 
 
