@@ -52,7 +52,7 @@ from kube.harness import EmulatedCluster, load_crd, wait_until  # noqa: E402
 QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
 """Quick mode (``make bench-smoke``): a few jobs, to prove the bench runs and prints its JSON line."""
 SIZES = [int(n) for n in os.environ.get("HYBRIDFLOW_BENCH_JOBS", "20" if QUICK else "200,2000").split(",")]
-RATE_PER_SECOND = 10.0
+RATE_PER_SECOND = float(os.environ.get("HYBRIDFLOW_BENCH_RATE", "10"))
 PUSH_SECONDS = 2.0 if QUICK else 10.0
 """A controller pushes progress this often (the real one: at most every 10 s)."""
 RUN_SECONDS = 4.0 if QUICK else 20.0
@@ -290,7 +290,10 @@ def run(cluster: EmulatedCluster, operator: Operator, stand_in: StandIn, size: i
 
     try:
         wait_until(
-            succeeded, timeout_seconds=120 + RUN_SECONDS, interval_seconds=2.0, message="every job Succeeded"
+            succeeded,
+            timeout_seconds=120 + RUN_SECONDS + size / RATE_PER_SECOND,
+            interval_seconds=2.0,
+            message="every job Succeeded",
         )
     finally:
         if stand_in.errors:
