@@ -523,3 +523,18 @@ def test_in_cluster_rules_agree_with_their_python_twins(path: Path) -> None:
         assert evaluate(rule.cel, node_at(manifest, rule.node_path)) == rule.holds(spec), rule.name
     expected = set() if path.name == "grpo-cluster.yaml" else {r.name for r in IN_CLUSTER_RULES}
     assert {rule.name for rule in IN_CLUSTER_RULES if not rule.holds(spec)} == expected
+
+
+def test_hybridflow_validate_in_cluster_prints_the_admission_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hybridflow.cli import main
+
+    laptop = str(ROOT / "examples" / "grpo-tiny.yaml")
+    assert main(["validate", laptop]) == 0  # fine on a laptop; the cluster's rules are notes
+    assert "note: in a cluster: spec.checkpoint.volume: " in capsys.readouterr().err
+    assert main(["validate", "--in-cluster", laptop]) == 2
+    err = capsys.readouterr().err
+    for rule in IN_CLUSTER_RULES:  # the very message the CRD's CEL rule gives
+        assert f"error: in a cluster: {rule.path}: {rule.message}" in err
+    assert main(["validate", "--in-cluster", str(ROOT / "examples" / "grpo-cluster.yaml")]) == 0
