@@ -15,15 +15,20 @@ through untouched. The models below are also the source of the CRD's status sche
 validated by the API server; the controller must use the camelCase keys of
 :class:`Progress` and must not send NaN or infinities (JSON has no such numbers).
 
-Protocol of one reconcile (the kopf handler is the caller; this module does no I/O):
+The controller's Role grants ``patch`` on the whole status subresource (RBAC cannot narrow it to
+one key), so ``progress`` being the controller's only key holds *in effect*: no decision here
+reads a key the workload can write. Attempts, phase, start time and final outcomes are derived
+from the RayJobs the job owns (:func:`desired_status`); the stored status only keeps condition
+times stable and tells phase changes for Events.
+
+Protocol of one reconcile (``hybridflow_operator.reconcile`` is the caller; this module does no I/O):
 
 1. parse the RLHFJob (``hybridflow.spec.parse_job_manifest``); on ``SpecError`` call
    :func:`invalid_spec_status` and stop: no children are created;
-2. read the RayJob named ``status.rayJobName`` (absent on the first pass) and parse it with
-   :meth:`ObservedRayJob.from_body`;
-3. call :func:`desired_status`; if ``start_attempt`` is set, create that attempt's children
-   (a 409 means an earlier pass already did: fine), with the RayJob's
-   ``activeDeadlineSeconds`` from :func:`remaining_deadline_seconds`;
+2. parse every RayJob owned by the job's uid with :meth:`ObservedRayJob.from_body`;
+3. call :func:`desired_status`; if ``start_attempt`` is set, create that attempt's children,
+   with the RayJob's ``activeDeadlineSeconds`` from :func:`remaining_deadline_seconds`; stop
+   ``stop_rayjob`` if set; schedule the next pass after ``recheck_after_seconds``;
 4. write :func:`status_patch` (nothing when it is empty, so a second pass writes nothing)
    and emit ``events``.
 
