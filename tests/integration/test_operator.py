@@ -8,7 +8,6 @@ conditions, events, the children it owns, and that reconciles with nothing to do
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +135,16 @@ def test_reconciles_with_nothing_to_do_write_nothing(cluster: Any) -> None:
     wait_until(lambda: rayjob(cluster, "quiet-1"))
     kuberay(cluster, "quiet-1", "Running", "RUNNING")
     wait_until(lambda: phase(cluster, "quiet") == "Running")
-    time.sleep(1.5)  # let the reconciles triggered by the transition finish (the timer keeps reading)
+    cluster.wait_until_idle()
     writes = len(cluster.emulator.write_requests())
-    time.sleep(3.5)  # the 1 s timer reconciles the job three more times
-    extra = cluster.emulator.write_requests()[writes:]
+    before = reconciles(cluster, "rayjob")
+    for touch in range(3):  # RayJob events that change nothing the operator acts on
+        cluster.custom.patch_namespaced_custom_object(
+            "ray.io", "v1", NS, "rayjobs", "quiet-1", {"metadata": {"annotations": {"touch": str(touch)}}}
+        )
+    wait_until(lambda: reconciles(cluster, "rayjob") >= before + 3, message="a pass per RayJob event")
+    cluster.wait_until_idle()
+    extra = [r for r in cluster.emulator.write_requests()[writes:] if "touch" not in str(r.data)]
     assert extra == [], [(r.method, r.name, r.subresource, r.data) for r in extra[:4]]
 
 
@@ -256,3 +261,18 @@ def test_a_leftover_child_of_a_deleted_namesake_is_never_adopted(cluster: Any) -
         )
     )
     wait_until(lambda: (children_ready() or {}).get("status") == "True")
+
+
+def test_a_deleted_child_is_recreated_from_the_watch_alone(cluster: Any) -> None:
+    create_job(cluster, "heal")
+    wait_until(lambda: rayjob(cluster, "heal-1"))
+    cluster.core.delete_namespaced_config_map("heal-config", NS)
+
+    def config_map() -> Any:
+        try:
+            return cluster.core.read_namespaced_config_map("heal-config", NS)
+        except ApiException:
+            return None
+
+    recreated = wait_until(config_map, message="the ConfigMap's deletion event triggers a pass")
+    assert recreated.metadata.owner_references[0].uid == job(cluster, "heal")["metadata"]["uid"]
