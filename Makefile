@@ -8,7 +8,7 @@ HELM := $(VENV)/bin/helm
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench format clean images crds dashboards
+.PHONY: setup demo test lint bench bench-smoke format clean images crds dashboards
 
 setup: $(STAMP) $(HELM)
 
@@ -52,7 +52,16 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 	$(PY) bench/resharding.py
-	$(PY) bench/operator.py
+	$(PY) bench/operator_scale.py
+
+# Every bench in its quick mode (small sizes): each must exit 0 and print its JSON line last.
+# One line per bench; add yours here.
+BENCH_QUICK := RAY_AUTH_MODE=disabled $(PY) bench/run_quick.py
+bench-smoke: setup
+	$(BENCH_QUICK) bench/controller.py
+	$(BENCH_QUICK) bench/learning.py
+	$(BENCH_QUICK) bench/resharding.py
+	$(BENCH_QUICK) bench/operator_scale.py
 
 # Regenerate the CRD from the typed spec and the chart's copy of it (a test diffs both).
 crds: setup

@@ -46,8 +46,10 @@ from hybridflow.controller import Batch, ResourcePool, RoleSpec, deploy
 from hybridflow.controller.resource_pool import simulated_cluster_resources
 
 WORKERS = 8
-ROUNDS = 30
-TRANSFER_ROUNDS = 8
+QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
+"""Quick mode (``make bench-smoke``): few rounds, to prove the bench runs and prints its JSON line."""
+ROUNDS = 3 if QUICK else 30
+TRANSFER_ROUNDS = 1 if QUICK else 8
 
 
 def median_seconds(fn: Callable[[], object]) -> float:

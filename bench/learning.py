@@ -31,7 +31,9 @@ from hybridflow.trainer.roles import resource_pools
 from hybridflow.trainer.runner import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 40
+QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
+"""Quick mode (``make bench-smoke``): a few steps, to prove the bench runs and prints its JSON line."""
+STEPS = 3 if QUICK else 40
 TARGET_GAIN = 0.3
 
 

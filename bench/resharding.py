@@ -40,10 +40,19 @@ from hybridflow.resharding import DESIGNS, DecoderSpec, ParamBytes, build_plan, 
 from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard, TransitionStats
 
 WORLD_SIZE = 8
-REPEATS = 5  # timed transitions per layout and design, after one warm-up
+QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
+"""Quick mode (``make bench-smoke``): one repeat, to prove the bench runs and prints its JSON line."""
+REPEATS = 1 if QUICK else 5  # timed transitions per layout and design, after one warm-up
 # A tiny Qwen2 (the shapes build_tiny_model gives for these arguments): ~136 MB of fp32
 # weights, large enough that a transition moves tens of MB per rank.
-MODEL = {"vocab_size": 384, "hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "intermediate": 2048}
+MODEL = {
+    "vocab_size": 384,
+    "hidden": 512,
+    "layers": 2 if QUICK else 8,
+    "heads": 8,
+    "kv_heads": 8,
+    "intermediate": 2048,
+}
 # (name, p, t, p_g, t_g); d = 8 / (p t)
 LAYOUTS = [
     ("t4d2-tg2", 1, 4, 1, 2),

@@ -1,14 +1,17 @@
 """The operator's only I/O: reading and writing the API server through the official client.
 
 The reconcile (``reconcile.py``) talks to a :class:`Cluster` and nothing else, so it is tested
-with an in-memory fake and, end to end, against the API-server emulator. Every method is one
-request; ``create`` treats 409 (already exists) as success, which is what a level-triggered
-reconcile that raced an earlier pass wants.
+with an in-memory fake and, end to end, against the strict API-server double. Every method is
+one request. A failed request raises :class:`ApiError` with the API's code, reason and message
+(the reconcile turns it into a condition and an Event); ``create`` answers False on 409
+AlreadyExists instead, since the caller must then find out whose the existing object is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+import json
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -16,34 +19,55 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from hybridflow.spec import GROUP, PLURAL, VERSION
+from hybridflow_operator.events import Event
 
-__all__ = ["ApiCluster", "Cluster", "EventRecord"]
+__all__ = ["ApiCluster", "ApiError", "Cluster"]
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayjobs"
 
 
-class EventRecord(Protocol):
-    type: str
-    reason: str
-    message: str
+class ApiError(Exception):
+    """A failed API request: what it tried (``verb``, ``kind``, ``name``) and what the server said."""
+
+    def __init__(self, verb: str, kind: str, name: str, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{verb} {kind} {name}: {status} {reason}: {message}")
+        self.verb, self.kind, self.name = verb, kind, name
+        self.status, self.reason, self.message = status, reason, message
+
+    @classmethod
+    def from_exception(cls, verb: str, kind: str, name: str, err: ApiException) -> ApiError:
+        """Read the Kubernetes Status body (``reason``, ``message``) when there is one."""
+        reason, message = str(err.reason or ""), str(err.body or "")
+        try:
+            body = json.loads(err.body) if err.body else {}
+        except (TypeError, ValueError):
+            body = {}
+        if isinstance(body, dict):
+            reason = str(body.get("reason") or reason)
+            message = str(body.get("message") or message)
+        return cls(verb, kind, name, int(err.status or 0), reason, message[:1024])
 
 
 class Cluster(Protocol):
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
-    def create(self, obj: Mapping[str, Any]) -> None: ...
+    def create(self, obj: Mapping[str, Any]) -> bool: ...
     def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None: ...
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
     def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
-    def emit_event(self, job: Mapping[str, Any], event: EventRecord) -> None: ...
+    def emit_event(self, job: Mapping[str, Any], event: Event) -> None: ...
+    def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]: ...
 
 
-def _missing_ok(call: Callable[[], Any], *, also: tuple[int, ...] = ()) -> Any:
+def _call(verb: str, kind: str, name: str, call: Callable[[], Any], *, missing_ok: bool = False) -> Any:
+    """Run one request; None for 404 when ``missing_ok``; any other failure as :class:`ApiError`."""
     try:
         return call()
     except ApiException as err:
-        if err.status in (404, *also):
+        if missing_ok and err.status == 404:
             return None
-        raise
+        raise ApiError.from_exception(verb, kind, name, err) from err
+    except OSError as err:  # connection refused, timeouts: no Status body
+        raise ApiError(verb, kind, name, 0, "Unreachable", str(err)) from err
 
 
 class ApiCluster:
@@ -54,6 +78,7 @@ class ApiCluster:
         self.core = client.CoreV1Api(self.api_client)
         self.rbac = client.RbacAuthorizationV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+        self.coordination = client.CoordinationV1Api(self.api_client)
 
     @classmethod
     def from_environment(cls) -> ApiCluster:
@@ -86,10 +111,11 @@ class ApiCluster:
                 GROUP, VERSION, namespace, PLURAL, name
             ),
         }
-        return self._serialize(_missing_ok(readers[kind]))
+        return self._serialize(_call("get", kind, name, readers[kind], missing_ok=True))
 
-    def create(self, obj: Mapping[str, Any]) -> None:
-        kind, namespace = obj["kind"], obj["metadata"]["namespace"]
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        """Create ``obj``; False when an object of that name already exists (409 AlreadyExists)."""
+        kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
         body: Any = dict(obj)  # the client serializes plain dicts as they are
         creators: dict[str, Callable[[], Any]] = {
             "ConfigMap": lambda: self.core.create_namespaced_config_map(namespace, body),
@@ -100,7 +126,13 @@ class ApiCluster:
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, body
             ),
         }
-        _missing_ok(creators[kind], also=(409,))
+        try:
+            _call("create", kind, name, creators[kind])
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
 
     def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         body = dict(patch)
@@ -110,7 +142,7 @@ class ApiCluster:
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name, body
             ),
         }
-        patchers[kind]()
+        _call("patch", kind, name, patchers[kind])
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         deleters: dict[str, Callable[[], Any]] = {
@@ -121,14 +153,20 @@ class ApiCluster:
                 GROUP, VERSION, namespace, PLURAL, name
             ),
         }
-        _missing_ok(deleters[kind])
+        _call("delete", kind, name, deleters[kind], missing_ok=True)
 
     def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}
+        body = {"status": dict(status)}
+        _call(
+            "patch",
+            "RLHFJob/status",
+            name,
+            lambda: self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, body
+            ),
         )
 
-    def emit_event(self, job: Mapping[str, Any], event: EventRecord) -> None:
+    def emit_event(self, job: Mapping[str, Any], event: Event) -> None:
         metadata = job["metadata"]
         now = datetime.now(UTC)
         body = client.CoreV1Event(
@@ -151,4 +189,110 @@ class ApiCluster:
             source=client.V1EventSource(component="hybridflow-operator"),
             reporting_component="hybridflow-operator",
         )
-        self.core.create_namespaced_event(metadata["namespace"], body)
+        _call(
+            "create",
+            "Event",
+            metadata["name"],
+            lambda: self.core.create_namespaced_event(metadata["namespace"], body),
+        )
+
+    # --- the Lease of leader election (hybridflow_operator.leader.LeaseApi) ---------------------
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._serialize(
+            _call(
+                "get",
+                "Lease",
+                name,
+                lambda: self.coordination.read_namespaced_lease(name, namespace),
+                missing_ok=True,
+            )
+        )
+
+    def create_lease(self, namespace: str, body: Any) -> bool:
+        """False when another replica created it first (409)."""
+        try:
+            _call(
+                "create",
+                "Lease",
+                body["metadata"]["name"],
+                lambda: self.coordination.create_namespaced_lease(namespace, body),
+            )
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
+
+    def replace_lease(self, namespace: str, name: str, body: Any) -> bool:
+        """False when the Lease changed since it was read (409 on the resourceVersion precondition)."""
+        try:
+            _call(
+                "replace",
+                "Lease",
+                name,
+                lambda: self.coordination.replace_namespaced_lease(name, namespace, body),
+            )
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
+
+    # --- the startup listing of the children (main.py fills its caches with it) ----------------
+
+    def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]:
+        """Every object of the five child kinds matching ``label_selector`` (all namespaces when empty).
+
+        One list per kind and namespace, at startup: the caches then hold every child before the
+        first reconcile, so a restarted operator never mistakes a child it has not yet been told
+        about for a missing one.
+        """
+        found: list[dict[str, Any]] = []
+        kinds = (
+            ("v1", "ConfigMap"),
+            ("v1", "ServiceAccount"),
+            ("rbac.authorization.k8s.io/v1", "Role"),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+            ("ray.io/v1", "RayJob"),
+        )
+        for namespace in namespaces or [""]:
+            for api_version, kind in kinds:
+                listed = self._serialize(
+                    _call(
+                        "list",
+                        kind,
+                        namespace or "*",
+                        functools.partial(self._list, kind, namespace, label_selector),
+                        missing_ok=kind == "RayJob",  # KubeRay missing: reported by the first create
+                    )
+                )
+                for item in (listed or {}).get("items") or []:
+                    found.append({"apiVersion": api_version, "kind": kind, **item})
+        return found
+
+    def _list(self, kind: str, namespace: str, label_selector: str) -> Any:
+        if kind == "RayJob":
+            if namespace:
+                return self.custom.list_namespaced_custom_object(
+                    RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, label_selector=label_selector
+                )
+            return self.custom.list_cluster_custom_object(
+                RAY_GROUP, RAY_VERSION, RAY_PLURAL, label_selector=label_selector
+            )
+        listers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+            "ConfigMap": (self.core.list_namespaced_config_map, self.core.list_config_map_for_all_namespaces),
+            "ServiceAccount": (
+                self.core.list_namespaced_service_account,
+                self.core.list_service_account_for_all_namespaces,
+            ),
+            "Role": (self.rbac.list_namespaced_role, self.rbac.list_role_for_all_namespaces),
+            "RoleBinding": (
+                self.rbac.list_namespaced_role_binding,
+                self.rbac.list_role_binding_for_all_namespaces,
+            ),
+        }
+        in_namespace, everywhere = listers[kind]
+        if namespace:
+            return in_namespace(namespace, label_selector=label_selector)
+        return everywhere(label_selector=label_selector)

@@ -47,7 +47,16 @@ from typing import Any
 
 import yaml
 
-from hybridflow.spec import GROUP, KIND, PLURAL, VALIDATION_RULES, VERSION, CrossFieldRule, RLHFJob
+from hybridflow.spec import (
+    GROUP,
+    IN_CLUSTER_RULES,
+    KIND,
+    PLURAL,
+    VALIDATION_RULES,
+    VERSION,
+    CrossFieldRule,
+    RLHFJob,
+)
 from hybridflow_operator.status import RLHFJobStatus
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -291,7 +300,11 @@ def openapi_schema() -> dict[str, Any]:
             },
         },
     }
-    rules: tuple[CrossFieldRule[Any] | TransitionRule, ...] = (*VALIDATION_RULES, *IMMUTABLE_FIELD_RULES)
+    rules: tuple[CrossFieldRule[Any] | TransitionRule, ...] = (
+        *VALIDATION_RULES,
+        *IN_CLUSTER_RULES,
+        *IMMUTABLE_FIELD_RULES,
+    )
     for rule in rules:
         node = _node_at(root, rule.node_path)
         node.setdefault("x-kubernetes-validations", []).append(rule.as_x_kubernetes_validation())

@@ -1,28 +1,46 @@
-"""kopf wiring: which events trigger the reconcile, operator settings and startup.
+"""kopf wiring: the caches the reconcile reads, what triggers it, its schedule, and startup.
 
-Triggers, all calling :func:`hybridflow_operator.reconcile.reconcile` on the current RLHFJob:
+Reads. kopf watches RLHFJobs and, with a server-side label selector
+(``app.kubernetes.io/managed-by=hybridflow-operator``), the five kinds of children. Every
+watch event updates :class:`JobCache`; the reconcile reads the job and its children from
+there and never GETs from the API server, so a pass with nothing to do makes no request.
 
-* any event of an RLHFJob (``on.event``: no kopf bookkeeping is written on the object, so a
-  reconcile that changes nothing writes nothing);
-* any event of a RayJob labelled as ours: the owning RLHFJob is read and reconciled;
-* a periodic sweep over the RLHFJobs seen so far, for transitions that only time causes
-  (deadline, TTL). It is a plain thread rather than a kopf timer: kopf puts a finalizer on
-  every object that has a timer, which would be a write per job that the design avoids.
+Triggers, each running :func:`hybridflow_operator.reconcile.reconcile` for one job:
 
-A per-job lock serialises the reconciles of one job across these triggers, and each reconcile
-reads the job afresh under that lock, so a pass never acts on a body older than the previous
-pass's status write. Run with
-``python -m hybridflow_operator`` (which registers on kopf's default registry and runs it).
+* an RLHFJob event that changes what the operator acts on: a new job, a spec change
+  (``metadata.generation``), deletion, or operator-owned status keys that differ from what
+  this process last wrote. A ``status.progress`` push by the controller changes none of those
+  and triggers nothing, nor does the echo of the operator's own status write;
+* any event of a RayJob labelled as ours (KubeRay's state moves the phase), and the deletion of
+  any other child (it is recreated);
+* the job's recheck time: each pass returns when a time-based transition is due (retry
+  backoff, deadline, TTL), or a bounded exponential backoff after a failed API request, and
+  :class:`Scheduler` runs that job's next pass then. There is no periodic sweep over all jobs.
+
+A per-job lock serialises the passes of one job across triggers; each pass reads the newest
+cached body under that lock, and compares against the status this process last wrote
+(``JobCache.written``) until the watch delivers that write, so a lagging cache never causes a
+second write.
+
+High availability. With ``HYBRIDFLOW_LEADER_ELECTION=true`` (the chart's default with more
+than one replica) only the holder of the Lease ``hybridflow-operator`` reconciles; every
+replica keeps its caches warm, and a replica that takes the Lease over reconciles every
+cached job once. Health: ``/healthz`` (the scheduler thread is alive) and ``/readyz`` (the
+operator finished starting and its watches are listed) on ``HYBRIDFLOW_OPERATOR_HEALTH_PORT``.
+
+Run with ``python -m hybridflow_operator``.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,15 +50,29 @@ from hybridflow.spec import GROUP, PLURAL, VERSION
 from hybridflow_operator.builders import RayJobDefaults
 from hybridflow_operator.builders.metadata import JOB_LABEL, MANAGED_BY, MANAGED_BY_LABEL
 from hybridflow_operator.cluster import ApiCluster, Cluster
+from hybridflow_operator.health import HealthServer
+from hybridflow_operator.leader import LeaderElection
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.reconcile import ReconcileResult, reconcile
+from hybridflow_operator.status import OPERATOR_OWNED_KEYS, RetryPolicy, RLHFJobStatus
 
-__all__ = ["OperatorConfig", "register"]
+__all__ = ["JobCache", "OperatorConfig", "Scheduler", "register"]
 
 log = logging.getLogger("hybridflow_operator")
 
 DEFAULT_IMAGE = "ghcr.io/hybridflow/hybridflow-runtime:0.1.0"
-TIMER_SECONDS = 30.0
+CHILD_KINDS: tuple[tuple[str, str, str, str], ...] = (
+    ("", "v1", "configmaps", "ConfigMap"),
+    ("", "v1", "serviceaccounts", "ServiceAccount"),
+    ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+    ("ray.io", "v1", "rayjobs", "RayJob"),
+)
+MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes")
 
 
 class OperatorConfig:
@@ -53,7 +85,139 @@ class OperatorConfig:
             head_memory=env.get("HYBRIDFLOW_HEAD_MEMORY", "8Gi"),
         )
         self.metrics_port = int(env.get("HYBRIDFLOW_OPERATOR_METRICS_PORT", "8080"))
-        self.timer_seconds = float(env.get("HYBRIDFLOW_RECONCILE_INTERVAL_SECONDS", str(TIMER_SECONDS)))
+        self.health_port = int(env.get("HYBRIDFLOW_OPERATOR_HEALTH_PORT", "8081"))
+        self.retry_policy = RetryPolicy(
+            base_seconds=float(env.get("HYBRIDFLOW_RETRY_BACKOFF_SECONDS", "10")),
+            max_seconds=float(env.get("HYBRIDFLOW_RETRY_BACKOFF_MAX_SECONDS", "600")),
+        )
+        self.error_backoff_seconds = float(env.get("HYBRIDFLOW_ERROR_BACKOFF_SECONDS", "1"))
+        self.error_backoff_max_seconds = float(env.get("HYBRIDFLOW_ERROR_BACKOFF_MAX_SECONDS", "300"))
+        self.leader_election = _flag(env.get("HYBRIDFLOW_LEADER_ELECTION", "false"))
+        self.namespace = env.get("POD_NAMESPACE", "default")
+        self.identity = env.get("POD_NAME") or f"hybridflow-operator-{os.getpid()}"
+        self.timer_workers = int(env.get("HYBRIDFLOW_TIMER_WORKERS", "4"))
+        self.namespaces = [n for n in env.get("WATCH_NAMESPACES", "").split(",") if n]
+
+
+JobKey = tuple[str, str]
+
+
+class JobCache:
+    """What the watches delivered: RLHFJobs by (namespace, name), children by (namespace, job label).
+
+    Mutated only from kopf's handlers; read under the job's lock by the reconcile. Plain dicts
+    with whole-value replacement, so a reader never sees a half-updated entry.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: dict[JobKey, dict[str, Any]] = {}
+        self.children: defaultdict[JobKey, dict[tuple[str, str], dict[str, Any]]] = defaultdict(dict)
+        self.written: dict[JobKey, RLHFJobStatus] = {}
+        """The status each job's last pass left stored, until the watch delivers it."""
+
+    def put_child(self, body: Mapping[str, Any], deleted: bool) -> JobKey | None:
+        meta = body.get("metadata") or {}
+        job = (meta.get("labels") or {}).get(JOB_LABEL)
+        if not job:
+            return None
+        key = (str(meta.get("namespace")), str(job))
+        child = (str(body.get("kind")), str(meta.get("name")))
+        if deleted:
+            self.children[key].pop(child, None)
+        else:
+            self.children[key][child] = dict(body)
+        return key
+
+    def relevant_job_change(self, key: JobKey, body: Mapping[str, Any]) -> bool:
+        """Does ``body`` (a new version of the job) change anything the operator acts on?"""
+        old = self.jobs.get(key)
+        meta = body.get("metadata") or {}
+        if old is None or meta.get("deletionTimestamp"):
+            return True
+        if (old.get("metadata") or {}).get("generation") != meta.get("generation"):
+            return True
+        if (old.get("metadata") or {}).get("uid") != meta.get("uid"):
+            return True
+        stored = _owned_status(body.get("status"))
+        written = self.written.get(key)
+        if written is not None:
+            if stored == _owned_status(written.to_json()):
+                self.written.pop(key, None)  # the watch caught up with our write
+                return False
+            return stored != _owned_status(old.get("status"))  # someone else wrote our keys
+        return stored != _owned_status(old.get("status"))
+
+
+def _owned_status(status: object) -> dict[str, Any]:
+    if not isinstance(status, Mapping):
+        return {}
+    return {key: status.get(key) for key in OPERATOR_OWNED_KEYS if status.get(key) not in (None, [], {})}
+
+
+class Scheduler:
+    """Runs each job's next pass at the time its last pass asked for; one thread, a heap of due times.
+
+    A job has at most one pending time (the earliest asked for). Due passes run on a small
+    thread pool, so a burst of deadlines does not serialise. ``clock`` is monotonic seconds.
+    """
+
+    def __init__(
+        self, run: Callable[[JobKey], object], *, workers: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._run = run
+        self._clock = clock
+        self._heap: list[tuple[float, JobKey]] = []
+        self._due: dict[JobKey, float] = {}
+        self._wakeup = threading.Condition()
+        self._stopped = False
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hybridflow-recheck")
+        self._thread = threading.Thread(target=self._loop, name="hybridflow-scheduler", daemon=True)
+        self.heartbeat = self._clock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def at(self, key: JobKey, delay_seconds: float) -> None:
+        """Run ``key``'s pass in ``delay_seconds`` (or earlier, if already due earlier)."""
+        due = self._clock() + max(0.0, delay_seconds)
+        with self._wakeup:
+            if key in self._due and self._due[key] <= due:
+                return
+            self._due[key] = due
+            heapq.heappush(self._heap, (due, key))
+            self._wakeup.notify()
+
+    def forget(self, key: JobKey) -> None:
+        with self._wakeup:
+            self._due.pop(key, None)
+
+    def pending(self) -> dict[JobKey, float]:
+        with self._wakeup:
+            return dict(self._due)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                self.heartbeat = self._clock()
+                if self._stopped:
+                    return
+                now = self._clock()
+                while self._heap and self._heap[0][0] <= now:
+                    due, key = heapq.heappop(self._heap)
+                    if self._due.get(key) == due:
+                        del self._due[key]
+                        self._pool.submit(self._run, key)
+                timeout = (self._heap[0][0] - now) if self._heap else 5.0
+                self._wakeup.wait(min(timeout, 5.0))
 
 
 def register(
@@ -67,39 +231,63 @@ def register(
     """Register the handlers on ``registry`` (the default one in production, a fresh one in tests)."""
     metrics = metrics or OperatorMetrics()
     api: Cluster = cluster or ApiCluster.from_environment()
-    locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+    cache = JobCache()
+    locks: defaultdict[JobKey, threading.Lock] = defaultdict(threading.Lock)
+    failures: defaultdict[JobKey, int] = defaultdict(int)
+    leader = LeaderElection.from_config(config, api) if config.leader_election else None
+    ready = threading.Event()
 
-    def run(namespace: str, name: str, trigger: str) -> ReconcileResult | None:
-        key = f"{namespace}/{name}"
+    def run(key: JobKey, trigger: str) -> ReconcileResult | None:
+        if leader is not None and not leader.is_leader:
+            return None
         started = time.monotonic()
         metrics.reconciles.labels(trigger=trigger).inc()
+        result: ReconcileResult | None = None
         try:
             with locks[key]:
-                # The triggering body may be older than the last reconcile's status write (a timer
-                # or a RayJob event): read the job afresh so each pass starts from what is stored.
-                body = api.get("RLHFJob", namespace, name)
+                body = cache.jobs.get(key)
                 if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-                    metrics.observe_phase(key, None)
+                    metrics.observe_phase(f"{key[0]}/{key[1]}", None)
+                    scheduler.forget(key)
                     return None
-                result = reconcile(body, api, config.defaults, now=datetime.now(UTC))
-                metrics.observe_attempts(key, int((body.get("status") or {}).get("attempts") or 0))
+                result = reconcile(
+                    body,
+                    cache.children.get(key, {}).values(),
+                    api,
+                    config.defaults,
+                    now=datetime.now(UTC),
+                    last_written=cache.written.get(key),
+                    retry_policy=config.retry_policy,
+                )
+                if result.status is not None:
+                    cache.written[key] = result.status
+                    metrics.observe_attempts(f"{key[0]}/{key[1]}", result.status.attempts)
         except Exception as err:
             metrics.errors.labels(error=type(err).__name__).inc()
-            log.exception("reconcile of RLHFJob %s failed", key)
-            return None
+            log.exception("reconcile of RLHFJob %s/%s failed", *key)
         finally:
             metrics.latency.observe(time.monotonic() - started)
+        if result is None or result.failed:
+            failures[key] += 1
+            delay = min(
+                config.error_backoff_max_seconds, config.error_backoff_seconds * 2 ** (failures[key] - 1)
+            )
+            scheduler.at(key, delay)
+            if result is None:
+                return None
+        else:
+            failures.pop(key, None)
+            if result.recheck_after_seconds is not None:
+                scheduler.at(key, result.recheck_after_seconds)
         metrics.writes.inc(result.writes)
-        metrics.observe_phase(key, None if result.deleted else result.phase)
+        metrics.observe_phase(f"{key[0]}/{key[1]}", None if result.deleted else result.phase)
         return result
 
-    known: set[tuple[str, str]] = set()
-    stop_sweeping = threading.Event()
+    scheduler = Scheduler(lambda key: run(key, "timer"), workers=config.timer_workers)
 
-    def sweep() -> None:
-        while not stop_sweeping.wait(config.timer_seconds):
-            for namespace, name in sorted(known):
-                run(namespace, name, "timer")
+    def reconcile_everything() -> None:
+        for key in list(cache.jobs):
+            scheduler.at(key, 0.0)
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -107,30 +295,60 @@ def register(
         settings.posting.enabled = False
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="hybridflow.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="hybridflow.io")
+        for group, version, plural, _kind in CHILD_KINDS:
+            # Server-side filtering: the operator never lists or watches other ConfigMaps, Roles...
+            settings.watching.label_selectors[(group, plural) if group else (version, plural)] = (
+                MANAGED_SELECTOR
+            )
+        # Fill the child caches before kopf delivers the first RLHFJob (startup handlers run before
+        # the watches start): a pass must never take a child it has not heard of yet for a missing one.
+        for child in api.list_children(config.namespaces, MANAGED_SELECTOR):
+            cache.put_child(child, deleted=False)
         if serve_metrics:
             metrics.serve(config.metrics_port)
-        threading.Thread(target=sweep, name="hybridflow-sweep", daemon=True).start()
+            HealthServer(config.health_port, alive=scheduler.alive, ready=lambda: ready.is_set()).start()
+        scheduler.start()
+        if leader is not None:
+            leader.start(on_elected=reconcile_everything)
+        ready.set()
 
     @kopf.on.cleanup(registry=registry)
     def cleanup(**_: Any) -> None:
-        stop_sweeping.set()
+        scheduler.stop()
+        if leader is not None:
+            leader.stop()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def job_changed(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
+    def job_changed(*, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
+        key = (str(namespace), name)
         if type == "DELETED":
-            known.discard((str(namespace), name))
+            cache.jobs.pop(key, None)
+            cache.written.pop(key, None)
+            scheduler.forget(key)
             metrics.observe_phase(f"{namespace}/{name}", None)
             return
-        known.add((str(namespace), name))
-        run(str(namespace), name, "rlhfjob")
+        relevant = cache.relevant_job_change(key, body)
+        cache.jobs[key] = dict(body)
+        if relevant:
+            run(key, "rlhfjob")
 
-    @kopf.on.event("ray.io", "v1", "rayjobs", labels={MANAGED_BY_LABEL: MANAGED_BY}, registry=registry)
-    def rayjob_changed(body: kopf.Body, **_: Any) -> None:
-        meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(JOB_LABEL)
-        owners = [ref for ref in meta.get("ownerReferences") or [] if ref.get("kind") == "RLHFJob"]
-        name = owners[0]["name"] if owners else owner
-        if name:
-            run(str(meta["namespace"]), str(name), "rayjob")
+    def child_handler(kind: str) -> Callable[..., None]:
+        def child_changed(*, body: kopf.Body, type: str | None, **_: Any) -> None:
+            key = cache.put_child(body, deleted=type == "DELETED")
+            if key is None or key not in cache.jobs:
+                return
+            if kind == "RayJob" or type == "DELETED":
+                run(key, kind.lower())
+
+        child_changed.__name__ = f"{kind.lower()}_changed"
+        return child_changed
+
+    for group, version, plural, kind in CHILD_KINDS:
+        on_child = (
+            kopf.on.event(group, version, plural, labels={MANAGED_BY_LABEL: MANAGED_BY}, registry=registry)
+            if group
+            else kopf.on.event(version, plural, labels={MANAGED_BY_LABEL: MANAGED_BY}, registry=registry)
+        )
+        on_child(child_handler(kind))
 
     return metrics

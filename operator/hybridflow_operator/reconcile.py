@@ -1,49 +1,69 @@
 """The one level-triggered reconcile of an RLHFJob.
 
-Every trigger (a change of the RLHFJob, a change of one of its RayJobs, the periodic timer) calls
-:func:`reconcile` with the RLHFJob as it is now. The function reads what exists, asks the pure
-builders and :mod:`hybridflow_operator.status` what should exist, and writes only the
-difference, so it can run any number of times: a pass that finds the world as it wants it
-writes nothing. In order:
+Every trigger (a change of the RLHFJob's spec, a change of one of its children, a recheck time
+that came due) calls :func:`reconcile` with the RLHFJob and its children as the operator's
+caches hold them. The function reads nothing from the API server: it asks the pure builders
+and :mod:`hybridflow_operator.status` what should exist, and writes only the difference, so it
+can run any number of times: a pass that finds the world as it wants it writes nothing. In order:
 
 1. parse the spec; a spec the operator cannot run sets ``Validated=False`` naming the fields,
    creates nothing, and stops (the admission schema and CEL rules catch most problems earlier);
-2. a finished job: delete it once ``ttlSecondsAfterFinished`` has passed (owner references take
-   the children with it), else nothing;
-3. read the current attempt's RayJob and compute the desired status;
-4. make sure the attempt's children exist: ConfigMap (patched when the spec changed, read by
-   the next attempt), ServiceAccount, Role, RoleBinding, and the RayJob when the decision starts
-   an attempt (a retry gets a new RayJob and resumes from the checkpoint volume);
-5. mirror ``spec.suspend`` onto the running RayJob (Kueue un-suspends queued ones itself);
-6. a job failed by its deadline has its RayJob deleted, so the GPUs are released;
-7. patch the status (operator-owned keys only) and emit the decision's events.
+2. sort the observed children: those whose owner reference carries this job's uid are the
+   job's; anything else bearing a child's name (a leftover of a deleted job of the same name
+   that the garbage collector has not removed yet, or a stranger) is never adopted, counted or
+   changed: it is reported (``ChildrenReady=False``, reason ``NameConflict``, a Warning Event);
+3. decide the status from the job's own RayJobs (``desired_status``: attempts, phase, retry
+   backoff and deadline come from the children, never from the stored status, which the
+   workload's controller can write);
+4. make sure the attempt's children exist, in dependency order: ConfigMap (patched when the
+   spec changed), ServiceAccount, Role, RoleBinding, then the RayJob when the decision starts
+   an attempt. The first failing write stops the sequence, so a RayJob never exists without
+   the RBAC its head pod needs; a later pass finishes what is missing. Every failure sets
+   ``ChildrenReady=False`` with the API's reason and message and emits one Warning Event
+   (a 404 for RayJob means the KubeRay CRD is missing: ``KubeRayMissing``); the caller retries
+   with bounded exponential backoff (``ReconcileResult.failed``);
+5. stop a RayJob whose deadline passed (suspend it, recording ``hybridflow.io/stopped``: the
+   pods go, the GPUs are released, the record stays), and write the RayJob's ``suspend`` only
+   when the user's ``spec.suspend`` differs from what the operator last wrote there (a record
+   in the RayJob's annotations), so a Kueue admission is never written back;
+6. a finished job is deleted once ``ttlSecondsAfterFinished`` has passed (owner references take
+   the children with it);
+7. patch the status (operator-owned keys only, against the status the operator last wrote, so a
+   cache that lags behind our own write causes no second write) and emit the decision's events.
 
-The result says when to look again for purely time-based transitions (deadline, TTL).
+The result says when to look again for purely time-based transitions (retry backoff, deadline,
+TTL); the caller schedules the job's next pass then.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from hybridflow.spec import SpecError, parse_job_manifest
-from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children, suspend_update
-from hybridflow_operator.cluster import Cluster
-from hybridflow_operator.names import rayjob_name
+from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
+from hybridflow_operator.cluster import ApiError, Cluster
+from hybridflow_operator.events import Event, api_failure_reason
 from hybridflow_operator.status import (
+    DEFAULT_RETRY_POLICY,
+    STOPPED_ANNOTATION,
     TERMINAL_PHASES,
+    USER_SUSPEND_ANNOTATION,
     ObservedRayJob,
+    RetryPolicy,
     RLHFJobStatus,
     desired_status,
     invalid_spec_status,
     remaining_deadline_seconds,
+    set_children_ready,
     status_patch,
     ttl_remaining_seconds,
+    with_rayjob_created,
 )
 
-__all__ = ["ReconcileResult", "reconcile"]
+__all__ = ["ReconcileResult", "owned_by", "reconcile"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,10 @@ class ReconcileResult:
     writes: int
     recheck_after_seconds: float | None = None
     deleted: bool = False
+    failed: bool = False
+    """A write failed (see the ``ChildrenReady`` condition): retry with backoff."""
+    status: RLHFJobStatus | None = None
+    """The status this pass left stored (what it wrote, or found right): the next pass's base."""
 
 
 def _source(body: Mapping[str, Any]) -> str:
@@ -59,28 +83,62 @@ def _source(body: Mapping[str, Any]) -> str:
     return f"RLHFJob {metadata.get('namespace')}/{metadata.get('name')}"
 
 
+def owned_by(child: Mapping[str, Any], uid: str) -> bool:
+    """True when ``child``'s owner references name the RLHFJob with ``uid`` (names do not count)."""
+    refs = (child.get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("kind") == "RLHFJob" and ref.get("uid") == uid for ref in refs)
+
+
+def _min(*values: float | None) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
 def reconcile(
-    body: Mapping[str, Any], cluster: Cluster, defaults: RayJobDefaults, *, now: datetime
+    body: Mapping[str, Any],
+    children: Iterable[Mapping[str, Any]],
+    cluster: Cluster,
+    defaults: RayJobDefaults,
+    *,
+    now: datetime,
+    last_written: RLHFJobStatus | None = None,
+    retry_policy: RetryPolicy = DEFAULT_RETRY_POLICY,
 ) -> ReconcileResult:
-    """Converge one RLHFJob (``body`` as read from the API server); see the module docstring."""
+    """Converge one RLHFJob; see the module docstring.
+
+    ``children`` are the objects of the job's namespace that carry its job label, as cached
+    (any kind); ``last_written`` is the status the previous pass of this process left stored,
+    used instead of ``body``'s status when the cache has not caught up with that write yet.
+    """
     owner = JobRef.from_body(body)
     metadata = body.get("metadata") or {}
     generation = metadata.get("generation")
-    current = RLHFJobStatus.from_body(body.get("status"))
+    stored = RLHFJobStatus.from_body(body.get("status"))
+    current = last_written if last_written is not None else stored
     writes = 0
 
     def finish(
-        status: RLHFJobStatus, events: tuple[Any, ...], recheck: float | None = None
+        status: RLHFJobStatus,
+        events: tuple[Event, ...],
+        recheck: float | None = None,
+        *,
+        failed: bool = False,
     ) -> ReconcileResult:
         nonlocal writes
         patch = status_patch(current, status)
         if patch:
-            cluster.patch_job_status(owner.namespace, owner.name, patch)
-            writes += 1
+            try:
+                cluster.patch_job_status(owner.namespace, owner.name, patch)
+                writes += 1
+            except ApiError:
+                return ReconcileResult(current.phase, writes, recheck, failed=True, status=None)
         for event in events:
-            cluster.emit_event(body, event)
-            writes += 1
-        return ReconcileResult(status.phase, writes, recheck)
+            try:
+                cluster.emit_event(body, event)
+                writes += 1
+            except ApiError:
+                failed = True  # Events are best effort, but say so: the caller retries with backoff
+        return ReconcileResult(status.phase, writes, recheck, failed=failed, status=status)
 
     try:
         job = parse_job_manifest(dict(body), source=_source(body))
@@ -89,64 +147,107 @@ def reconcile(
         return finish(decision.status, decision.events)
     spec = job.spec
 
-    if current.phase in TERMINAL_PHASES:
-        remaining = ttl_remaining_seconds(spec, current, now)
-        if remaining is not None and remaining <= 0:
-            cluster.delete("RLHFJob", owner.namespace, owner.name)
-            return ReconcileResult(current.phase, 1, deleted=True)
-        return ReconcileResult(current.phase, 0, remaining)
-
-    name = current.ray_job_name or rayjob_name(owner.name, max(current.attempts, 1))
-    observed_body = cluster.get("RayJob", owner.namespace, name)
-    observed = ObservedRayJob.from_body(observed_body) if observed_body is not None else None
-    decision = desired_status(job, current, observed, now=now, generation=generation)
+    owned: dict[tuple[str, str], Mapping[str, Any]] = {}
+    foreign: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for child in children:
+        key = (str(child.get("kind")), str((child.get("metadata") or {}).get("name")))
+        (owned if owned_by(child, owner.uid) else foreign)[key] = child
+    attempts = [ObservedRayJob.from_body(c) for (kind, _), c in owned.items() if kind == "RayJob"]
+    decision = desired_status(
+        job, current, attempts, now=now, generation=generation, retry_policy=retry_policy
+    )
     status = decision.status
+    events = list(decision.events)
 
+    if status.phase in TERMINAL_PHASES:
+        remaining = ttl_remaining_seconds(spec, status, now)
+        if remaining is not None and remaining <= 0:
+            try:
+                cluster.delete("RLHFJob", owner.namespace, owner.name)
+            except ApiError:
+                return ReconcileResult(status.phase, writes, None, failed=True)
+            return ReconcileResult(status.phase, writes + 1, deleted=True)
+
+    problem: tuple[str, str] | None = None
     attempt = decision.start_attempt or max(status.attempts, 1)
-    children = build_children(
+    desired = build_children(
         job,
         owner,
         attempt=attempt,
         defaults=defaults,
         active_deadline_seconds=remaining_deadline_seconds(spec, status, now),
     )
-    first_attempt_of_new_job = decision.start_attempt == 1 and not current.conditions
-    for child in children:
-        kind, child_name = child["kind"], child["metadata"]["name"]
+    for child in desired:
+        kind, name = child["kind"], child["metadata"]["name"]
         if kind == "RayJob" and decision.start_attempt is None:
             continue
-        if first_attempt_of_new_job:
-            # A job never reconciled before has no children yet: create without reading first
-            # (a 409 from an earlier, interrupted pass is fine). This is the latency-critical path.
-            cluster.create(child)
-            writes += 1
-            continue
-        existing = cluster.get(kind, owner.namespace, child_name)
-        if existing is None:
-            cluster.create(child)
-            writes += 1
-        elif kind == "ConfigMap" and existing.get("data") != child["data"]:
-            cluster.patch(kind, owner.namespace, child_name, {"data": child["data"]})
-            writes += 1
+        if (kind, name) in foreign:
+            problem = (
+                "NameConflict",
+                f"{kind} {name} exists but is not owned by this RLHFJob (uid {owner.uid}); it is left "
+                "alone and the job waits until it is gone (a leftover of a deleted job of the same name "
+                "goes with the garbage collector)",
+            )
+            break
+        existing = owned.get((kind, name))
+        try:
+            if existing is None:
+                created = cluster.create(child)
+                if created and kind == "RayJob":
+                    status = with_rayjob_created(current, status, now=now)
+                if not created:
+                    problem = (
+                        "NameConflict",
+                        f"{kind} {name} already exists and is not owned by this RLHFJob (uid {owner.uid}); "
+                        "it is left alone",
+                    )
+                    break
+                writes += 1
+            elif kind == "ConfigMap" and existing.get("data") != child["data"]:
+                cluster.patch(kind, owner.namespace, name, {"data": child["data"]})
+                writes += 1
+        except ApiError as err:
+            problem = (
+                api_failure_reason(err),
+                f"{err.verb} {kind} {name}: {err.status} {err.reason}: {err.message}",
+            )
+            break
 
-    if observed is not None and status.phase not in TERMINAL_PHASES:
-        suspend = suspend_update(spec, observed.suspend)
-        if suspend is not None:
-            cluster.patch("RayJob", owner.namespace, observed.name, {"spec": {"suspend": suspend}})
-            writes += 1
-    if (
-        observed is not None
-        and status.phase == "Failed"
-        and status.reason == "DeadlineExceeded"
-        and observed.job_deployment_status not in ("Complete", "Failed")
-    ):
-        cluster.delete("RayJob", owner.namespace, observed.name)
-        writes += 1
+    latest = max(attempts, key=lambda a: a.attempt) if attempts else None
+    if problem is None and latest is not None and not latest.finished:
+        try:
+            if decision.stop_rayjob == latest.name and not latest.stopped_reason:
+                cluster.patch(
+                    "RayJob",
+                    owner.namespace,
+                    latest.name,
+                    {
+                        "metadata": {"annotations": {STOPPED_ANNOTATION: "DeadlineExceeded"}},
+                        "spec": {"suspend": True},
+                    },
+                )
+                writes += 1
+            elif not latest.stopped_reason and latest.user_suspend != spec.suspend:
+                cluster.patch(
+                    "RayJob",
+                    owner.namespace,
+                    latest.name,
+                    {
+                        "metadata": {"annotations": {USER_SUSPEND_ANNOTATION: str(spec.suspend).lower()}},
+                        "spec": {"suspend": spec.suspend},
+                    },
+                )
+                writes += 1
+        except ApiError as err:
+            problem = (
+                api_failure_reason(err),
+                f"patch RayJob {latest.name}: {err.status} {err.reason}: {err.message}",
+            )
 
-    recheck: float | None = None
-    if spec.active_deadline_seconds is not None and status.start_time is not None:
-        recheck = float(remaining_deadline_seconds(spec, status, now) or 0)
+    status, ready_changed = set_children_ready(current, status, problem, now=now)
+    if problem is not None and ready_changed:
+        events.append(Event("Warning", problem[0], problem[1]))
+    recheck = decision.recheck_after_seconds
     ttl = ttl_remaining_seconds(spec, status, now)
-    if ttl is not None:
-        recheck = ttl if recheck is None else min(recheck, ttl)
-    return finish(status, decision.events, recheck)
+    recheck = _min(recheck, ttl)
+    return finish(status, tuple(events), recheck, failed=problem is not None)

@@ -15,15 +15,20 @@ through untouched. The models below are also the source of the CRD's status sche
 validated by the API server; the controller must use the camelCase keys of
 :class:`Progress` and must not send NaN or infinities (JSON has no such numbers).
 
-Protocol of one reconcile (the kopf handler is the caller; this module does no I/O):
+The controller's Role grants ``patch`` on the whole status subresource (RBAC cannot narrow it to
+one key), so ``progress`` being the controller's only key holds *in effect*: no decision here
+reads a key the workload can write. Attempts, phase, start time and final outcomes are derived
+from the RayJobs the job owns (:func:`desired_status`); the stored status only keeps condition
+times stable and tells phase changes for Events.
+
+Protocol of one reconcile (``hybridflow_operator.reconcile`` is the caller; this module does no I/O):
 
 1. parse the RLHFJob (``hybridflow.spec.parse_job_manifest``); on ``SpecError`` call
    :func:`invalid_spec_status` and stop: no children are created;
-2. read the RayJob named ``status.rayJobName`` (absent on the first pass) and parse it with
-   :meth:`ObservedRayJob.from_body`;
-3. call :func:`desired_status`; if ``start_attempt`` is set, create that attempt's children
-   (a 409 means an earlier pass already did: fine), with the RayJob's
-   ``activeDeadlineSeconds`` from :func:`remaining_deadline_seconds`;
+2. parse every RayJob owned by the job's uid with :meth:`ObservedRayJob.from_body`;
+3. call :func:`desired_status`; if ``start_attempt`` is set, create that attempt's children,
+   with the RayJob's ``activeDeadlineSeconds`` from :func:`remaining_deadline_seconds`; stop
+   ``stop_rayjob`` if set; schedule the next pass after ``recheck_after_seconds``;
 4. write :func:`status_patch` (nothing when it is empty, so a second pass writes nothing)
    and emit ``events``.
 
@@ -63,6 +68,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from hybridflow.spec import RLHFJob, RLHFJobSpec
+from hybridflow_operator.builders.metadata import ATTEMPT_LABEL, STOPPED_ANNOTATION, USER_SUSPEND_ANNOTATION
+from hybridflow_operator.events import Event
 from hybridflow_operator.names import rayjob_name
 
 Phase = Literal[
@@ -79,6 +86,8 @@ PHASES: tuple[Phase, ...] = (
     "Failed",
 )
 TERMINAL_PHASES: tuple[Phase, ...] = ("Succeeded", "Failed")
+QUIET_PHASES: tuple[Phase, ...] = ("Pending", "Initializing", "Running")
+"""Phases every job passes through: reported in the status only, without an Event."""
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 CONDITION_TYPES: tuple[str, ...] = (
@@ -116,7 +125,10 @@ RAY_FAILED = "FAILED"
 FINAL_FAILURE_REASONS: tuple[str, ...] = ("DeadlineExceeded", "ValidationFailed")
 """KubeRay failure reasons a new attempt cannot fix. Every other reason (AppFailed,
 SubmissionFailed, JobDeploymentStatusTransitionGracePeriodExceeded, a pre-running deadline, a
-lost node) is worth a fresh cluster resuming from the checkpoint."""
+lost node) is worth a fresh cluster resuming from the checkpoint, unless it repeats."""
+APPLICATION_FAILURE_REASONS: tuple[str, ...] = ("AppFailed", "Failed")
+"""Failure reasons of the application itself (the Ray job failed): a repeat with the same message
+is deterministic (:func:`repeated_failure`)."""
 
 
 class StatusModel(BaseModel):
@@ -262,10 +274,21 @@ OPERATOR_OWNED_KEYS: tuple[str, ...] = tuple(
 
 
 class ObservedRayJob(StatusModel):
-    """The parts of a RayJob the status mapping reads; parsed once from the API body."""
+    """The parts of one attempt's RayJob the status mapping reads; parsed once from the API body.
+
+    Only RayJobs owned by the job's uid are ever parsed into this (see ``reconcile``): they,
+    their labels and annotations are written by the operator and KubeRay alone, so everything
+    the lifecycle decides from them is out of the workload's reach.
+    """
 
     name: str = Field(description="metadata.name")
+    attempt: int = Field(default=1, ge=1, description="metadata.labels[hybridflow.io/attempt]")
+    created_at: datetime | None = Field(default=None, description="metadata.creationTimestamp")
     suspend: bool = Field(default=False, description="spec.suspend")
+    user_suspend: bool | None = Field(
+        default=None, description="metadata.annotations[hybridflow.io/user-suspend]"
+    )
+    stopped_reason: str = Field(default="", description="metadata.annotations[hybridflow.io/stopped]")
     job_deployment_status: str = Field(default="", description="status.jobDeploymentStatus")
     job_status: str = Field(default="", description="status.jobStatus")
     reason: str = Field(default="", description="status.reason")
@@ -277,11 +300,22 @@ class ObservedRayJob(StatusModel):
     def from_body(cls, body: Mapping[str, Any]) -> ObservedRayJob:
         """Read a RayJob object as the API server returns it (missing sections read as empty)."""
         metadata = body.get("metadata") or {}
+        labels = metadata.get("labels") or {}
+        annotations = metadata.get("annotations") or {}
         spec = body.get("spec") or {}
         status = body.get("status") or {}
+        name = str(metadata.get("name", ""))
+        attempt_label = str(labels.get(ATTEMPT_LABEL, ""))
+        suffix = name.rsplit("-", 1)[-1]
+        attempt = int(attempt_label) if attempt_label.isdigit() else int(suffix) if suffix.isdigit() else 1
+        user_suspend = annotations.get(USER_SUSPEND_ANNOTATION)
         return cls(
-            name=str(metadata.get("name", "")),
+            name=name,
+            attempt=max(1, attempt),
+            created_at=metadata.get("creationTimestamp"),
             suspend=bool(spec.get("suspend", False)),
+            user_suspend=None if user_suspend is None else user_suspend == "true",
+            stopped_reason=str(annotations.get(STOPPED_ANNOTATION) or ""),
             job_deployment_status=str(status.get("jobDeploymentStatus") or ""),
             job_status=str(status.get("jobStatus") or ""),
             reason=str(status.get("reason") or ""),
@@ -290,14 +324,33 @@ class ObservedRayJob(StatusModel):
             end_time=status.get("endTime"),
         )
 
+    @property
+    def finished(self) -> bool:
+        """KubeRay is done with it: no pods run or will run for this attempt."""
+        return self.job_deployment_status in (
+            DEPLOYMENT_COMPLETE,
+            DEPLOYMENT_FAILED,
+            DEPLOYMENT_VALIDATION_FAILED,
+        )
+
 
 @dataclass(frozen=True)
-class Event:
-    """A Kubernetes Event to emit on the RLHFJob."""
+class RetryPolicy:
+    """How long to wait before attempt n+1: ``min(base * 2**(n-1), max)`` after attempt n ended.
 
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
+    Immediate retries hammer a cluster that is failing for a reason that needs time (a node
+    being replaced, a quota, a flaky storage mount); the wait doubles with every failed attempt
+    up to a bound. The operator's settings (``HYBRIDFLOW_RETRY_BACKOFF_*``) set both.
+    """
+
+    base_seconds: float = 10.0
+    max_seconds: float = 600.0
+
+    def backoff_seconds(self, failed_attempt: int) -> float:
+        return float(min(self.max_seconds, self.base_seconds * 2 ** max(0, failed_attempt - 1)))
+
+
+DEFAULT_RETRY_POLICY = RetryPolicy()
 
 
 @dataclass(frozen=True)
@@ -308,6 +361,10 @@ class StatusDecision:
     start_attempt: int | None = None
     """Attempt number whose children must exist now (create them; 409 means already there)."""
     events: tuple[Event, ...] = ()
+    recheck_after_seconds: float | None = None
+    """When a time-based transition is due (retry backoff, deadline); None: nothing scheduled."""
+    stop_rayjob: str | None = None
+    """A RayJob to stop now (suspend it, recording :data:`STOPPED_ANNOTATION`): the deadline passed."""
 
     @property
     def retrying(self) -> bool:
@@ -344,6 +401,8 @@ def _failure(reason: str, message: str, *, retryable: bool) -> _Outcome:
 
 def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
     """Map one RayJob state to the attempt's outcome (see the module docstring's table)."""
+    if rayjob.stopped_reason:
+        return _failure(rayjob.stopped_reason, rayjob.message or "stopped by the operator", retryable=False)
     deployment, ray_status = rayjob.job_deployment_status, rayjob.job_status
     if deployment in (DEPLOYMENT_NEW, DEPLOYMENT_SCHEDULING, DEPLOYMENT_SCHEDULED):
         return _Outcome(_waiting_phase(spec, rayjob.suspend))
@@ -374,6 +433,27 @@ def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
     # A state newer than KubeRay v1.7: report it, do not guess an outcome.
     return _Outcome(
         "Initializing", reason="UnknownRayJobState", message=f"jobDeploymentStatus {deployment!r}"
+    )
+
+
+def repeated_failure(spec: RLHFJobSpec, attempts: Sequence[ObservedRayJob]) -> bool:
+    """True when the last two attempts failed the same deterministic way: a retry would too.
+
+    Deterministic means the application itself failed (``AppFailed``, or a Ray job FAILED)
+    with the very same message twice in a row: the same exception at the same place, which a
+    fresh cluster will not change. Infrastructure failures (a lost node, a submitter that timed
+    out, a pre-running deadline) are retried to the end of ``maxRestarts``.
+    """
+    if len(attempts) < 2:
+        return False
+    last, previous = _classify(spec, attempts[-1]), _classify(spec, attempts[-2])
+    return (
+        last.failed
+        and previous.failed
+        and last.reason in APPLICATION_FAILURE_REASONS
+        and last.reason == previous.reason
+        and bool(last.message)
+        and last.message == previous.message
     )
 
 
@@ -431,17 +511,27 @@ def _conditions(
         "Succeeded": when(phase == "Succeeded", "Succeeded", f"the controller finished ({attempt_text})"),
         "Failed": when(phase == "Failed", reason or "Failed", failure_text),
     }
-    return tuple(
-        _set_condition(previous, condition_type, *values[condition_type], now)
-        for condition_type in CONDITION_TYPES
+    kept = tuple(c for c in previous.conditions if c.type not in CONDITION_TYPES)
+    return (
+        *(
+            _set_condition(previous, condition_type, *values[condition_type], now)
+            for condition_type in CONDITION_TYPES
+        ),
+        *kept,
     )
 
 
 def _phase_event(
     old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str
 ) -> tuple[Event, ...]:
-    """One event per phase change: Warning for failures and retries, Normal otherwise."""
-    if old == new:
+    """One event per phase change a person acts on: Warning for failures and retries, Normal for
+    Succeeded, Suspended and Queued.
+
+    Pending, Initializing and Running, which every job passes through, get no Event: their times
+    are in ``status.conditions``, and an Event is one more API write per job (the write budget of
+    a job's whole lifecycle is 10, see ``docs/operator.md``).
+    """
+    if old == new or new in QUIET_PHASES:
         return ()
     messages: dict[Phase, str] = {
         "Pending": f"waiting for RayJob {rayjob} ({attempt_text})",
@@ -457,72 +547,85 @@ def _phase_event(
     return (Event(kind, new, messages[new]),)
 
 
+def job_start_time(attempts: Sequence[ObservedRayJob]) -> datetime | None:
+    """When the first attempt's cluster started (KubeRay's ``startTime``); the deadline counts from here."""
+    times = [a.start_time for a in attempts if a.start_time is not None]
+    return _now(min(times)) if times else None
+
+
 def desired_status(
     job: RLHFJob,
     current: RLHFJobStatus,
-    observed: ObservedRayJob | None,
+    attempts: Sequence[ObservedRayJob],
     *,
     now: datetime,
     generation: int | None = None,
+    retry_policy: RetryPolicy = DEFAULT_RETRY_POLICY,
 ) -> StatusDecision:
-    """The status ``job`` should have given the RayJob ``observed`` (None when it does not exist yet).
+    """The status ``job`` should have, decided from its own RayJobs only.
 
-    ``observed`` must be the RayJob named ``current.rayJobName`` (or the first attempt's name
-    when that is unset); a RayJob of another name is ignored. A RayJob that was observed
-    before (``RayJobCreated=True``) and is gone now counts as a failed attempt
-    (``RayJobDeleted``); one never observed is (re)created. ``now`` is the reconcile's
-    clock, passed in so the function is pure. The result is the same for the same inputs,
-    and feeding its status back in as ``current`` with the same ``observed`` yields the same
-    status again (no condition times move), which is what makes a second reconcile write
-    nothing.
+    ``attempts`` are the RayJobs owned by the job's uid, one per attempt started. Every
+    lifecycle fact comes from them: the attempt count (the highest attempt label), the
+    current attempt's state (KubeRay's status), the start time (KubeRay's ``startTime``),
+    and the operator's final decisions (:data:`STOPPED_ANNOTATION`). ``current`` (the status
+    as stored, which the controller in the head pod can write) is read only to keep condition
+    times stable and to tell phase changes for events; forging ``status.attempts`` or
+    ``status.phase`` changes no decision.
+
+    ``now`` is the reconcile's clock, passed in so the function is pure. Feeding the result's
+    status back as ``current`` with the same ``attempts`` yields the same status again, which
+    is what makes a second reconcile write nothing.
     """
     now = _now(now)
     spec = job.spec
     max_attempts = spec.max_restarts + 1
-    attempt = max(current.attempts, 1)
-    name = rayjob_name(job.metadata.name, attempt)
+    ordered = sorted(attempts, key=lambda a: a.attempt)
+    latest = ordered[-1] if ordered else None
+    attempt = latest.attempt if latest is not None else 1
     base = current.model_copy(update={"observed_generation": generation})
+    start_time = job_start_time(ordered)
 
-    if current.phase in TERMINAL_PHASES:
-        return StatusDecision(base)
-
-    if observed is not None and observed.name != name:
-        observed = None
-    outcome = _classify(spec, observed) if observed is not None else None
-    created = current.condition("RayJobCreated")
-    if observed is None and created is not None and created.status == "True" and current.ray_job_name == name:
-        # Seen before, gone now: deleted by someone, or with its namespace's quota. The run was cut short.
-        outcome = _failure(
-            "RayJobDeleted", f"RayJob {name} was deleted while the attempt ran", retryable=True
-        )
-    start_time = current.start_time
-    if start_time is None and outcome is not None and outcome.phase not in ("Pending", "Queued", "Suspended"):
-        start_time = _now(observed.start_time) if observed is not None and observed.start_time else now
-
-    mirrors: dict[str, Any] = {
-        "job_deployment_status": observed.job_deployment_status or None if observed else None,
-        "job_status": observed.job_status or None if observed else None,
-        "reason": observed.reason or None if observed else None,
-        "message": observed.message or None if observed else None,
-    }
-
+    outcome = _classify(spec, latest) if latest is not None else None
+    stop_rayjob: str | None = None
+    recheck: float | None = None
     deadline = spec.active_deadline_seconds
-    if deadline is not None and start_time is not None and now - start_time >= timedelta(seconds=deadline):
-        detail = f"spec.activeDeadlineSeconds ({deadline}s) passed since {start_time.isoformat()}"
-        outcome = _failure("DeadlineExceeded", detail, retryable=False)
+    if deadline is not None and start_time is not None and not (outcome and outcome.phase == "Succeeded"):
+        due = start_time + timedelta(seconds=deadline)
+        final = outcome is not None and outcome.failed and not outcome.retryable
+        if now >= due and (not final or (outcome is not None and outcome.reason == "DeadlineExceeded")):
+            detail = f"spec.activeDeadlineSeconds ({deadline}s) passed since {start_time.isoformat()}"
+            outcome = _failure("DeadlineExceeded", detail, retryable=False)
+            if latest is not None and not latest.finished:
+                stop_rayjob = latest.name
+        elif now < due:
+            recheck = (due - now).total_seconds()
 
     start_attempt: int | None = None
-    attempts = attempt
+    attempts_started = attempt
     if outcome is None:
-        # No RayJob for this attempt yet: the first reconcile, or a retry whose create has not landed.
-        phase: Phase = "Retrying" if current.phase == "Retrying" else _waiting_phase(spec, suspended=False)
-        start_attempt = attempt
-        reason, message = (current.reason or "", current.message or "") if phase == "Retrying" else ("", "")
+        # No RayJob yet: the first reconcile, or a create that has not landed.
+        phase: Phase = _waiting_phase(spec, suspended=False)
+        start_attempt = 1
+        reason, message = "", ""
+    elif outcome.failed and outcome.retryable and repeated_failure(spec, ordered):
+        phase = "Failed"
+        reason = "RepeatedFailure"
+        message = (
+            f"attempts {attempt - 1} and {attempt} failed with the same error, so another attempt would "
+            f"too ({outcome.reason}: {outcome.message})"
+        )
     elif outcome.failed and outcome.retryable and attempt < max_attempts:
         phase = "Retrying"
-        attempts = attempt + 1
-        start_attempt = attempts
         reason, message = outcome.reason, outcome.message
+        ended = _now(latest.end_time or latest.created_at or now) if latest is not None else now
+        retry_at = ended + timedelta(seconds=retry_policy.backoff_seconds(attempt))
+        if now >= retry_at:
+            attempts_started = attempt + 1
+            start_attempt = attempts_started
+        else:
+            wait = (retry_at - now).total_seconds()
+            recheck = wait if recheck is None else min(recheck, wait)
+            message = f"{message}; attempt {attempt + 1} starts at {retry_at.isoformat()}"
     elif outcome.failed:
         phase = "Failed"
         reason, message = outcome.reason, outcome.message
@@ -530,34 +633,46 @@ def desired_status(
             message = f"{message} (attempt {attempt} of {max_attempts}; spec.maxRestarts {spec.max_restarts} reached)"
     else:
         phase = outcome.phase
-        if phase == "Pending" and current.phase == "Retrying":
-            phase = "Retrying"
+        if phase == "Pending" and attempt > 1:
+            phase = "Retrying"  # the next attempt's RayJob exists but has not started yet
         reason, message = outcome.reason, outcome.message
+    if phase in TERMINAL_PHASES:
+        recheck = None
 
-    new_name = rayjob_name(job.metadata.name, attempts)
-    attempt_text = f"attempt {attempts} of {max_attempts}"
+    new_name = rayjob_name(job.metadata.name, attempts_started)
+    attempt_text = f"attempt {attempts_started} of {max_attempts}"
+    mirrors: dict[str, Any] = {
+        "job_deployment_status": (latest.job_deployment_status or None) if latest else None,
+        "job_status": (latest.job_status or None) if latest else None,
+        "reason": (latest.reason or None) if latest else None,
+        "message": (latest.message or None) if latest else None,
+    }
+    if start_attempt is not None and start_attempt > 1:
+        mirrors = dict.fromkeys(mirrors)  # the new attempt has no RayJob state yet
     if reason:  # a failure, a retry, or a state this mapping does not know: say why
         mirrors.update(reason=reason, message=message or None)
     if phase == "Retrying":
         event_detail = (
-            f"attempt {attempt} of {max_attempts} failed ({reason}: {message}); starting RayJob {new_name} "
-            f"({attempt_text}) from the newest checkpoint"
+            f"attempt {attempt} of {max_attempts} failed ({reason}: {message}); RayJob {new_name} "
+            f"({attempt_text}) resumes from the newest checkpoint"
             if reason
             else f"KubeRay is retrying RayJob {new_name}"
         )
     else:
         event_detail = f"{reason}: {message}"
+    end_times = [latest.end_time] if latest is not None and latest.end_time is not None else []
+    completion = _now(end_times[0]) if end_times else now
     status = base.model_copy(
         update={
             "phase": phase,
-            "attempts": attempts,
+            "attempts": attempts_started,
             "ray_job_name": new_name,
             "start_time": start_time,
-            "completion_time": (current.completion_time or now) if phase in TERMINAL_PHASES else None,
+            "completion_time": (current.completion_time or completion) if phase in TERMINAL_PHASES else None,
             "conditions": _conditions(
                 current,
                 phase,
-                created=observed is not None and start_attempt is None,
+                created=latest is not None and start_attempt is None,
                 rayjob=new_name,
                 attempt_text=attempt_text,
                 reason=reason if phase == "Failed" else "",
@@ -568,7 +683,7 @@ def desired_status(
         }
     )
     events = _phase_event(current.phase, phase, new_name, attempt_text, event_detail)
-    return StatusDecision(status, start_attempt, events)
+    return StatusDecision(status, start_attempt, events, recheck, stop_rayjob)
 
 
 def invalid_spec_status(
@@ -599,6 +714,39 @@ def invalid_spec_status(
     changed = old is None or old.status != "False" or old.message != message
     events = (Event("Warning", "InvalidSpec", message),) if changed else ()
     return StatusDecision(status, None, events)
+
+
+def with_rayjob_created(previous: RLHFJobStatus, status: RLHFJobStatus, *, now: datetime) -> RLHFJobStatus:
+    """``status`` once this pass has created the attempt's RayJob: ``RayJobCreated=True`` right away,
+    so the pass that then observes the RayJob finds nothing to change (one status write, not two)."""
+    old = status.condition("RayJobCreated")
+    message = old.message.removeprefix("creating ") if old is not None else f"RayJob {status.ray_job_name}"
+    created = _set_condition(previous, "RayJobCreated", "True", "Created", message, _now(now))
+    return status.model_copy(
+        update={"conditions": tuple(created if c.type == "RayJobCreated" else c for c in status.conditions)}
+    )
+
+
+CHILDREN_READY = "ChildrenReady"
+"""Condition: True when every child the job needs exists and the last writes succeeded; False
+with the API's reason (:mod:`hybridflow_operator.events`) and message otherwise."""
+
+
+def set_children_ready(
+    previous: RLHFJobStatus, status: RLHFJobStatus, problem: tuple[str, str] | None, *, now: datetime
+) -> tuple[RLHFJobStatus, bool]:
+    """``status`` with the ``ChildrenReady`` condition for ``problem`` (None: all well).
+
+    Also says whether the condition's status or reason changed since ``previous``, which is
+    when the reconcile emits a Warning Event: once per problem, not once per retry.
+    """
+    now = _now(now)
+    reason, message = problem if problem is not None else ("Ready", "every child exists")
+    condition = _set_condition(previous, CHILDREN_READY, "False" if problem else "True", reason, message, now)
+    old = previous.condition(CHILDREN_READY)
+    changed = old is None or old.status != condition.status or old.reason != condition.reason
+    others = tuple(c for c in status.conditions if c.type != CHILDREN_READY)
+    return status.model_copy(update={"conditions": (*others, condition)}), changed
 
 
 def status_patch(current: RLHFJobStatus, desired: RLHFJobStatus) -> dict[str, Any]:

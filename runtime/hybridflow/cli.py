@@ -19,7 +19,7 @@ EXIT_USER_ERROR = 2
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from hybridflow.spec import SpecError, load_job_manifest
+    from hybridflow.spec import SpecError, in_cluster_problems, load_job_manifest, parse_job_manifest
 
     try:
         job = load_job_manifest(args.manifest)
@@ -33,7 +33,15 @@ def _validate(args: argparse.Namespace) -> int:
         f"  algorithm {spec.algorithm.name}, {spec.training.total_steps} steps, rollout engine {spec.rollout.engine}"
     )
     print(f"  pools: {pools}")
-    return 0
+    # Checked on the manifest as written: a cluster resolves no path against the manifest's directory.
+    import yaml
+
+    as_written = parse_job_manifest(yaml.safe_load(Path(args.manifest).read_text()), source=args.manifest)
+    problems = in_cluster_problems(as_written.spec)
+    for problem in problems:
+        # The CRD's admission rules say exactly this when the manifest is applied to a cluster.
+        print(f"{'error' if args.in_cluster else 'note'}: in a cluster: {problem}", file=sys.stderr)
+    return EXIT_USER_ERROR if problems and args.in_cluster else 0
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -196,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check an RLHFJob manifest and summarise it")
     validate.add_argument("manifest", help="path to an RLHFJob YAML manifest")
+    validate.add_argument(
+        "--in-cluster",
+        action="store_true",
+        help="also fail on what a cluster's admission rejects (checkpoint volume, absolute paths)",
+    )
     validate.set_defaults(handler=_validate)
 
     run = commands.add_parser("run", help="train an RLHFJob on an embedded Ray on this machine")

@@ -27,6 +27,13 @@ kmock 0.8 behaviour it fixes:
                                    every object as ADDED, which stalls kopf).
 ``_parse_namespace_paths``         ``/api/v1/namespaces[/{name}]`` (kmock's URL parser raises);
                                    the ``default`` namespace exists from the start.
+``_admit``                         what kmock stores unchecked: ObjectMeta rules, each served
+                                   CRD's structural schema (pruning, defaults, types, enums,
+                                   bounds, required; ``status`` on its own subresource) and CEL
+                                   rules with ``oldSelf`` (``kube.validation``), Kubernetes'
+                                   schemas for built-ins (kubernetes-validate); 422 Status
+                                   bodies listing every cause. Unknown fields are a 422 unless
+                                   the request asks ``fieldValidation=Warn|Ignore`` (pruned).
 =================================  ===========================================================
 
 Threading protocol: every state change happens in :meth:`ApiServerEmulator._handle` on the
@@ -35,8 +42,7 @@ server's event loop, under kmock's ``_lock``; stored object versions are never m
 Tests on other threads may read ``emulator.objects`` and iterate requests, may register a
 resource before its first request, and must change objects only through the API.
 
-Deliberately absent (the operator does not rely on them): schema/CEL validation and defaulting,
-admission, RBAC, server-side apply (415), strategic merge (treated as a JSON merge patch, so
+Deliberately absent (the operator does not rely on them): admission webhooks, RBAC, server-side apply (415), strategic merge (treated as a JSON merge patch, so
 lists are replaced, not merged by key), foreground deletion (treated as background; orphaning
 leaves the dependents' ownerReferences in place), deletecollection, paginated lists (``limit``
 is ignored), namespace existence checks, watch bookmarks and history expiry (no 410 Gone).
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import copy
 import dataclasses
 import datetime
@@ -63,6 +70,8 @@ import jsonpatch
 import jsonpointer
 import kmock
 from kmock._internal import parsing, rendering
+
+from kube.validation import BuiltinSchemas, Cause, CustomResourceSchema
 
 # The extension reaches into kmock's internals (listed at the end of this file); any other
 # version may rename them, so refuse to run on one rather than fail obscurely.
@@ -140,8 +149,72 @@ def invalid(kind: str, name: str, field: str, message: str) -> kmock.KubernetesE
     )
 
 
+def invalid_causes(
+    resource: kmock.resource, kind: str, name: str, causes: list[Cause]
+) -> kmock.KubernetesError:
+    """422 with every problem, in the API server's shape (``details.causes``, one per field)."""
+    summary = "; ".join(f"{cause.field}: {cause.message}" for cause in causes)
+    return kmock.KubernetesError(
+        422,
+        "Invalid",
+        f'{kind}.{resource.group} "{name}" is invalid: {summary}'
+        if resource.group
+        else f'{kind} "{name}" is invalid: {summary}',
+        {
+            "name": name,
+            "group": resource.group,
+            "kind": kind,
+            "causes": [cause.to_json() for cause in causes],
+        },
+    )
+
+
 def bad_request(message: str) -> kmock.KubernetesError:
     return kmock.KubernetesError(400, "BadRequest", message, {"causes": [{"message": message}]})
+
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def _metadata_causes(meta: JsonObject) -> list[Cause]:
+    """ObjectMeta validation every kind shares: the name, label keys and values, ownerReferences."""
+    causes: list[Cause] = []
+    name = meta.get("name", "")
+    if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        causes.append(
+            Cause(
+                "FieldValueInvalid",
+                f"Invalid value: {name!r}: a lowercase RFC 1123 subdomain",
+                "metadata.name",
+            )
+        )
+    for key, value in (meta.get("labels") or {}).items():
+        prefix, _, label = key.rpartition("/")
+        if not _LABEL_NAME.match(label) or len(label) > 63 or (prefix and not _DNS_SUBDOMAIN.match(prefix)):
+            causes.append(
+                Cause("FieldValueInvalid", f"Invalid value: {key!r}: not a qualified name", "metadata.labels")
+            )
+        if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
+            causes.append(
+                Cause(
+                    "FieldValueInvalid",
+                    f"Invalid value: {value!r}: not a valid label value",
+                    f"metadata.labels.{key}",
+                )
+            )
+    for index, ref in enumerate(meta.get("ownerReferences") or []):
+        for required in ("apiVersion", "kind", "name", "uid"):
+            if not ref.get(required):
+                causes.append(
+                    Cause(
+                        "FieldValueRequired",
+                        "Required value",
+                        f"metadata.ownerReferences[{index}].{required}",
+                    )
+                )
+    return causes
 
 
 def _group_resource(resource: kmock.resource) -> str:
@@ -252,6 +325,43 @@ def _field_test(requirement: str) -> Callable[[JsonObject], bool]:
     return lambda obj: getter(obj) == value
 
 
+# --- authorization -----------------------------------------------------------------------------
+
+
+def _bearer_token(request: kmock.Request) -> str:
+    header = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
+    return str(header).removeprefix("Bearer ").strip()
+
+
+def _verb(request: kmock.Request) -> str:
+    method = request.method.value
+    if method == "GET":
+        if request.name is not None:
+            return "get"
+        return "watch" if request.params.get("watch") in ("true", "1") else "list"
+    if method == "DELETE" and request.name is None:
+        return "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
+
+
+def _rule_allows(rule: JsonObject, group: str, resource: str, verb: str, name: str | None) -> bool:
+    """One PolicyRule of a Role, evaluated as RBAC does (``*`` wildcards; resourceNames need a name)."""
+    groups, resources, verbs = (
+        rule.get("apiGroups") or [],
+        rule.get("resources") or [],
+        rule.get("verbs") or [],
+    )
+    names = rule.get("resourceNames") or []
+    return (
+        ("*" in groups or group in groups)
+        and ("*" in resources or resource in resources)
+        and ("*" in verbs or verb in verbs)
+        and (not names or (name is not None and name in names))
+    )
+
+
 # --- patches -----------------------------------------------------------------------------------
 
 
@@ -310,6 +420,24 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     # Every write request in arrival order, and how many requests were served (see _forget()).
     _writes: list[kmock.Request] = attrs.field(factory=list, init=False)
     request_count: int = attrs.field(default=0, init=False)
+    requests_by_token: collections.Counter[tuple[str, str, str]] = attrs.field(
+        factory=collections.Counter, init=False
+    )
+    """Requests served, by (bearer token, RBAC verb, resource plural): who read and wrote what."""
+    # Admission: the schema of each served custom resource version, Kubernetes' own for the rest.
+    _schemas: dict[kmock.resource, CustomResourceSchema] = attrs.field(factory=dict, init=False)
+    _builtin_schemas: BuiltinSchemas = attrs.field(factory=BuiltinSchemas, init=False)
+    _custom: set[kmock.resource] = attrs.field(factory=set, init=False)
+    unknown_fields: str = "Strict"
+    """What a write with a field no schema declares gets when the request does not say
+    (``?fieldValidation=``): "Strict" answers 422, stricter than the API server's default of
+    pruning with a warning, so that an operator bug cannot hide; "Warn"/"Ignore" prune."""
+    validate_builtins: bool = True
+    """Check built-in objects against Kubernetes' schemas (kubernetes-validate)."""
+    identities: dict[str, str] = attrs.field(factory=dict)
+    """Bearer token -> user name for tokens that get RBAC checks (``system:serviceaccount:NS:NAME``
+    users are authorized by the Roles bound to that ServiceAccount). Any other token is an admin,
+    as the harness's own clients and the operator under test are."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -342,6 +470,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         ``subresources.status: {}`` does; kopf then writes status through ``/status``.
         """
         resource = kmock.resource(group, version, plural)
+        self._custom.add(resource)
         self.resources[resource] = kmock.ResourceInfo(
             kind=kind,
             singular=kind.lower(),
@@ -356,8 +485,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         """Serve every served version of a CustomResourceDefinition manifest (a parsed YAML)."""
         spec = crd["spec"]
         names = spec["names"]
-        return [
-            self.register_custom_resource(
+        registered = []
+        for version in spec["versions"]:
+            if not version.get("served", True):
+                continue
+            resource = self.register_custom_resource(
                 group=spec["group"],
                 version=version["name"],
                 plural=names["plural"],
@@ -366,9 +498,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 subresources={name for name in (version.get("subresources") or {}) if name == "status"},
                 shortnames=set(names.get("shortNames", [])),
             )
-            for version in spec["versions"]
-            if version.get("served", True)
-        ]
+            schema = CustomResourceSchema.from_crd_version(version)
+            if schema is not None:
+                self._schemas[resource] = schema
+            registered.append(resource)
+        return registered
+
+    def unregister(self, resource: kmock.resource) -> None:
+        """Serve ``resource`` no more, as after its CRD is deleted (requests to it answer 404)."""
+        self.resources.pop(resource, None)
+        self._schemas.pop(resource, None)
 
     # --- request routing ------------------------------------------------------------------------
 
@@ -391,6 +530,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # the response (kmock's documented behaviour), and the fallback reactions registered by
         # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome.
         self.request_count += 1
+        if request.resource is not None and request.resource.plural is not None:
+            token = _bearer_token(request)
+            self.requests_by_token[(token, _verb(request), request.resource.plural)] += 1
+        denied = self._authorize(request)
+        if denied is not None:
+            self._forget(request)
+            return self._forbidden_response(denied)
         if request.method.value in WRITE_METHODS:
             self._writes.append(request)
         if self._is_emulated_write(request):
@@ -403,6 +549,72 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         finally:
             self._write_results.pop(id(request), None)
             self._forget(request)
+
+    def _authorize(self, request: kmock.Request) -> kmock.KubernetesError | None:
+        # Fixes kmock 0.8, which has no authorization: a request whose token names a
+        # ServiceAccount is allowed only by a rule of a Role bound to it (RBAC, namespaced
+        # Roles only, which is all the operator grants), else 403 Forbidden with the API
+        # server's message. Discovery (no resource) is open, as to system:authenticated.
+        user = self.identities.get(_bearer_token(request))
+        resource = request.resource
+        if user is None or resource is None or resource.plural is None:
+            return None
+        verb = _verb(request)
+        plural = resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        namespace = request.namespace
+        if user.startswith("system:serviceaccount:") and namespace is not None:
+            sa_namespace, sa_name = user.removeprefix("system:serviceaccount:").split(":", 1)
+            for rule in self._rules_for(namespace, sa_namespace, sa_name):
+                if _rule_allows(rule, resource.group or "", plural, verb, request.name):
+                    return None
+        where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
+        target = (
+            f'{_group_resource(resource)} "{request.name}"' if request.name else _group_resource(resource)
+        )
+        return kmock.KubernetesError(
+            403,
+            "Forbidden",
+            f'{target} is forbidden: User "{user}" cannot {verb} resource "{plural}" in API group '
+            f'"{resource.group or ""}"{where}',
+            {"name": request.name or "", "group": resource.group, "kind": resource.plural},
+        )
+
+    def _rules_for(self, namespace: str, sa_namespace: str, sa_name: str) -> list[JsonObject]:
+        bindings = kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings")
+        roles = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
+        rules: list[JsonObject] = []
+        for binding in self._live_objects(bindings):
+            if binding["metadata"].get("namespace") != namespace:
+                continue
+            if not any(
+                s.get("kind") == "ServiceAccount"
+                and s.get("name") == sa_name
+                and s.get("namespace", namespace) == sa_namespace
+                for s in binding.get("subjects") or []
+            ):
+                continue
+            ref = binding.get("roleRef") or {}
+            role = (
+                self._live_object((roles, namespace, ref.get("name", "")))
+                if ref.get("kind") == "Role"
+                else None
+            )
+            rules += (role or {}).get("rules") or []
+        return rules
+
+    @staticmethod
+    def _forbidden_response(error: kmock.KubernetesError) -> aiohttp.web.Response:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "code": 403,
+            "reason": "Forbidden",
+            "message": error.message,
+            "details": error.details,
+        }
+        return aiohttp.web.json_response(body, status=403)
 
     def _forget(self, request: kmock.Request) -> None:
         # Fixes kmock 0.8's cost per request, which grows with every request ever served: to
@@ -496,6 +708,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
         if "status" in info.subresources:
             obj.pop("status", None)  # status is written only through the status subresource
+        obj = self._admit(request, resource, obj, None)
+        meta = obj["metadata"]
         meta.update(
             uid=str(uuid.uuid4()),
             resourceVersion=self._next_resource_version(),
@@ -504,6 +718,30 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         self._store(key, obj)
         self._record(resource, "ADDED", None, obj)
+        return obj
+
+    def _admit(
+        self, request: kmock.Request, resource: kmock.resource, obj: JsonObject, old: JsonObject | None
+    ) -> JsonObject:
+        # Fixes kmock 0.8, which stores whatever it is sent: metadata, the CRD's structural
+        # schema (pruning, defaults, types, CEL with oldSelf) or Kubernetes' own schema are
+        # checked as the API server does (kube.validation), and a violation is a 422 whose
+        # Status lists every cause. Deletion in progress is not re-validated (finalizer removal
+        # must always succeed, as on the real server).
+        kind = str(obj.get("kind") or resource.plural)
+        name = str(obj["metadata"].get("name", ""))
+        causes = _metadata_causes(obj["metadata"])
+        mode = request.params.get("fieldValidation") or self.unknown_fields
+        if resource in self._schemas:
+            stored, schema_causes = self._schemas[resource].admit(
+                obj, old, subresource=request.subresource, strict_fields=mode == "Strict"
+            )
+            obj = {**stored, "metadata": obj["metadata"]}
+            causes += schema_causes
+        elif self.validate_builtins and resource not in self._custom:
+            causes += self._builtin_schemas.causes(obj)
+        if causes and not (old is not None and old["metadata"].get("deletionTimestamp")):
+            raise invalid_causes(resource, kind, name, causes)
         return obj
 
     def _generated_name(self, resource: kmock.resource, namespace: str | None, prefix: str) -> str:
@@ -537,6 +775,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             new = self._patched(request, resource, old)
         new = self._confine_to_endpoint(old, new, request.subresource, info)
         new = self._with_server_metadata(old, new)
+        new = self._admit(request, resource, new, old)
         if new == old:
             return old  # a no-op write: same resourceVersion, no watch event, as the real server
 

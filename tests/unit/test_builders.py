@@ -35,7 +35,6 @@ from hybridflow_operator.builders import (
     build_role_binding,
     build_service_account,
     pool_resource_name,
-    suspend_update,
 )
 from hybridflow_operator.builders.rayjob import CONTROLLER_METRICS_PORT, ray_resources_param, scale_quantity
 from hybridflow_operator.names import (
@@ -460,28 +459,6 @@ def test_deadline_is_the_remaining_budget() -> None:
 
 
 @pytest.mark.parametrize(
-    ("suspend", "queue", "rayjob_suspended", "write"),
-    [
-        (False, None, False, None),
-        (False, None, True, False),
-        (True, None, False, True),
-        (True, None, True, None),
-        (False, "q", True, None),
-        (False, "q", False, None),
-        (True, "q", False, True),
-        (True, "q", True, None),
-    ],
-)
-def test_suspend_update(suspend: bool, queue: str | None, rayjob_suspended: bool, write: bool | None) -> None:
-    manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
-    manifest["spec"]["suspend"] = suspend
-    if queue:
-        manifest["spec"]["queueName"] = queue
-    spec = parse_job_manifest(manifest, "t").spec
-    assert suspend_update(spec, rayjob_suspended) is write
-
-
-@pytest.mark.parametrize(
     ("quantity", "factor", "expected"),
     [("64Gi", 8, "512Gi"), ("1.5Gi", 8, "12Gi"), ("0.5Gi", 3, "1.5Gi"), ("500M", 2, "1000M"), ("1", 4, "4")],
 )
@@ -605,3 +582,143 @@ def render_blocks(objects: list[dict[str, Any]]) -> str:
         + "```\n\n"
         for obj in objects
     )
+
+
+# --------------------------------------------------------------------------- Pod Security "restricted"
+
+ALLOWED_VOLUME_SOURCES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+}  # fmt: skip
+
+
+def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """What Pod Security Admission's "restricted" profile (Kubernetes 1.25+) rejects in ``pod_spec``.
+
+    The checks of pod-security-admission's ``policy/check_*.go`` for the restricted level: host
+    namespaces, privileged, capabilities (drop ALL, add at most NET_BIND_SERVICE), host ports,
+    hostPath and other volume types, privilege escalation, running as non-root (pod or every
+    container), uid 0, seccomp (RuntimeDefault or Localhost).
+    """
+    problems: list[str] = []
+    pod = pod_spec.get("securityContext") or {}
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(field):
+            problems.append(field)
+    for volume in pod_spec.get("volumes") or []:
+        kinds = set(volume) - {"name"}
+        if not kinds <= ALLOWED_VOLUME_SOURCES:
+            problems.append(f"volume {volume['name']}: {sorted(kinds)}")
+    pod_seccomp = (pod.get("seccompProfile") or {}).get("type")
+    for container in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        name, context = container["name"], container.get("securityContext") or {}
+        if context.get("privileged"):
+            problems.append(f"{name}: privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation != false")
+        capabilities = context.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            problems.append(f"{name}: capabilities.drop lacks ALL")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{name}: capabilities.add {capabilities['add']}")
+        if not context.get("runAsNonRoot", pod.get("runAsNonRoot")):
+            problems.append(f"{name}: runAsNonRoot != true")
+        if context.get("runAsUser", pod.get("runAsUser")) == 0:
+            problems.append(f"{name}: runAsUser 0")
+        if (context.get("seccompProfile") or {}).get("type", pod_seccomp) not in (
+            "RuntimeDefault",
+            "Localhost",
+        ):
+            problems.append(f"{name}: seccompProfile")
+        if any(port.get("hostPort") for port in container.get("ports") or []):
+            problems.append(f"{name}: hostPort")
+    return problems
+
+
+def pod_specs(rayjob: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every pod spec a RayJob makes KubeRay create: head, each worker group, the submitter."""
+    spec = rayjob["spec"]
+    pods = {"head": spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]}
+    for group in spec["rayClusterSpec"]["workerGroupSpecs"]:
+        pods[f"worker {group['groupName']}"] = group["template"]["spec"]
+    pods["submitter"] = spec["submitterPodTemplate"]["spec"]
+    return pods
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_every_generated_pod_meets_pod_security_restricted(name: str) -> None:
+    rayjob = children(name)[-1]
+    assert {pod: restricted_violations(spec) for pod, spec in pod_specs(rayjob).items()} == {
+        pod: [] for pod in pod_specs(rayjob)
+    }
+
+
+def test_the_restricted_check_can_fail() -> None:
+    assert restricted_violations({"containers": [{"name": "c"}], "hostNetwork": True}) == [
+        "hostNetwork",
+        "c: allowPrivilegeEscalation != false",
+        "c: capabilities.drop lacks ALL",
+        "c: runAsNonRoot != true",
+        "c: seccompProfile",
+    ]
+
+
+def pods_manifest() -> dict[str, Any]:
+    manifest = in_cluster(yaml.safe_load((ROOT / "examples" / "grpo-cluster.yaml").read_text()))
+    manifest["spec"]["pods"] = {
+        "env": [
+            {"name": "WANDB_MODE", "value": "offline"},
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        ],
+        "envFrom": [{"secretRef": {"name": "s3-credentials"}, "prefix": "S3_"}],
+        "imagePullSecrets": ["registry-credentials"],
+        "priorityClassName": "training-high",
+        "annotations": {"example.com/team": "rl"},
+        "labels": {"team": "rl", "hybridflow.io/job": "cannot-override"},
+        "headContainerSecurityContext": {"readOnlyRootFilesystem": True},
+    }
+    manifest["spec"]["resourcePools"][0].update(
+        extraResources={"rdma/ib": "1"},
+        containerSecurityContext={"capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}},
+    )
+    return manifest
+
+
+def test_pod_settings_reach_every_pod_and_secrets_travel_by_reference_only() -> None:
+    job = parse_job_manifest(pods_manifest(), "pods")
+    built = build_children(job, JobRef.of(job), attempt=1, defaults=DEFAULTS)
+    rayjob = built[-1]
+    for pod, spec in pod_specs(rayjob).items():
+        assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}], pod
+        assert spec["priorityClassName"] == "training-high", pod
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    worker = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    for template in (head, worker):
+        assert template["metadata"]["annotations"] == {"example.com/team": "rl"}
+        assert template["metadata"]["labels"]["team"] == "rl"
+        assert template["metadata"]["labels"]["hybridflow.io/job"] == JobRef.of(job).name  # ours win
+        container = template["spec"]["containers"][0]
+        assert {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": False}},
+        } in container["env"]
+        assert container["envFrom"] == [
+            {"secretRef": {"name": "s3-credentials", "optional": False}, "prefix": "S3_"}
+        ]
+    assert head["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    resources = worker["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["rdma/ib"] == resources["limits"]["rdma/ib"] == "1"
+    # The pool's override is what the user asked for: restricted no more (the namespace must allow it).
+    assert restricted_violations(worker["spec"]) == ["ray-worker: capabilities.add ['IPC_LOCK']"]
+    assert restricted_violations(head["spec"]) == []
+    # The ConfigMap and the RayJob name the Secrets, never hold a value from them.
+    text = json.dumps(built)
+    assert "hf" in text and "s3-credentials" in text
+
+
+def test_startup_timeout_and_cluster_retention_reach_kuberay() -> None:
+    manifest = pods_manifest()
+    manifest["spec"].update(startupTimeoutSeconds=600, keepClusterSecondsAfterFinished=3600)
+    job = parse_job_manifest(manifest, "startup")
+    rayjob = build_children(job, JobRef.of(job), attempt=1, defaults=DEFAULTS)[-1]
+    assert rayjob["spec"]["preRunningDeadlineSeconds"] == 600
+    assert rayjob["spec"]["ttlSecondsAfterFinished"] == 3600

@@ -18,7 +18,7 @@ import yaml
 from jsonschema import Draft4Validator
 from pydantic import BaseModel, Field
 
-from hybridflow.spec import VALIDATION_RULES, CrossFieldRule, SpecError, parse_job_manifest
+from hybridflow.spec import IN_CLUSTER_RULES, VALIDATION_RULES, CrossFieldRule, SpecError, parse_job_manifest
 from hybridflow_operator import crd
 from hybridflow_operator.crd import (
     CRD_PATH,
@@ -345,7 +345,11 @@ def evaluate(rule: str, node: Any, old: Any = None) -> bool:
 
 def test_every_spec_rule_is_attached_at_its_node() -> None:
     attached = list(attached_rules())
-    expected: list[CrossFieldRule[Any] | TransitionRule] = [*VALIDATION_RULES, *IMMUTABLE_FIELD_RULES]
+    expected: list[CrossFieldRule[Any] | TransitionRule] = [
+        *VALIDATION_RULES,
+        *IN_CLUSTER_RULES,
+        *IMMUTABLE_FIELD_RULES,
+    ]
     assert sorted((path, rule["rule"]) for path, rule in attached) == sorted(
         (rule.node_path, rule.cel) for rule in expected
     )
@@ -508,3 +512,29 @@ def test_unchanged_spec_passes_every_transition_rule() -> None:
         manifest = defaulted(example(path))
         assert transition_failures(manifest, copy.deepcopy(manifest)) == set()
     assert set(IMMUTABLE_BY_NAME) == {name for _, names in CHANGES.values() for name in names}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
+def test_in_cluster_rules_agree_with_their_python_twins(path: Path) -> None:
+    """The CRD's admission and `hybridflow validate --in-cluster` reject the same manifests."""
+    manifest = defaulted(example(path))
+    spec = parse_job_manifest(manifest, "test").spec
+    for rule in IN_CLUSTER_RULES:
+        assert evaluate(rule.cel, node_at(manifest, rule.node_path)) == rule.holds(spec), rule.name
+    expected = set() if path.name == "grpo-cluster.yaml" else {r.name for r in IN_CLUSTER_RULES}
+    assert {rule.name for rule in IN_CLUSTER_RULES if not rule.holds(spec)} == expected
+
+
+def test_hybridflow_validate_in_cluster_prints_the_admission_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hybridflow.cli import main
+
+    laptop = str(ROOT / "examples" / "grpo-tiny.yaml")
+    assert main(["validate", laptop]) == 0  # fine on a laptop; the cluster's rules are notes
+    assert "note: in a cluster: spec.checkpoint.volume: " in capsys.readouterr().err
+    assert main(["validate", "--in-cluster", laptop]) == 2
+    err = capsys.readouterr().err
+    for rule in IN_CLUSTER_RULES:  # the very message the CRD's CEL rule gives
+        assert f"error: in a cluster: {rule.path}: {rule.message}" in err
+    assert main(["validate", "--in-cluster", str(ROOT / "examples" / "grpo-cluster.yaml")]) == 0

@@ -1,9 +1,13 @@
 """The controller's in-cluster sinks: the status.progress patch and the Prometheus gauges."""
 
+import math
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from jsonschema import Draft4Validator
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hybridflow.incluster import StatusPusher, TrainingMetricsExporter, progress_status
@@ -12,6 +16,7 @@ from hybridflow.trainer.report import StepReport
 pytestmark = pytest.mark.unit
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+CRD = Path(__file__).resolve().parents[2] / "crds" / "hybridflow.io_rlhfjobs.yaml"
 
 
 def report(step: int, checkpoint: int | None = None, total: int = 10) -> StepReport:
@@ -29,7 +34,7 @@ def test_progress_status_uses_the_crd_field_names() -> None:
                 "percent": 30.0,
                 "etaSeconds": 42,
                 "updatedAt": "2026-11-29T12:00:00Z",
-                "reward": "0.2500",
+                "reward": 0.25,
                 "tokensPerSecond": 1234,
                 "lastCheckpointStep": 2,
             }
@@ -77,3 +82,29 @@ def test_exporter_turns_step_metrics_into_labelled_gauges() -> None:
     assert 'hybridflow_step{namespace="team-a",rlhfjob="grpo-qwen"} 4.0' in text
     assert 'hybridflow_reward_mean{namespace="team-a",rlhfjob="grpo-qwen"} 0.25' in text
     assert 'hybridflow_phase_seconds{namespace="team-a",phase="generate",rlhfjob="grpo-qwen"} 0.5' in text
+
+
+def status_schema_errors(body: dict[str, Any]) -> list[str]:
+    """What the API server's schema check of the status subresource would say about ``body``."""
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in Draft4Validator(schema).iter_errors(body)]
+
+
+@pytest.mark.parametrize("reward", [0.25, -3.0, 1e9, 0.0])
+def test_progress_has_the_types_the_crd_declares(reward: float) -> None:
+    """A real API server rejects the whole patch when one field has the wrong type (a string reward did)."""
+    metrics = {"reward/mean": reward, "perf/tokens_per_second": 99.5}
+    body = progress_status(StepReport(7, 5, metrics, eta_seconds=0.0, last_checkpoint_step=5), NOW)
+    assert status_schema_errors(body["status"]) == []
+    assert isinstance(body["status"]["progress"]["reward"], float)
+    assert status_schema_errors({"progress": {"reward": "0.25"}}) != []  # the check can fail
+
+
+def test_non_finite_figures_are_left_out() -> None:
+    metrics = {"reward/mean": math.nan, "perf/tokens_per_second": math.inf}
+    progress = progress_status(
+        StepReport(1, 10, metrics, eta_seconds=math.inf, last_checkpoint_step=None), NOW
+    )
+    assert {"reward", "tokensPerSecond", "etaSeconds"}.isdisjoint(progress["status"]["progress"])
+    assert status_schema_errors(progress["status"]) == []

@@ -16,6 +16,7 @@ from hybridflow_operator.status import (
     Condition,
     ObservedRayJob,
     Progress,
+    RetryPolicy,
     RLHFJobStatus,
     StatusDecision,
     desired_status,
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+NO_BACKOFF = RetryPolicy(base_seconds=0, max_seconds=0)
 
 
 def job(**spec_changes: Any) -> RLHFJob:
@@ -67,7 +69,19 @@ def step(
     the_job: RLHFJob | None = None,
     at: datetime = T0,
 ) -> StatusDecision:
-    return desired_status(the_job or job(), current, observed, now=at, generation=1)
+    """One decision with the RayJobs the operator owns: the earlier attempts (failed, as only a failure
+    starts the next one) and ``observed``, the current attempt; no retry backoff, so a failure starts
+    the next attempt at once as far as these tests are concerned."""
+    attempts = (
+        []
+        if observed is None
+        else [
+            rayjob("Failed", "FAILED", name=f"grpo-tiny-{n}", reason="LostNode", message=f"node {n} lost")
+            for n in range(1, observed.attempt)
+        ]
+        + [observed]
+    )
+    return desired_status(the_job or job(), current, attempts, now=at, generation=1, retry_policy=NO_BACKOFF)
 
 
 def conditions(status: RLHFJobStatus) -> dict[str, str]:
@@ -85,7 +99,7 @@ def test_first_reconcile_creates_attempt_one() -> None:
     assert status.observed_generation == 1
     assert [c.type for c in status.conditions] == list(CONDITION_TYPES)
     assert conditions(status)["Validated"] == "True" and conditions(status)["RayJobCreated"] == "False"
-    assert [(e.type, e.reason) for e in decision.events] == [("Normal", "Pending")]
+    assert decision.events == ()  # Pending, Initializing, Running: in the status, no Event
 
 
 def test_a_repeated_create_keeps_asking_for_the_same_attempt() -> None:
@@ -186,28 +200,32 @@ def test_failed_attempts_retry_unless_a_retry_cannot_help(
         assert event.type == "Warning" and event.reason == "Failed"
 
 
+def decide(
+    attempts: list[ObservedRayJob], current: RLHFJobStatus, the_job: RLHFJob, at: datetime = T0
+) -> StatusDecision:
+    return desired_status(the_job, current, attempts, now=at, generation=1, retry_policy=NO_BACKOFF)
+
+
 def test_retries_stop_at_max_restarts_with_the_last_reason() -> None:
     the_job = job(maxRestarts=1)
     status = step(RLHFJobStatus(), None, the_job).status
     status = step(status, rayjob(deployment="Running", ray="RUNNING"), the_job).status
-    retry = step(status, rayjob(deployment="Failed", reason="AppFailed", message="worker died"), the_job)
+    failed = rayjob(deployment="Failed", reason="AppFailed", message="worker died")
+    retry = decide([failed], status, the_job)
     assert retry.start_attempt == 2 and retry.status.phase == "Retrying"
 
     # The retry's RayJob is not there yet, then it comes up: Retrying until it initializes.
-    waiting = step(retry.status, None, the_job)
+    waiting = decide([failed], retry.status, the_job)
     assert waiting.start_attempt == 2 and waiting.status.phase == "Retrying" and waiting.events == ()
     assert waiting.status.reason == "AppFailed"
-    new = step(waiting.status, rayjob("", name="grpo-tiny-2"), the_job)
+    new = decide([failed, rayjob("", name="grpo-tiny-2")], waiting.status, the_job)
     assert new.status.phase == "Retrying" and new.start_attempt is None
-    running = step(new.status, rayjob("Running", "RUNNING", name="grpo-tiny-2"), the_job)
+    running = decide([failed, rayjob("Running", "RUNNING", name="grpo-tiny-2")], new.status, the_job)
     assert running.status.phase == "Running" and running.status.reason is None
     assert running.status.start_time == T0  # the job's clock does not restart with the attempt
 
-    final = step(
-        running.status,
-        rayjob("Failed", "FAILED", name="grpo-tiny-2", reason="AppFailed", message="oom"),
-        the_job,
-    )
+    oom = rayjob("Failed", "FAILED", name="grpo-tiny-2", reason="AppFailed", message="oom")
+    final = decide([failed, oom], running.status, the_job)
     assert final.start_attempt is None and final.status.phase == "Failed"
     assert final.status.reason == "AppFailed"
     assert "attempt 2 of 2" in (final.status.message or "") and "maxRestarts 1" in (
@@ -222,17 +240,20 @@ def test_max_restarts_zero_fails_on_the_first_failure() -> None:
     assert decision.status.phase == "Failed" and decision.start_attempt is None
 
 
-def test_a_rayjob_of_another_attempt_is_ignored() -> None:
+def test_the_highest_attempt_is_the_current_one() -> None:
     status = step(RLHFJobStatus(), None).status
-    decision = step(status, rayjob("Running", "RUNNING", name="grpo-tiny-7"))
-    assert decision.start_attempt == 1 and decision.status.phase == "Pending"
+    earlier = rayjob("Failed", "FAILED", reason="AppFailed", message="a")
+    decision = decide([rayjob("Running", "RUNNING", name="grpo-tiny-2"), earlier], status, job())
+    assert decision.start_attempt is None and decision.status.phase == "Running"
+    assert decision.status.attempts == 2 and decision.status.ray_job_name == "grpo-tiny-2"
 
 
 def test_terminal_phases_stay_terminal() -> None:
     status = step(RLHFJobStatus(), None).status
     done = step(status, rayjob(deployment="Complete", ray="SUCCEEDED")).status
-    later = step(done, rayjob(deployment="Failed", reason="AppFailed"), at=T0 + timedelta(hours=1))
+    later = step(done, rayjob(deployment="Complete", ray="SUCCEEDED"), at=T0 + timedelta(hours=1))
     assert later.status == done and later.start_attempt is None and later.events == ()
+    assert later.recheck_after_seconds is None
 
 
 # --------------------------------------------------------------------------- suspend and Kueue
@@ -260,7 +281,7 @@ def test_kueue_queued_job() -> None:
     assert held.events == ()
     admitted = step(held.status, rayjob(deployment="Initializing"), queued_job)
     assert admitted.status.phase == "Initializing"
-    assert [(e.type, e.reason) for e in admitted.events] == [("Normal", "Initializing")]
+    assert admitted.events == ()
 
 
 # --------------------------------------------------------------------------- deadline and TTL
@@ -272,10 +293,11 @@ def test_active_deadline_counts_across_attempts() -> None:
     assert remaining_deadline_seconds(the_job.spec, status, T0) == 3600
     status = step(status, rayjob(deployment="Running", ray="RUNNING"), the_job).status
     later = T0 + timedelta(seconds=1000)
-    retry = step(status, rayjob(deployment="Failed", reason="AppFailed"), the_job, at=later)
+    failed = rayjob(deployment="Failed", reason="AppFailed")
+    retry = decide([failed], status, the_job, at=later)
     assert retry.start_attempt == 2
     assert remaining_deadline_seconds(the_job.spec, retry.status, later) == 2600
-    expired = step(retry.status, None, the_job, at=T0 + timedelta(seconds=3600))
+    expired = decide([failed], retry.status, the_job, at=T0 + timedelta(seconds=3600))
     assert expired.status.phase == "Failed" and expired.status.reason == "DeadlineExceeded"
     assert expired.start_attempt is None
     assert remaining_deadline_seconds(job().spec, status, later) is None
@@ -324,9 +346,9 @@ def test_progress_is_never_touched_or_patched() -> None:
 
 def test_status_patch_deletes_unset_keys_with_null() -> None:
     running = step(step(RLHFJobStatus(), None).status, rayjob("Running", "RUNNING")).status
-    retry = step(running, rayjob("Failed", "FAILED", reason="AppFailed")).status
-    waiting = step(retry, None).status
-    assert status_patch(retry, waiting) == {"jobDeploymentStatus": None, "jobStatus": None}
+    retry = decide([rayjob("Failed", "FAILED", reason="AppFailed")], running, job()).status
+    assert status_patch(running, retry)["jobDeploymentStatus"] is None  # the new attempt has no state yet
+    assert status_patch(retry, retry) == {}
 
 
 def test_condition_times_move_only_when_the_status_flips() -> None:
@@ -387,13 +409,11 @@ def test_fixing_the_spec_resumes_normal_reconciling() -> None:
     )
 
 
-def test_a_rayjob_deleted_while_running_counts_as_a_failed_attempt() -> None:
+def test_a_deleted_rayjob_is_recreated() -> None:
+    """The attempt count comes from the RayJobs that exist: a deleted current one is made again."""
     running = step(step(RLHFJobStatus(), None).status, rayjob("Running", "RUNNING")).status
     decision = step(running, None)
-    assert decision.status.phase == "Retrying" and decision.start_attempt == 2
-    assert decision.status.reason == "RayJobDeleted"
-    # Before it was ever observed, a missing RayJob is simply (re)created.
-    assert step(step(RLHFJobStatus(), None).status, None).start_attempt == 1
+    assert decision.start_attempt == 1 and decision.status.attempts == 1
 
 
 def test_an_unknown_kuberay_state_is_reported_not_guessed() -> None:

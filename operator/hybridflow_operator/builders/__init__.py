@@ -19,7 +19,6 @@ from hybridflow_operator.builders.rayjob import (
     RayJobDefaults,
     build_rayjob,
     pool_resource_name,
-    suspend_update,
 )
 from hybridflow_operator.builders.rbac import build_role, build_role_binding, build_service_account
 
@@ -38,7 +37,6 @@ __all__ = [
     "build_service_account",
     "owner_reference",
     "pool_resource_name",
-    "suspend_update",
 ]
 
 

@@ -25,6 +25,16 @@ POOL_LABEL = "hybridflow.io/pool"
 """On worker pods: the resource pool (= KubeRay worker group) the pod belongs to."""
 NODE_TYPE_LABEL = "hybridflow.io/node-type"
 """On pods: ``head`` (the controller) or ``worker`` (a pool's GPU node)."""
+USER_SUSPEND_ANNOTATION = "hybridflow.io/user-suspend"
+"""On a RayJob: the user's ``spec.suspend`` the operator last wrote onto it ("true"/"false").
+
+The operator writes the RayJob's ``suspend`` only when the user's own ``spec.suspend`` differs
+from this record, and updates the record in the same patch. Kueue flips ``suspend`` to admit
+or preempt a queued RayJob; since that leaves the record alone, the operator never writes
+back, so the two never fight over the field."""
+STOPPED_ANNOTATION = "hybridflow.io/stopped"
+"""On a RayJob: why the operator stopped it (``DeadlineExceeded``). The operator's own record
+of a final decision, kept on a child the workload cannot write."""
 
 
 @dataclass(frozen=True)

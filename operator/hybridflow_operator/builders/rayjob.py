@@ -50,16 +50,18 @@ that long, and a failed attempt's pods would hold the GPUs its successor is wait
 
 Suspension and Kueue. ``suspend`` is ``spec.suspend``, and true at creation whenever
 ``spec.queueName`` is set: Kueue admits a RayJob by flipping ``suspend`` to false, so it must
-be created suspended with the ``kueue.x-k8s.io/queue-name`` label. After creation the
-operator must not write ``suspend`` back on a queue-managed RayJob; :func:`suspend_update`
-says when to write it. KubeRay requires ``shutdownAfterJobFinishes`` for a suspendable
-RayJob (``ValidateRayJobSpec``), which it is.
+be created suspended with the ``kueue.x-k8s.io/queue-name`` label. The RayJob records the
+user's ``spec.suspend`` in the annotation ``hybridflow.io/user-suspend``; the reconcile writes
+``suspend`` again only when the user's value changes, so Kueue's admissions and preemptions are
+never written back (no write loop). KubeRay requires ``shutdownAfterJobFinishes`` for a
+suspendable RayJob (``ValidateRayJobSpec``), which it is.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -70,6 +72,7 @@ from hybridflow_operator.builders.metadata import (
     ATTEMPT_LABEL,
     NODE_TYPE_LABEL,
     POOL_LABEL,
+    USER_SUSPEND_ANNOTATION,
     JobRef,
     child_metadata,
     job_labels,
@@ -116,6 +119,96 @@ class RayJobDefaults:
     """The runtime image used when ``spec.image`` is unset."""
     head_cpu: str = "2"
     head_memory: str = "8Gi"
+
+
+RUN_AS_USER = 1000
+"""uid and gid of every container: the runtime image's non-root user (Ray images use 1000 too)."""
+SUBMITTER_CONTAINER = "ray-job-submitter"
+
+
+def restricted_pod_security_context() -> dict[str, Any]:
+    """Pod-level settings Pod Security "restricted" requires (non-root, RuntimeDefault seccomp).
+
+    ``fsGroup`` makes the checkpoint and data volumes writable/readable by the non-root user.
+    """
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def restricted_container_security_context(override: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A container's security context under Pod Security "restricted", with ``override`` merged over it.
+
+    The override (``resourcePools[].containerSecurityContext`` or
+    ``spec.pods.headContainerSecurityContext``) replaces whole keys: ``{capabilities: {add:
+    [IPC_LOCK], drop: [ALL]}}`` gives RDMA its capability and keeps the rest restricted.
+    """
+    context: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    context.update(dict(override or {}))
+    return context
+
+
+def _env(spec: RLHFJobSpec) -> list[dict[str, Any]]:
+    """``spec.pods.env`` in core/v1 form: plain values, and Secret keys by reference only."""
+    env: list[dict[str, Any]] = []
+    for var in spec.pods.env:
+        item: dict[str, Any] = {"name": var.name}
+        if var.value is not None:
+            item["value"] = var.value
+        if var.value_from is not None:
+            ref = var.value_from.secret_key_ref
+            item["valueFrom"] = {"secretKeyRef": {"name": ref.name, "key": ref.key, "optional": ref.optional}}
+        env.append(item)
+    return env
+
+
+def _env_from(spec: RLHFJobSpec) -> list[dict[str, Any]]:
+    env_from: list[dict[str, Any]] = []
+    for source in spec.pods.env_from:
+        item: dict[str, Any] = {
+            "secretRef": {"name": source.secret_ref.name, "optional": source.secret_ref.optional}
+        }
+        if source.prefix is not None:
+            item["prefix"] = source.prefix
+        env_from.append(item)
+    return env_from
+
+
+def _with_pod_settings(spec: RLHFJobSpec, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """Add what every pod carries: the restricted pod security context, pull secrets, priority."""
+    pod_spec["securityContext"] = restricted_pod_security_context()
+    if spec.pods.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.pods.image_pull_secrets]
+    if spec.pods.priority_class_name is not None:
+        pod_spec["priorityClassName"] = spec.pods.priority_class_name
+    return pod_spec
+
+
+def _with_container_env(spec: RLHFJobSpec, container: dict[str, Any]) -> dict[str, Any]:
+    env = [*container.get("env", []), *_env(spec)]
+    if env:
+        container["env"] = env
+    if spec.pods.env_from:
+        container["envFrom"] = _env_from(spec)
+    return container
+
+
+def _pod_metadata(spec: RLHFJobSpec, labels: dict[str, str]) -> dict[str, Any]:
+    """Pod metadata: the operator's labels win over ``spec.pods.labels``; annotations as given."""
+    merged = {**spec.pods.labels, **labels}
+    metadata: dict[str, Any] = {"labels": merged}
+    if spec.pods.annotations:
+        metadata["annotations"] = dict(spec.pods.annotations)
+    return metadata
 
 
 def pool_resource_name(pool_name: str) -> str:
@@ -185,18 +278,23 @@ def _head_group(
             "limits": {"memory": defaults.head_memory},
         },
         "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH, "readOnly": True}, *mounts],
+        "securityContext": restricted_container_security_context(spec.pods.head_container_security_context),
     }
+    _with_container_env(spec, container)
     config_volume = {"name": CONFIG_VOLUME, "configMap": {"name": child_names(owner.name).config_map}}
     return {
         # The head hosts the driver only: no Ray task or actor may take its CPUs.
         "rayStartParams": {"num-cpus": "0"},
         "template": {
-            "metadata": {"labels": _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "head"})},
-            "spec": {
-                "serviceAccountName": child_names(owner.name).service_account,
-                "containers": [container],
-                "volumes": [config_volume, *volumes],
-            },
+            "metadata": _pod_metadata(spec, _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "head"})),
+            "spec": _with_pod_settings(
+                spec,
+                {
+                    "serviceAccountName": child_names(owner.name).service_account,
+                    "containers": [container],
+                    "volumes": [config_volume, *volumes],
+                },
+            ),
         },
     }
 
@@ -208,6 +306,10 @@ def _worker_group(
     gpus = pool.gpus_per_node
     requests: dict[str, str] = {"cpu": str(pool.cpus_per_gpu * gpus)}
     limits: dict[str, str] = {GPU_RESOURCE: str(gpus)}
+    for resource, quantity in pool.extra_resources.items():
+        # Extended resources cannot be overcommitted: the request must equal the limit.
+        requests[resource] = quantity
+        limits[resource] = quantity
     # NCCL's shared-memory transport and Ray's object store (the batches the controller sends) both
     # live in /dev/shm, which a container otherwise gets at 64 MiB. Memory-backed pages count against
     # the pod's memory limit, so that limit is the natural cap; without one, Kubernetes caps the
@@ -223,7 +325,9 @@ def _worker_group(
         "image": image,
         "resources": {"requests": requests, "limits": limits},
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH}, *mounts],
+        "securityContext": restricted_container_security_context(pool.container_security_context),
     }
+    _with_container_env(spec, container)
     pod_spec: dict[str, Any] = {
         # Workers run no code that talks to the API server: no token in the pod.
         "automountServiceAccountToken": False,
@@ -236,6 +340,7 @@ def _worker_group(
         pod_spec["tolerations"] = [dict(toleration) for toleration in pool.tolerations]
     if pool.affinity:
         pod_spec["affinity"] = dict(pool.affinity)
+    _with_pod_settings(spec, pod_spec)
     return {
         "groupName": pool.name,
         "replicas": pool.nodes,
@@ -247,13 +352,32 @@ def _worker_group(
             "resources": ray_resources_param({pool_resource_name(pool.name): gpus}),
         },
         "template": {
-            "metadata": {
-                "labels": _pod_labels(
-                    spec, owner, attempt, {NODE_TYPE_LABEL: "worker", POOL_LABEL: pool.name}
-                )
-            },
+            "metadata": _pod_metadata(
+                spec, _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "worker", POOL_LABEL: pool.name})
+            ),
             "spec": pod_spec,
         },
+    }
+
+
+def _submitter_template(spec: RLHFJobSpec, owner: JobRef, attempt: int, image: str) -> dict[str, Any]:
+    """KubeRay's submitter pod (``ray job submit`` against the head), restricted like the others.
+
+    KubeRay fills in the submit command when the container has none (common/job.go
+    ``GetDefaultSubmitterTemplate`` and the K8sJobMode submitter); only the security, image,
+    resources and metadata are ours. It needs no API token.
+    """
+    container = {
+        "name": SUBMITTER_CONTAINER,
+        "image": image,
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": restricted_container_security_context(),
+    }
+    return {
+        "metadata": _pod_metadata(spec, _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "submitter"})),
+        "spec": _with_pod_settings(
+            spec, {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [container]}
+        ),
     }
 
 
@@ -282,9 +406,12 @@ def build_rayjob(
         "submissionMode": SUBMISSION_MODE,
         "backoffLimit": 0,
         "shutdownAfterJobFinishes": True,
-        "ttlSecondsAfterFinished": 0,
+        "ttlSecondsAfterFinished": spec.keep_cluster_seconds_after_finished,
         "suspend": spec.suspend or spec.queue_name is not None,
+        "submitterPodTemplate": _submitter_template(spec, owner, attempt, image),
     }
+    if spec.startup_timeout_seconds is not None:
+        rayjob_spec["preRunningDeadlineSeconds"] = spec.startup_timeout_seconds
     deadline = (
         active_deadline_seconds if active_deadline_seconds is not None else spec.active_deadline_seconds
     )
@@ -296,23 +423,8 @@ def build_rayjob(
             _worker_group(spec, pool, owner, attempt, image) for pool in spec.resource_pools
         ],
     }
-    return {
-        "apiVersion": RAY_API_VERSION,
-        "kind": "RayJob",
-        "metadata": child_metadata(rayjob_name(owner.name, attempt), owner, labels),
-        "spec": rayjob_spec,
-    }
-
-
-def suspend_update(spec: RLHFJobSpec, rayjob_suspended: bool) -> bool | None:
-    """The ``spec.suspend`` to write on an existing RayJob, or None to leave it alone.
-
-    The user's ``spec.suspend: true`` always wins. Un-suspending is the operator's to do only
-    for a job outside Kueue; a queue-managed RayJob is un-suspended by Kueue on admission,
-    and writing ``true`` back would fight it.
-    """
-    if spec.suspend:
-        return True if not rayjob_suspended else None
-    if rayjob_suspended and spec.queue_name is None:
-        return False
-    return None
+    metadata = child_metadata(rayjob_name(owner.name, attempt), owner, labels)
+    # The user's suspend as written at creation: the reconcile writes `suspend` again only when
+    # spec.suspend differs from this record, never in reply to Kueue (see suspend in the docstring).
+    metadata["annotations"] = {USER_SUSPEND_ANNOTATION: str(spec.suspend).lower()}
+    return {"apiVersion": RAY_API_VERSION, "kind": "RayJob", "metadata": metadata, "spec": rayjob_spec}

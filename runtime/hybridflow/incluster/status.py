@@ -14,6 +14,7 @@ server was briefly unreachable.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -29,21 +30,36 @@ log = logging.getLogger(__name__)
 PatchFn = Callable[[dict[str, Any]], None]
 
 
+def _finite(value: float | None) -> float | None:
+    """``value`` if it is a finite number: JSON has no NaN or infinity, and the API server rejects them."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
 def progress_status(report: StepReport, now: datetime) -> dict[str, Any]:
-    """The ``status.progress`` object for a step (the CRD's field names; printer columns read it)."""
-    reward = report.metrics.get("reward/mean")
-    tokens = report.metrics.get("perf/tokens_per_second")
+    """The ``status.progress`` object for a step, in the CRD's field names and types.
+
+    Every value has the type the CRD's status schema gives it (numbers as JSON numbers, never
+    strings): the API server validates the whole patch and answers 422 to one wrong field, so a
+    single mistyped key would keep every progress field out of ``kubectl get``. A non-finite
+    reward or throughput (a diverged step) is left out rather than sent.
+    """
+    reward = _finite(report.metrics.get("reward/mean"))
+    tokens = _finite(report.metrics.get("perf/tokens_per_second"))
+    eta = _finite(report.eta_seconds)
     progress: dict[str, Any] = {
         "step": report.step,
         "totalSteps": report.total_steps,
-        "percent": round(100.0 * report.step / max(1, report.total_steps), 1),
-        "etaSeconds": int(report.eta_seconds),
+        "percent": min(100.0, round(100.0 * report.step / max(1, report.total_steps), 1)),
         "updatedAt": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    if eta is not None:
+        progress["etaSeconds"] = max(0, int(eta))
     if reward is not None:
-        progress["reward"] = f"{reward:.4f}"
+        progress["reward"] = round(reward, 4)
     if tokens is not None:
-        progress["tokensPerSecond"] = int(tokens)
+        progress["tokensPerSecond"] = max(0, int(tokens))
     if report.last_checkpoint_step is not None:
         progress["lastCheckpointStep"] = report.last_checkpoint_step
     return {"status": {"progress": progress}}

@@ -24,6 +24,7 @@ from hybridflow.spec.errors import SpecError
 from hybridflow.spec.job import (
     API_VERSION,
     GROUP,
+    IN_CLUSTER_RULES,
     KIND,
     PLURAL,
     VALIDATION_RULES,
@@ -31,6 +32,7 @@ from hybridflow.spec.job import (
     ObjectMeta,
     RLHFJob,
     RLHFJobSpec,
+    in_cluster_problems,
 )
 from hybridflow.spec.manifest import load_job_manifest, parse_job_manifest, resolve_local_paths
 from hybridflow.spec.models import ModelSource, ModelsSpec
@@ -46,6 +48,7 @@ __all__ = [
     "CRITIC_ALGORITHMS",
     "GROUP",
     "GROUP_BASELINE_ALGORITHMS",
+    "IN_CLUSTER_RULES",
     "KIND",
     "PLURAL",
     "VALIDATION_RULES",
@@ -69,6 +72,7 @@ __all__ = [
     "SpecError",
     "TrainingSpec",
     "VolumeClaimMount",
+    "in_cluster_problems",
     "load_job_manifest",
     "parse_job_manifest",
     "resolve_local_paths",

@@ -24,6 +24,7 @@ from hybridflow.spec.algorithm import (
 from hybridflow.spec.base import SpecModel
 from hybridflow.spec.data import DataSpec
 from hybridflow.spec.models import ModelsSpec
+from hybridflow.spec.pods import PodsSpec
 from hybridflow.spec.resources import (
     DEFAULT_POOL_NAME,
     ResourcePoolSpec,
@@ -137,6 +138,28 @@ class RLHFJobSpec(SpecModel):
         default=None,
         ge=0,
         description="Delete the RLHFJob this long after it succeeds or fails. Default: keep it.",
+    )
+    startup_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Seconds an attempt may take from its RayJob's creation until the controller runs (image "
+            "pulls, scheduling, cluster start); past it KubeRay fails the attempt, which is retried. "
+            "Default: no limit."
+        ),
+    )
+    keep_cluster_seconds_after_finished: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Seconds a finished attempt's Ray cluster (its pods and logs) stays before KubeRay deletes "
+            "it; set it to read a failed attempt's logs. KubeRay has one TTL for every outcome, so the "
+            "last attempt's cluster stays as long."
+        ),
+    )
+    pods: PodsSpec = Field(
+        default=PodsSpec(),
+        description="Env from Secrets, image pull secrets, priority, pod metadata and security overrides.",
     )
     scheduler_labels: dict[str, str] = Field(
         default_factory=dict,
@@ -541,6 +564,70 @@ VALIDATION_RULES: tuple[CrossFieldRule[Any], ...] = (
     *SPEC_RULES,
 )
 """Every cross-field rule of the spec, for the CRD generator and the docs; grouped by ``node_path``."""
+
+
+# --------------------------------------------------------------------------- in-cluster rules
+#
+# Rules that only a cluster needs: the CRD enforces them at admission, and ``hybridflow validate``
+# reports them with the same message (``--in-cluster`` makes them errors), while ``hybridflow run``
+# on a laptop accepts such manifests (restarts there reuse the local disk, and relative paths
+# resolve against the manifest's directory).
+
+_MODEL_ROLES = ("actor", "reference", "critic", "reward", "cost")
+
+
+def _relative_paths(spec: RLHFJobSpec) -> list[str]:
+    paths = [
+        getattr(spec.models, role).path for role in _MODEL_ROLES if getattr(spec.models, role) is not None
+    ]
+    paths += list(spec.data.train_files)
+    paths.append(spec.output_dir)
+    return [path for path in paths if not path.startswith("/")]
+
+
+_ABSOLUTE_MODEL_PATHS = " && ".join(
+    f"{'' if role == 'actor' else f'(!has(self.models.{role}) || '}self.models.{role}.path.startsWith('/')"
+    f"{'' if role == 'actor' else ')'}"
+    for role in _MODEL_ROLES
+)
+
+IN_CLUSTER_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
+    CrossFieldRule[RLHFJobSpec](
+        name="restarts-need-a-checkpoint-volume",
+        node_path="spec",
+        field_path=".checkpoint.volume",
+        cel="self.maxRestarts == 0 || has(self.checkpoint.volume)",
+        message=(
+            "is required when spec.maxRestarts > 0 in a cluster: a restarted attempt resumes from the "
+            "checkpoints on this claim (without one, every retry starts again from step 0 on a whole "
+            "GPU cluster); set it, or set spec.maxRestarts to 0"
+        ),
+        holds=lambda spec: spec.max_restarts == 0 or spec.checkpoint.volume is not None,
+        observed=lambda spec: f"maxRestarts {spec.max_restarts} and no checkpoint volume",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="restarts-need-absolute-paths",
+        node_path="spec",
+        field_path=".outputDir",
+        cel=(
+            f"self.maxRestarts == 0 || ({_ABSOLUTE_MODEL_PATHS} && "
+            "self.data.trainFiles.all(f, f.startsWith('/')) && self.outputDir.startsWith('/'))"
+        ),
+        message=(
+            "must be absolute, as must every model path and spec.data.trainFiles, when spec.maxRestarts > 0 "
+            "in a cluster: a pod has no manifest directory to resolve them against, and a restarted "
+            "attempt must find the same files (mount them with spec.volumes)"
+        ),
+        holds=lambda spec: spec.max_restarts == 0 or not _relative_paths(spec),
+        observed=lambda spec: "relative: " + ", ".join(repr(p) for p in _relative_paths(spec)),
+    ),
+)
+"""Admission rules of a cluster (the CRD); ``hybridflow validate`` reports them too."""
+
+
+def in_cluster_problems(spec: RLHFJobSpec) -> list[str]:
+    """The lines the API server's admission would reject ``spec`` with, in ``hybridflow validate``'s form."""
+    return [rule.violation(spec) for rule in IN_CLUSTER_RULES if not rule.holds(spec)]
 
 
 class ObjectMeta(SpecModel):

@@ -81,6 +81,22 @@ class ResourcePoolSpec(SpecModel):
         description="Kubernetes affinity for the pool's pods (a core/v1 Affinity object).",
     )
 
+    extra_resources: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Extra extended resources each worker pod requests and limits, e.g. "
+            "{rdma/ib: '1', vpc.amazonaws.com/efa: '4'} for RDMA or EFA networking."
+        ),
+    )
+    container_security_context: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Keys merged over the workers' restricted container security context (a core/v1 "
+            "SecurityContext), e.g. {capabilities: {add: [IPC_LOCK], drop: [ALL]}} for RDMA; the "
+            "namespace must then admit the pod."
+        ),
+    )
+
     @property
     def world_size(self) -> int:
         """GPUs in the pool, hence worker processes: nodes * gpusPerNode."""

@@ -1,0 +1,80 @@
+"""What triggers a reconcile (JobCache) and when timed passes run (Scheduler), without kopf or a cluster."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from hybridflow_operator.main import JobCache, Scheduler
+from hybridflow_operator.status import RLHFJobStatus
+
+pytestmark = pytest.mark.unit
+
+KEY = ("default", "job")
+
+
+def body(generation: int = 1, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "job", "namespace": "default", "uid": "u1", "generation": generation},
+        "status": status,
+    }
+
+
+def test_progress_pushes_and_our_own_status_echo_trigger_nothing() -> None:
+    cache = JobCache()
+    first = body()
+    assert cache.relevant_job_change(KEY, first)  # a new job
+    cache.jobs[KEY] = first
+    assert not cache.relevant_job_change(KEY, body(progress={"step": 3}))  # the controller's push
+    cache.written[KEY] = RLHFJobStatus(phase="Running", attempts=1)
+    echo = body(phase="Running", attempts=1, progress={"step": 3})
+    assert not cache.relevant_job_change(KEY, echo)  # the watch delivers our own write
+    assert KEY not in cache.written  # ... and the cache has caught up
+    cache.jobs[KEY] = echo
+    assert cache.relevant_job_change(KEY, body(phase="Succeeded", attempts=2))  # someone forged our keys
+    assert cache.relevant_job_change(KEY, body(generation=2, phase="Running", attempts=1))  # a spec edit
+
+
+def test_children_are_cached_by_their_job_label() -> None:
+    cache = JobCache()
+    rayjob = {
+        "kind": "RayJob",
+        "metadata": {"name": "job-1", "namespace": "default", "labels": {"hybridflow.io/job": "job"}},
+    }
+    assert cache.put_child(rayjob, deleted=False) == KEY
+    assert list(cache.children[KEY]) == [("RayJob", "job-1")]
+    assert cache.put_child(rayjob, deleted=True) == KEY and not cache.children[KEY]
+    assert (
+        cache.put_child(
+            {"kind": "ConfigMap", "metadata": {"name": "x", "namespace": "default"}}, deleted=False
+        )
+        is None
+    )
+
+
+def test_a_job_runs_at_its_earliest_recheck_time_once() -> None:
+    ran: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def run(key: tuple[str, str]) -> None:
+        ran.append(key)
+        done.set()
+
+    scheduler = Scheduler(run, workers=1)
+    scheduler.start()
+    try:
+        scheduler.at(KEY, 60.0)
+        scheduler.at(KEY, 0.05)  # an earlier time wins
+        scheduler.at(KEY, 30.0)  # a later one does not postpone it
+        assert done.wait(5.0)
+        time.sleep(0.2)
+        assert ran == [KEY] and scheduler.pending() == {}
+        scheduler.at(("default", "other"), 0.05)
+        scheduler.forget(("default", "other"))
+        time.sleep(0.3)
+        assert ran == [KEY] and scheduler.alive()
+    finally:
+        scheduler.stop()
