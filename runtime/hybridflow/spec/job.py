@@ -133,6 +133,17 @@ class RLHFJobSpec(SpecModel):
         ge=1,
         description="Wall-clock limit of the whole job, restarts included; when exceeded the job fails.",
     )
+    stall_timeout_seconds: int = Field(
+        default=1800,
+        ge=10,
+        le=86400,
+        description=(
+            "A worker call (generation, an update, a collective) that gives no answer for this long while "
+            "its workers stay alive is a stall: the run stops with an error naming the role and method "
+            "(reason Stalled) and the attempt is retried from the newest checkpoint. Set it above the "
+            "slowest step's longest single call."
+        ),
+    )
     ttl_seconds_after_finished: int | None = Field(
         default=None,
         ge=0,

@@ -61,6 +61,8 @@ class RunSummary:
     last_step: int
     resumed_from: str | None
     metrics: list[dict[str, float]]
+    preempted: bool = False
+    """The run stopped early because ``should_stop`` said so, after checkpointing its last step."""
 
 
 def run_training(
@@ -70,11 +72,15 @@ def run_training(
     on_step: Callable[[str], None] = print,
     on_report: Callable[[StepReport], None] | None = None,
     stop_after_steps: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RunSummary:
     """Train ``spec`` on the current Ray cluster.
 
     ``on_step`` receives human-readable lines, ``on_report`` a :class:`StepReport` after every
     step (after the step's checkpoint, if any); ``stop_after_steps`` ends early (resume tests).
+    ``should_stop`` is asked after every step (preemption: a SIGTERM handler sets it); when it
+    says yes, the step just finished is checkpointed (unless it already was) and the run returns
+    with ``preempted`` set, so the next run resumes at the following step.
     """
     if spec.algorithm.name not in ALGORITHM_STEPS:
         raise UnsupportedAlgorithmError(
@@ -95,7 +101,12 @@ def run_training(
     pools = resource_pools(spec, simulated=simulated)
     history: list[dict[str, float]] = []
     hybrid = uses_hybrid_engine(spec)
-    with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
+    with deploy(
+        pools,
+        job_roles(spec),
+        placement_timeout_seconds=60 if simulated else 900,
+        stall_timeout_seconds=spec.stall_timeout_seconds,
+    ) as deployment:
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
         start, resumed, last_checkpoint = 1, None, None
@@ -140,8 +151,16 @@ def run_training(
             if step % spec.checkpoint.interval_steps == 0 or step == total:
                 _save(checkpoints, workers, step, sampler, state)
                 last_checkpoint = step
+            preempted = should_stop is not None and should_stop()
+            if preempted and last_checkpoint != step:
+                _save(checkpoints, workers, step, sampler, state)
+                last_checkpoint = step
             if on_report is not None:
                 on_report(StepReport(step, total, metrics, eta, last_checkpoint))
+            if preempted:
+                on_step(f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written")
+                writer.close()
+                return RunSummary(start, step, resumed, history, preempted=True)
     writer.close()
     return RunSummary(start, last, resumed, history)
 
