@@ -188,8 +188,8 @@ def test_preempted_then_killed_run_resumes_to_the_uninterrupted_result(
 
     second = Run(path)
     second.wait_for(f"resumed from {out / 'checkpoints' / f'step_{stopped_at:06d}'} (step {stopped_at})")
-    second.wait_for(f"step {stopped_at + 1}/4")  # the following step, not the same one again
-    second.wait_for("step 3/4")
+    for step in range(stopped_at + 1, 4):  # the following step, not the same one again; then on to 3
+        second.wait_for(f"step {step}/4")
     started = second.started_processes()
     assert any("raylet" in " ".join(p.cmdline()) for p in started), [p.cmdline()[:2] for p in started]
     second.process.kill()

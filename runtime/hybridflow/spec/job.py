@@ -33,7 +33,7 @@ from hybridflow.spec.resources import (
 from hybridflow.spec.rewards import RewardFunctionSpec
 from hybridflow.spec.rollout import ROLLOUT_RULES, RolloutSpec
 from hybridflow.spec.rules import CrossFieldRule, RuleViolations, broken_rules, quoted_list
-from hybridflow.spec.storage import CheckpointSpec, VolumeClaimMount
+from hybridflow.spec.storage import DNS_SUBDOMAIN_PATTERN, CheckpointSpec, VolumeClaimMount
 from hybridflow.spec.training import TRAINING_RULES, TrainingSpec
 
 GROUP = "hybridflow.io"
@@ -562,7 +562,11 @@ class ObjectMeta(SpecModel):
     name: str = Field(
         min_length=1,
         max_length=253,
-        description="Name of the job; child objects (RayJob, ConfigMap) derive their names from it.",
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description=(
+            "Name of the job, a lowercase RFC 1123 subdomain as the API server requires of every "
+            "object; child objects (RayJob, ConfigMap) derive their names from it."
+        ),
     )
     namespace: str | None = Field(default=None, description="Namespace of the job in a cluster.")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels of the job.")
