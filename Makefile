@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-stamp
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench format clean
+.PHONY: setup demo test e2e lint bench format clean
 
 setup: $(STAMP)
 
@@ -34,20 +34,26 @@ demo: setup
 test: setup
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
 
+# From an applied manifest to a trained checkpoint on this machine, then broken on purpose
+# (e2e/: the API-server double, the operator, a KubeRay stand-in, real tiny training runs).
+e2e: setup
+	RAY_AUTH_MODE=disabled $(PY) -m pytest e2e $(PYTEST_ARGS)
+
 lint: setup
-	$(VENV)/bin/ruff check runtime operator tests bench
-	$(VENV)/bin/ruff format --check runtime operator tests bench
+	$(VENV)/bin/ruff check runtime operator tests bench e2e
+	$(VENV)/bin/ruff format --check runtime operator tests bench e2e
 	$(VENV)/bin/mypy
 
 format: setup
-	$(VENV)/bin/ruff format runtime operator tests bench
-	$(VENV)/bin/ruff check --fix runtime operator tests bench
+	$(VENV)/bin/ruff format runtime operator tests bench e2e
+	$(VENV)/bin/ruff check --fix runtime operator tests bench e2e
 
 bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator.py
+	RAY_AUTH_MODE=disabled $(PY) bench/e2e.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""Faults on purpose: a hung collective, SIGTERM (preemption) and SIGKILL of ``hybridflow run``.
+"""Faults on purpose on one machine: SIGTERM (preemption) and SIGKILL of ``hybridflow run``.
 
 The ``hybridflow run`` scenario is one chain on one checkpoint directory, each run a fresh
 process with its own embedded Ray, as a user (or the operator's next attempt) runs it:
@@ -27,40 +27,12 @@ import pytest
 import torch
 import yaml
 
-from hybridflow.controller import ResourcePool, RoleSpec, WorkerStalledError, deploy
-
-pytestmark = pytest.mark.integration
+# Four fresh `hybridflow run` processes on 2 shared cores: minutes, hence e2e/ and not make test.
+pytestmark = pytest.mark.timeout(1800)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "hybridflow.cli"]
 EXIT_PREEMPTED = 143
-
-
-# --------------------------------------------------------------------------- a hung collective
-
-
-@pytest.mark.usefixtures("ray_cluster")
-def test_a_hung_collective_is_reported_as_a_stall_naming_role_and_method() -> None:
-    from fault_roles import HungCollective
-
-    pool = ResourcePool("right", nodes=1, gpus_per_node=2, cpus_per_gpu=0.1)
-    stall_seconds = 2.0
-    with deploy(
-        [pool],
-        {"rollout": RoleSpec(HungCollective, "right")},
-        placement_timeout_seconds=30,
-        stall_timeout_seconds=stall_seconds,
-    ) as job:
-        assert job["rollout"].answer() == [0, 1]  # healthy calls are unaffected
-        started = time.monotonic()
-        with pytest.raises(WorkerStalledError) as caught:
-            job["rollout"].all_reduce_with_a_silent_peer()
-        detected_after = time.monotonic() - started
-    message = str(caught.value)
-    assert "rollout.all_reduce_with_a_silent_peer stalled" in message
-    assert "ranks [0, 1]" in message and "pool 'right'" in message and "spec.stallTimeoutSeconds" in message
-    assert detected_after >= stall_seconds  # not before the timeout; the upper bound is the timeout's job
-    print(json.dumps({"stall_detection_seconds": round(detected_after, 2)}))
 
 
 # --------------------------------------------------------------------------- hybridflow run chain
@@ -194,7 +166,8 @@ def test_preempted_then_killed_run_resumes_to_the_uninterrupted_result(
     assert any("raylet" in " ".join(p.cmdline()) for p in started), [p.cmdline()[:2] for p in started]
     second.process.kill()
     second.finish()
-    assert still_alive(started) == []  # Ray's agents and workers die with the driver
+    leaked = still_alive(started)
+    assert leaked == []  # Ray's agents and workers die with the driver
 
     third = Run(path)
     assert third.finish() == 0, third.output[-3000:]
@@ -210,3 +183,12 @@ def test_preempted_then_killed_run_resumes_to_the_uninterrupted_result(
     assert expected.keys() == actual.keys() and expected
     for name, tensor in expected.items():
         assert torch.equal(tensor, actual[name]), name
+    record("fault:sigterm-sigkill-resume", leaked_processes=len(leaked), lost_or_repeated_steps=0)
+
+
+def record(scenario: str, **figures: float) -> None:
+    """Append the scenario's measured figures to ``$HYBRIDFLOW_E2E_RESULTS`` (bench/e2e.py sums them)."""
+    target = os.environ.get("HYBRIDFLOW_E2E_RESULTS")
+    if target:
+        with open(target, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"scenario": scenario, "passed": True, **figures}) + "\n")
