@@ -30,32 +30,12 @@ import yaml
 # Four fresh `hybridflow run` processes on 2 shared cores: minutes, hence e2e/ and not make test.
 pytestmark = pytest.mark.timeout(1800)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "hybridflow.cli"]
 EXIT_PREEMPTED = 143
 
 
 # --------------------------------------------------------------------------- hybridflow run chain
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("tiny")
-    subprocess.run(
-        [
-            *CLI,
-            "make-tiny",
-            "--model-dir",
-            str(base / "model"),
-            "--data-dir",
-            str(base / "data"),
-            "--prompts",
-            "64",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return base
 
 
 def manifest(tiny: Path, out: Path) -> Path:
