@@ -8,7 +8,7 @@ HELM := $(VENV)/bin/helm
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench bench-smoke format clean images crds dashboards
+.PHONY: setup demo test e2e lint bench bench-smoke format clean images crds dashboards
 
 setup: $(STAMP) $(HELM)
 
@@ -39,20 +39,26 @@ demo: setup
 test: setup
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
 
+# From an applied manifest to a trained checkpoint on this machine, then broken on purpose
+# (e2e/: the API-server double, the operator, a KubeRay stand-in, real tiny training runs).
+e2e: setup
+	RAY_AUTH_MODE=disabled $(PY) -m pytest e2e $(PYTEST_ARGS)
+
 lint: setup
-	$(VENV)/bin/ruff check runtime operator tests bench
-	$(VENV)/bin/ruff format --check runtime operator tests bench
+	$(VENV)/bin/ruff check runtime operator tests bench e2e
+	$(VENV)/bin/ruff format --check runtime operator tests bench e2e
 	$(VENV)/bin/mypy
 
 format: setup
-	$(VENV)/bin/ruff format runtime operator tests bench
-	$(VENV)/bin/ruff check --fix runtime operator tests bench
+	$(VENV)/bin/ruff format runtime operator tests bench e2e
+	$(VENV)/bin/ruff check --fix runtime operator tests bench e2e
 
 bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator_scale.py
+	RAY_AUTH_MODE=disabled $(PY) bench/e2e.py
 
 # Every bench in its quick mode (small sizes): each must exit 0 and print its JSON line last.
 # One line per bench; add yours here.
@@ -62,6 +68,7 @@ bench-smoke: setup
 	$(BENCH_QUICK) bench/learning.py
 	$(BENCH_QUICK) bench/resharding.py
 	$(BENCH_QUICK) bench/operator_scale.py
+	$(BENCH_QUICK) bench/e2e.py
 
 # Regenerate the CRD from the typed spec and the chart's copy of it (a test diffs both).
 crds: setup

@@ -53,6 +53,8 @@ RayJob ``jobDeploymentStatus``          RLHFJob phase
 ``Failed`` with reason                  Failed at once: a new attempt would hit the
 ``DeadlineExceeded``/``ValidationFailed``  same deadline or the same invalid spec
 ``ValidationFailed``                    Failed at once (same reason)
+a failure whose message holds the       the attempt failed with reason ``Stalled``
+controller's ``error: Stalled:`` line   (retried like any other failure)
 (RayJob gone after it was observed)     the attempt failed (``RayJobDeleted``)
 =====================================  =========================================
 """
@@ -395,6 +397,18 @@ def _waiting_phase(spec: RLHFJobSpec, suspended: bool) -> Phase:
     return "Pending"
 
 
+STALLED_MARKER = "error: Stalled: "
+"""The line ``hybridflow run --in-cluster`` ends with when a worker call stalled (its
+``STALLED_PREFIX``); KubeRay copies the entrypoint's last log lines into the RayJob's message."""
+STALLED_REASON = "Stalled"
+
+
+def _stalled(reason: str, message: str) -> str:
+    """``Stalled`` when the failed run's last words were a stall report, else ``reason`` (retryable)."""
+    stalled = STALLED_MARKER in message and reason not in FINAL_FAILURE_REASONS
+    return STALLED_REASON if stalled else reason
+
+
 def _failure(reason: str, message: str, *, retryable: bool) -> _Outcome:
     return _Outcome(phase="Failed", failed=True, retryable=retryable, reason=reason, message=message)
 
@@ -423,10 +437,12 @@ def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
             ray_status, "Incomplete"
         )
         message = rayjob.message or f"the Ray job ended with status {ray_status or 'unknown'}"
+        reason = _stalled(reason, message)
         return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
     if deployment == DEPLOYMENT_FAILED:
         reason = rayjob.reason or "Failed"
         message = rayjob.message or "KubeRay marked the RayJob Failed"
+        reason = _stalled(reason, message)
         return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
     if deployment == DEPLOYMENT_VALIDATION_FAILED:
         return _failure("ValidationFailed", rayjob.message or "KubeRay rejected the RayJob", retryable=False)

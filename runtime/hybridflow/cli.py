@@ -1,7 +1,9 @@
 """The ``hybridflow`` command line.
 
 User errors (a bad manifest, a missing file) print one message per problem to stderr and exit
-with status 2, without a traceback; a traceback means a bug.
+with status 2, without a traceback; a traceback means a bug. A stalled worker call exits with 3
+after an ``error: Stalled: ...`` line (the operator reads that reason from the RayJob's
+message); a run stopped by SIGTERM checkpoints its last step and exits with 143.
 """
 
 from __future__ import annotations
@@ -9,13 +11,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 
 from hybridflow import __version__
 
 EXIT_USER_ERROR = 2
+EXIT_STALLED = 3
+EXIT_PREEMPTED = 128 + signal.SIGTERM
+"""What a shell reports for a process ended by SIGTERM: the run stopped early, resumable."""
+STALLED_PREFIX = "error: Stalled: "
+"""The line a stalled run ends with; ``hybridflow_operator.status`` maps it to the reason Stalled."""
+
+
+def _stop_on_sigterm() -> Callable[[], bool]:
+    """Turn SIGTERM (a preemption, a drained node, ``ray job stop``) into a stop after the current step.
+
+    The training loop asks the returned function after every step and, once it says yes,
+    checkpoints that step and returns; so the grace period a run needs is one step plus one
+    checkpoint save. A second SIGTERM changes nothing (the checkpoint is already under way).
+    """
+    requested = threading.Event()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not requested.is_set():
+            requested.set()
+            # os.write, not print: a handler may interrupt a print to the same stream.
+            os.write(2, b"SIGTERM: checkpointing after the current step, then exiting\n")
+
+    signal.signal(signal.SIGTERM, handler)
+    return requested.is_set
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -102,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         print("\n".join(f"error: {args.manifest}: {m}" for m in missing), file=sys.stderr)
         return EXIT_USER_ERROR
 
-    from hybridflow.controller import init_local_ray
+    from hybridflow.controller import WorkerStalledError, init_local_ray
     from hybridflow.data import PromptDataError
     from hybridflow.trainer.rewards import RewardFunctionError
     from hybridflow.trainer.roles import resource_pools
@@ -113,15 +142,26 @@ def _run(args: argparse.Namespace) -> int:
     from hybridflow.metrics.progress import ProgressDisplay
 
     init_local_ray(resource_pools(spec, simulated=True))
+    should_stop = _stop_on_sigterm()  # after Ray's start: ray.init installs a SIGTERM handler of its own
     try:
         # A live bar on a terminal, one plain line per step otherwise (CI, logs).
         with ProgressDisplay(sys.stdout, total_steps=spec.training.total_steps) as display:
             summary = run_training(
-                spec, stop_after_steps=args.max_steps, on_step=display.line, on_report=display.update
+                spec,
+                stop_after_steps=args.max_steps,
+                on_step=display.line,
+                on_report=display.update,
+                should_stop=should_stop,
             )
+    except WorkerStalledError as err:
+        print(f"{STALLED_PREFIX}{err}", file=sys.stderr)
+        return EXIT_STALLED
     except (UnsupportedAlgorithmError, PromptDataError, RewardFunctionError, ValueError) as err:
         print(f"error: {args.manifest}: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    if summary.preempted:
+        print(f"preempted after step {summary.last_step}; rerun to resume from {spec.checkpoint_dir}")
+        return EXIT_PREEMPTED
     if summary.metrics:
         first, last = summary.metrics[0], summary.metrics[-1]
         print(
@@ -178,9 +218,16 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
         exporter(step)
         pusher(step)
 
+    from hybridflow.controller import WorkerStalledError
+
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
-    run_training(job.spec, simulated=False, on_report=report)
-    return 0
+    should_stop = _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+    try:
+        summary = run_training(job.spec, simulated=False, on_report=report, should_stop=should_stop)
+    except WorkerStalledError as err:
+        print(f"{STALLED_PREFIX}{err}", file=sys.stderr, flush=True)
+        return EXIT_STALLED
+    return EXIT_PREEMPTED if summary.preempted else 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from hybridflow.controller.errors import (
     RoleMappingError,
     WorkerDiedError,
     WorkerError,
+    WorkerStalledError,
 )
 from hybridflow.controller.local_cluster import init_local_ray
 from hybridflow.controller.mesh import DeviceMesh, MeshCoord, MeshError
@@ -61,6 +62,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerGroup",
+    "WorkerStalledError",
     "deploy",
     "init_local_ray",
     "node_pool_resource",

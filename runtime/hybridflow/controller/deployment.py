@@ -129,13 +129,15 @@ def deploy(
     placement_timeout_seconds: float = 300.0,
     setup_timeout_seconds: float = 600.0,
     collective_timeout_seconds: float = 1800.0,
+    stall_timeout_seconds: float | None = None,
     backend: str | None = None,
 ) -> Deployment:
     """Start the roles on their pools and return their worker groups (see the module docstring).
 
     ``backend`` overrides the torch.distributed backend (default: nccl on CUDA, else gloo).
     ``collective_timeout_seconds`` bounds every collective, so that ranks blocked on a dead
-    peer eventually fail too.
+    peer eventually fail too. ``stall_timeout_seconds`` bounds every group call's wait
+    (:class:`~hybridflow.controller.errors.WorkerStalledError` past it); None waits forever.
     """
     if not ray.is_initialized():
         raise RoleMappingError(
@@ -209,7 +211,13 @@ def deploy(
                     ],
                 )
                 groups[role] = WorkerGroup(
-                    role, pool.name, spec.worker_cls, meshes[role], pool_hosts, rank_placements
+                    role,
+                    pool.name,
+                    spec.worker_cls,
+                    meshes[role],
+                    pool_hosts,
+                    rank_placements,
+                    stall_timeout_seconds=stall_timeout_seconds,
                 )
         return Deployment(groups, hosts, placements)
     except BaseException:

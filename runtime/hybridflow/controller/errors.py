@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["CallTimeoutError", "ControllerError", "RoleMappingError", "WorkerDiedError", "WorkerError"]
+__all__ = [
+    "CallTimeoutError",
+    "ControllerError",
+    "RoleMappingError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerStalledError",
+]
 
 
 class ControllerError(RuntimeError):
@@ -27,3 +34,11 @@ class WorkerDiedError(ControllerError):
 
 class CallTimeoutError(ControllerError):
     """A call did not finish within the caller's timeout; names the ranks still running."""
+
+
+class WorkerStalledError(CallTimeoutError):
+    """A group call got no answer within the deployment's stall timeout while its ranks stayed alive.
+
+    A hung rollout or collective (a rank blocked on a peer that never joins, a deadlocked
+    engine) looks like this; the message names the role, method, silent ranks and where they run.
+    """

@@ -9,6 +9,10 @@ instead, so calls on groups that live on different pools run at the same time.
 Waiting is fail-fast: the first rank that raises or dies ends the wait with an error naming the
 role, method, rank, pool and node, even while its peers are still blocked (e.g. inside a
 collective that can no longer complete). The controller never waits on a dead worker.
+
+Nor forever on a live one: a deployment's ``stall_timeout_seconds`` bounds every wait that
+gives no timeout of its own; a call whose ranks stay alive but silent past it raises
+:class:`~hybridflow.controller.errors.WorkerStalledError` naming the role, method and ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hybridflow.controller.batch import Batch
-from hybridflow.controller.errors import CallTimeoutError, RoleMappingError, WorkerDiedError, WorkerError
+from hybridflow.controller.errors import (
+    CallTimeoutError,
+    RoleMappingError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerStalledError,
+)
 from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.controller.protocols import (
     CallArgs,
@@ -136,13 +146,28 @@ class GroupFuture:
         return len(ready) == len(self._refs)
 
     def result(self, timeout_seconds: float | None = None) -> Any:
+        """The collected result; waits at most ``timeout_seconds``, else the group's stall timeout."""
         if not self._done:
-            outputs = wait_for_ranks(
-                self._refs,
-                what=f"{self._group.role}.{self._method}",
-                where=self._group.locations(),
-                timeout_seconds=timeout_seconds,
-            )
+            what = f"{self._group.role}.{self._method}"
+            stall = self._group.stall_timeout_seconds
+            try:
+                outputs = wait_for_ranks(
+                    self._refs,
+                    what=what,
+                    where=self._group.locations(),
+                    timeout_seconds=timeout_seconds if timeout_seconds is not None else stall,
+                )
+            except CallTimeoutError as err:
+                if timeout_seconds is not None or stall is None:
+                    raise
+                ready, _ = ray.wait(list(self._refs.values()), num_returns=len(self._refs), timeout=0)
+                silent = sorted(rank for rank, ref in self._refs.items() if ref not in ready)
+                locations = self._group.locations()
+                raise WorkerStalledError(
+                    f"{what} stalled: ranks {silent} gave no answer within {stall:g} s and did not die "
+                    f"({'; '.join(locations.get(r, '?') for r in silent)}); the stall timeout is "
+                    "spec.stallTimeoutSeconds"
+                ) from err
             collected = {rank: outputs[rank] for rank in self._collect_from}
             self._value = self._protocol.collect(collected, self._group.mesh, self._context)
             self._done = True
@@ -174,6 +199,7 @@ class WorkerGroup:
         mesh: DeviceMesh,
         hosts: Sequence[ActorHandle],
         placements: Sequence[RankPlacement],
+        stall_timeout_seconds: float | None = None,
     ) -> None:
         if len(hosts) != mesh.world_size:
             raise RoleMappingError(
@@ -185,6 +211,7 @@ class WorkerGroup:
         self.mesh = mesh
         self._hosts = list(hosts)
         self._placements = list(placements)
+        self.stall_timeout_seconds = stall_timeout_seconds
 
     @property
     def world_size(self) -> int:

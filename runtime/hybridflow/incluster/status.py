@@ -102,10 +102,19 @@ class StatusPusher:
 
     @classmethod
     def in_cluster(cls, namespace: str, name: str, **kwargs: Any) -> StatusPusher:
-        """A pusher that patches ``rlhfjobs/<name>/status`` with the pod's service account."""
+        """A pusher that patches ``rlhfjobs/<name>/status`` with the pod's service account.
+
+        Outside a pod (no ``KUBERNETES_SERVICE_HOST``; the e2e harness runs the entrypoint as a
+        plain process) it uses ``$KUBECONFIG`` instead.
+        """
+        import os
+
         from kubernetes import client, config
 
-        config.load_incluster_config()
+        if "KUBERNETES_SERVICE_HOST" not in os.environ and os.environ.get("KUBECONFIG"):
+            config.load_kube_config()
+        else:
+            config.load_incluster_config()
         api = client.CustomObjectsApi()
 
         def patch(body: dict[str, Any]) -> None:

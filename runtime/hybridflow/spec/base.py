@@ -9,8 +9,12 @@ keys the API server accepts; constructing models in Python by field name stays p
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import types
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 
 class SpecModel(BaseModel):
@@ -23,3 +27,60 @@ class SpecModel(BaseModel):
         validate_by_alias=True,
         validate_by_name=True,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        """``field: null`` is the field left out, as on the API server.
+
+        The API server prunes nulls of non-nullable fields (the CRD has no nullable one) before
+        defaulting, so ``seed: null`` gets the default there; here too. An unknown key stays an
+        error even when null, as with the server's strict field validation.
+        """
+        if not isinstance(data, dict):
+            return data
+        known = {info.alias or name for name, info in cls.model_fields.items()} | set(cls.model_fields)
+        return {key: value for key, value in data.items() if value is not None or key not in known}
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_scalar_types(cls, value: Any, info: ValidationInfo) -> Any:
+        """Scalars must have the JSON type the CRD's schema gives them, as the API server checks.
+
+        Pydantic's lax mode would take ``true`` or ``"2"`` or ``2.0`` for an integer and ``"0.5"``
+        for a number; the API server refuses them, so a manifest ``hybridflow run`` accepts
+        would be refused by ``kubectl apply``. (Strict mode cannot be used: it refuses lists for
+        the tuple fields.)
+        """
+        if value is None or info.field_name is None:
+            return value
+        kind = _scalar_kind(cls.model_fields[info.field_name].annotation)
+        if kind is not None and not _is_json_kind(value, kind):
+            raise PydanticCustomError("json_type", "expected {kind}", {"kind": f"{_ARTICLES[kind]} {kind}"})
+        return value
+
+
+_ARTICLES = {"integer": "an", "number": "a", "boolean": "a", "string": "a"}
+
+
+def _scalar_kind(annotation: Any) -> str | None:
+    """``integer``/``number``/``boolean``/``string`` for a (possibly optional) scalar annotation."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _scalar_kind(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        kinds = {_scalar_kind(arg) for arg in get_args(annotation) if arg is not type(None)}
+        return kinds.pop() if len(kinds) == 1 else None
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(annotation)
+
+
+def _is_json_kind(value: Any, kind: str) -> bool:
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "integer":
+        return isinstance(value, int)
+    if kind == "number":
+        return isinstance(value, int | float)
+    return isinstance(value, str)

@@ -34,7 +34,7 @@ from hybridflow.spec.resources import (
 from hybridflow.spec.rewards import RewardFunctionSpec
 from hybridflow.spec.rollout import ROLLOUT_RULES, RolloutSpec
 from hybridflow.spec.rules import CrossFieldRule, RuleViolations, broken_rules, quoted_list
-from hybridflow.spec.storage import CheckpointSpec, VolumeClaimMount
+from hybridflow.spec.storage import DNS_SUBDOMAIN_PATTERN, CheckpointSpec, VolumeClaimMount
 from hybridflow.spec.training import TRAINING_RULES, TrainingSpec
 
 GROUP = "hybridflow.io"
@@ -133,6 +133,17 @@ class RLHFJobSpec(SpecModel):
         default=None,
         ge=1,
         description="Wall-clock limit of the whole job, restarts included; when exceeded the job fails.",
+    )
+    stall_timeout_seconds: int = Field(
+        default=1800,
+        ge=10,
+        le=86400,
+        description=(
+            "A worker call (generation, an update, a collective) that gives no answer for this long while "
+            "its workers stay alive is a stall: the run stops with an error naming the role and method "
+            "(reason Stalled) and the attempt is retried from the newest checkpoint. Set it above the "
+            "slowest step's longest single call."
+        ),
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None,
@@ -638,7 +649,11 @@ class ObjectMeta(SpecModel):
     name: str = Field(
         min_length=1,
         max_length=253,
-        description="Name of the job; child objects (RayJob, ConfigMap) derive their names from it.",
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description=(
+            "Name of the job, a lowercase RFC 1123 subdomain as the API server requires of every "
+            "object; child objects (RayJob, ConfigMap) derive their names from it."
+        ),
     )
     namespace: str | None = Field(default=None, description="Namespace of the job in a cluster.")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels of the job.")

@@ -62,6 +62,8 @@ class RunSummary:
     last_step: int
     resumed_from: str | None
     metrics: list[dict[str, float]]
+    preempted: bool = False
+    """The run stopped early because ``should_stop`` said so, after checkpointing its last step."""
 
 
 def run_training(
@@ -71,12 +73,16 @@ def run_training(
     on_step: Callable[[str], None] = print,
     on_report: Callable[[StepReport], None] | None = None,
     stop_after_steps: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RunSummary:
     """Train ``spec`` on the current Ray cluster.
 
     ``on_step`` receives human-readable lines, ``on_report`` a :class:`StepReport` after every
     step (after the step's checkpoint, if any); without ``on_report`` each step's progress line
     goes to ``on_step``. ``stop_after_steps`` ends early (resume tests).
+    ``should_stop`` is asked after every step (preemption: a SIGTERM handler sets it); when it
+    says yes, the step just finished is checkpointed (unless it already was) and the run returns
+    with ``preempted`` set, so the next run resumes at the following step.
     """
     if spec.algorithm.name not in ALGORITHM_STEPS:
         raise UnsupportedAlgorithmError(
@@ -99,7 +105,12 @@ def run_training(
     hybrid = uses_hybrid_engine(spec)
     job_gpus = sum(pool.nodes * pool.gpus_per_node for pool in spec.resource_pools)
     actor_parameters = model_parameter_count(spec.models.actor.path)
-    with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
+    with deploy(
+        pools,
+        job_roles(spec),
+        placement_timeout_seconds=60 if simulated else 900,
+        stall_timeout_seconds=spec.stall_timeout_seconds,
+    ) as deployment:
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
         start, resumed, last_checkpoint = 1, None, None
@@ -143,6 +154,10 @@ def run_training(
                 last_checkpoint = step
                 # After the step proper: not part of perf/step_seconds or tokens/s.
                 metrics["timing/checkpoint"] = time.monotonic() - saving
+            preempted = should_stop is not None and should_stop()
+            if preempted and last_checkpoint != step:
+                _save(checkpoints, workers, step, sampler, state)
+                last_checkpoint = step
             history.append({"step": float(step), **metrics})
             writer.write(step, metrics)
             done = step - start + 1
@@ -152,6 +167,10 @@ def run_training(
                 on_report(report)
             else:
                 on_step(progress_line(report))
+            if preempted:
+                on_step(f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written")
+                writer.close()
+                return RunSummary(start, step, resumed, history, preempted=True)
     writer.close()
     return RunSummary(start, last, resumed, history)
 
