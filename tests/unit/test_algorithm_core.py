@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridflow.algorithms.core import (
+from hybridflow.rlmath.core import (
     AdaptiveKLController,
     FixedKLController,
     KLEstimator,

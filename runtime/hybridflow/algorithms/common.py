@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.algorithms import core
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
+from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers

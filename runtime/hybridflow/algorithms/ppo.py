@@ -8,7 +8,6 @@ pools they run in parallel, colocated they run one after the other in the same p
 
 from __future__ import annotations
 
-from hybridflow.algorithms import core
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -16,6 +15,7 @@ from hybridflow.algorithms.common import (
 )
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
+from hybridflow.rlmath import core
 from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 

@@ -11,7 +11,6 @@ step by gradient ascent on ``lambda * (E[cost] - costLimit)``.
 
 from __future__ import annotations
 
-from hybridflow.algorithms import core
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -19,6 +18,7 @@ from hybridflow.algorithms.common import (
 )
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
+from hybridflow.rlmath import core
 from hybridflow.trainer.rewards import RewardScorer
 from hybridflow.trainer.roles import JobWorkers
 

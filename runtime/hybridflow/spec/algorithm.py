@@ -146,6 +146,24 @@ class AlgorithmSpec(SpecModel):
         ge=1,
         description="Passes over each step's responses by the optimizer (each pass in mini-batches).",
     )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        default="token-mean",
+        description=(
+            "How per-token losses (policy, entropy, KL, value) reduce over a mini-batch: 'token-mean' "
+            "(every token weighs the same; veRL/DAPO), 'seq-mean-token-mean' (every sequence weighs the "
+            "same; the PPO/GRPO papers), 'seq-mean-token-sum' (token sums averaged over sequences; "
+            "Dr. GRPO). Counts are global over micro-batches and data-parallel ranks, so neither split "
+            "changes the result."
+        ),
+    )
+    target_kl: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Early stop: an actor update ends its remaining ppoEpochs once a mini-batch's k3 estimate of "
+            "KL(rollout policy || updated policy) exceeds this. Unset: always run every epoch."
+        ),
+    )
     cost_limit: float = Field(
         default=0.0,
         description="safe-rlhf only: the expected cost per response the constraint allows.",

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms import core
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
     build_optimizer,
@@ -24,7 +23,9 @@ from hybridflow.backends.fsdp import (
     token_values,
 )
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers
 from hybridflow.workers.policy import seed_everything
 
 __all__ = ["CostModelWorker", "CriticWorker", "RewardModelWorker"]
@@ -114,24 +115,37 @@ class CriticWorker(_ValueRole):
 
     @register(DP_SPLIT_EXACT)
     def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss updates; micro-batch losses are shares of the mini-batch's (global counts)."""
         algo = self.spec.algorithm
         device = self.ctx.torch_device
         self.model.train()
         totals: dict[str, list[float]] = {}
+        minis = batch.chunk_by_size(self.local_mini_batch)
+        normalizers = global_normalizers(
+            minis, dp_size=self.ctx.mesh.dp_size, dp_sum=dp_sum_over(None, device)
+        )
         for _ in range(algo.ppo_epochs):
-            for mini in batch.chunk_by_size(self.local_mini_batch):
+            for mini, normalizer in zip(minis, normalizers, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.chunk_by_size(self.micro_batch_size):
                     values = self._values(micro)
+                    old_values = micro.tensors["values"].to(device)
+                    returns = micro.tensors["returns"].to(device)
+                    mask = micro.tensors["response_mask"].to(device).float()
                     loss, clipfrac = core.value_loss_clipped(
                         values,
-                        micro.tensors["values"].to(device),
-                        micro.tensors["returns"].to(device),
-                        micro.tensors["response_mask"].to(device).float(),
+                        old_values,
+                        returns,
+                        mask,
                         algo.value_clip,
+                        aggregation=algo.loss_aggregation,
+                        normalizer=normalizer,
                     )
-                    (loss * len(micro) / len(mini)).backward()
-                    totals.setdefault("critic/value_loss", []).append(float(loss.detach()))
+                    loss.backward()
+                    local_loss, _ = core.value_loss_clipped(
+                        values.detach(), old_values, returns, mask, algo.value_clip
+                    )
+                    totals.setdefault("critic/value_loss", []).append(float(local_loss))
                     totals.setdefault("critic/clipfrac", []).append(float(clipfrac))
                 norm = clip_grad_norm_and_step(
                     self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridflow.algorithms.core import entropy_from_logits
+from hybridflow.rlmath.core import entropy_from_logits
 
 __all__ = ["token_logprobs_and_entropy", "token_values"]
 
@@ -55,7 +55,7 @@ def token_logprobs_and_entropy(
     one the rollout sampled with, so the log-probs are those of the distribution the tokens were
     drawn from. Both results are fp32 whatever the compute dtype. Entropy is that of the
     tempered distribution at each response position
-    (:func:`hybridflow.algorithms.core.entropy_from_logits`).
+    (:func:`hybridflow.rlmath.core.entropy_from_logits`).
 
     Only the last ``R + 1`` columns' logits are computed (``logits_to_keep``): the LM head and
     the softmax never touch the prompt, whose logits would cost ``[B, T - R, vocab]``. Measured
