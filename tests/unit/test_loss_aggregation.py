@@ -50,11 +50,19 @@ def _data() -> dict[str, torch.Tensor]:
 
 def _algo(mode: str) -> AlgorithmSpec:
     return AlgorithmSpec.model_validate(
-        {"name": "grpo", "samplesPerPrompt": 2, "entropyCoef": 0.1, "kl": {"coef": 0.2}, "lossAggregation": mode}
+        {
+            "name": "grpo",
+            "samplesPerPrompt": 2,
+            "entropyCoef": 0.1,
+            "kl": {"coef": 0.2},
+            "lossAggregation": mode,
+        }
     )
 
 
-def _loss(model: TinyPolicy, algo: AlgorithmSpec, rows: slice, normalizer: LossNormalizer | None) -> torch.Tensor:
+def _loss(
+    model: TinyPolicy, algo: AlgorithmSpec, rows: slice, normalizer: LossNormalizer | None
+) -> torch.Tensor:
     d = _data()
     log_probs, entropy = model(d["tokens"][rows])
     loss, _ = actor_objective(
@@ -78,7 +86,9 @@ def _split_gradient(mode: str, dp: int, micro: int, *, old_scheme: bool = False)
     """Each DP rank accumulates over its micro-batches; the ranks' gradients are then averaged."""
     algo, mask = _algo(mode), _data()["mask"]
     rows_per_rank = ROWS // dp
-    counts = torch.tensor([local_counts(mask[r * rows_per_rank : (r + 1) * rows_per_rank]) for r in range(dp)])
+    counts = torch.tensor(
+        [local_counts(mask[r * rows_per_rank : (r + 1) * rows_per_rank]) for r in range(dp)]
+    )
     tokens, sequences = counts.sum(0).tolist()  # what the DP all-reduce returns to every rank
     normalizer = LossNormalizer(tokens=tokens, sequences=sequences, dp_size=dp)
     per_rank = []
@@ -98,7 +108,9 @@ def _split_gradient(mode: str, dp: int, micro: int, *, old_scheme: bool = False)
 
 @pytest.mark.parametrize("mode", aggregation.LOSS_AGGREGATIONS)
 @pytest.mark.parametrize(("dp", "micro"), [(1, 8), (1, 4), (1, 2), (2, 4), (2, 2), (2, 1)])
-def test_gradient_of_a_mini_batch_does_not_depend_on_micro_batches_or_dp(mode: str, dp: int, micro: int) -> None:
+def test_gradient_of_a_mini_batch_does_not_depend_on_micro_batches_or_dp(
+    mode: str, dp: int, micro: int
+) -> None:
     whole = TinyPolicy()
     _loss(whole, _algo(mode), slice(0, ROWS), None).backward()
     expected = _grads(whole)

@@ -8,6 +8,7 @@ pools they run in parallel, colocated they run one after the other in the same p
 
 from __future__ import annotations
 
+from hybridflow.algorithms.api import JobWorkers, RewardScorer
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -16,8 +17,6 @@ from hybridflow.algorithms.common import (
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
 from hybridflow.rlmath import core
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers
 
 
 def train_step(

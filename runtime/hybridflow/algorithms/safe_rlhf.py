@@ -11,6 +11,7 @@ step by gradient ascent on ``lambda * (E[cost] - costLimit)``.
 
 from __future__ import annotations
 
+from hybridflow.algorithms.api import JobWorkers, RewardScorer
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -19,8 +20,6 @@ from hybridflow.algorithms.common import (
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
 from hybridflow.rlmath import core
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers
 
 
 def train_step(

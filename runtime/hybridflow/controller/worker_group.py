@@ -25,7 +25,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.errors import CallTimeoutError, RoleMappingError, WorkerDiedError, WorkerError
-from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.controller.protocols import (
     CallArgs,
     MethodSpec,
@@ -33,6 +32,7 @@ from hybridflow.controller.protocols import (
     method_spec,
     registered_methods,
 )
+from hybridflow.mesh import DeviceMesh
 
 __all__ = ["GroupFuture", "MethodCaller", "RankPlacement", "WorkerGroup", "wait_for_ranks"]
 

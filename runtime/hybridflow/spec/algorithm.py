@@ -8,7 +8,7 @@ algorithm needs (a critic for ppo, a cost model for safe-rlhf) are checked on th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -16,6 +16,12 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
 AlgorithmName = Literal["ppo", "grpo", "remax", "safe-rlhf", "rloo", "reinforce++"]
+BUILTIN_ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+PLUGIN_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+"""``package.module:function``: a user's step function over the same worker API as the built-ins."""
+ALGORITHM_NAME_PATTERN = (
+    "^(" + "|".join(name.replace("+", "\\+") for name in BUILTIN_ALGORITHMS) + "|" + PLUGIN_PATTERN + ")$"
+)
 CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo", "safe-rlhf")
 """Algorithms whose advantages come from a learned value function (GAE), so they train a critic."""
 GROUP_BASELINE_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo")
@@ -82,12 +88,15 @@ KL_RULES: tuple[CrossFieldRule[KLSpec], ...] = (
 class AlgorithmSpec(SpecModel):
     """The algorithm and its loss coefficients."""
 
-    name: AlgorithmName = Field(
+    name: str = Field(
+        pattern=ALGORITHM_NAME_PATTERN,
         description=(
-            "The RL algorithm. ppo and safe-rlhf train a critic (safe-rlhf adds a cost model and a "
-            "Lagrangian constraint); grpo and rloo use the other responses to the same prompt as the "
-            "baseline; remax uses the greedy response's reward; reinforce++ uses a batch-normalized "
-            "return."
+            "The RL algorithm: one of " + ", ".join(BUILTIN_ALGORITHMS) + ", or a plugin "
+            "'package.module:train_step' (a step function over the same worker API, importable by the "
+            "controller; it gets a critic when models.critic is set). ppo and safe-rlhf train a critic "
+            "(safe-rlhf adds a cost model, a cost critic and a Lagrangian constraint); grpo and rloo use "
+            "the other responses to the same prompt as the baseline; remax uses the greedy response's "
+            "reward; reinforce++ uses a batch-normalized return."
         ),
     )
     gamma: float = Field(

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hybridflow.controller import Deployment, DeviceMesh, ResourcePool, RoleSpec, Worker, WorkerGroup
-from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec, RoleName
+from hybridflow.algorithms.api import JobWorkers, needs_reference
+from hybridflow.controller import DeviceMesh, ResourcePool, RoleSpec, Worker
+from hybridflow.spec import RLHFJobSpec, RoleName
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
 from hybridflow.workers.value import CostModelWorker, CriticWorker, RewardModelWorker
@@ -45,7 +44,8 @@ def _pool_size(spec: RLHFJobSpec, role: RoleName) -> int:
 def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     """Which worker class runs each role, on which pool, with which mesh.
 
-    The rollout always shares the actor's pool. With ``spec.training.backend: megatron`` the
+    The rollout always shares the actor's pool. The reference is deployed only when a KL term
+    reads it (``kl.coef > 0``). With ``spec.training.backend: megatron`` the
     actor, reference and critic train/score under ``DeviceMesh.training(pp, tp)`` of their pools, and
     (``t*p > 1``) the rollout generates under the HybridFlow generation mesh derived from the
     actor's. The worker modules are imported only for the backend in use: megatron-core is not
@@ -65,7 +65,7 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
         pp, tp = training.pipeline_parallel_size, training.tensor_parallel_size
         actor_mesh = DeviceMesh.training(_pool_size(spec, "actor"), pp=pp, tp=tp)
         reference_mesh = DeviceMesh.training(_pool_size(spec, "reference"), pp=pp, tp=tp)
-        if spec.algorithm.name in CRITIC_ALGORITHMS:
+        if spec.models.critic is not None:
             from hybridflow.workers.megatron_value import MegatronCriticWorker
 
             critic_cls = MegatronCriticWorker
@@ -81,36 +81,15 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     roles = {
         "actor": RoleSpec(actor_cls, actor_pool, mesh=actor_mesh, kwargs=kwargs),
         "rollout": RoleSpec(rollout_cls, actor_pool, mesh=rollout_mesh, kwargs=kwargs),
-        "reference": RoleSpec(reference_cls, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs),
     }
-    if spec.algorithm.name in CRITIC_ALGORITHMS:
+    if needs_reference(spec):
+        roles["reference"] = RoleSpec(
+            reference_cls, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs
+        )
+    if spec.models.critic is not None:
         roles["critic"] = RoleSpec(critic_cls, spec.pool("critic").name, mesh=critic_mesh, kwargs=kwargs)
     if spec.models.reward is not None:
         roles["reward"] = RoleSpec(RewardModelWorker, spec.pool("reward").name, kwargs=kwargs)
     if spec.models.cost is not None:
         roles["cost"] = RoleSpec(CostModelWorker, spec.pool("cost").name, kwargs=kwargs)
     return roles
-
-
-@dataclass(frozen=True)
-class JobWorkers:
-    """The worker groups an algorithm step talks to (critic and reward model when the job has them)."""
-
-    actor: WorkerGroup
-    rollout: WorkerGroup
-    reference: WorkerGroup
-    critic: WorkerGroup | None = None
-    reward: WorkerGroup | None = None
-    cost: WorkerGroup | None = None
-
-    @classmethod
-    def of(cls, deployment: Deployment) -> JobWorkers:
-        groups = deployment.groups
-        return cls(
-            actor=groups["actor"],
-            rollout=groups["rollout"],
-            reference=groups["reference"],
-            critic=groups.get("critic"),
-            reward=groups.get("reward"),
-            cost=groups.get("cost"),
-        )
