@@ -43,7 +43,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class JobWorkers:
-    """The worker groups a step talks to; reference, critic, reward and cost only when the job has them."""
+    """The worker groups a step talks to; reference, critics, reward and cost models only when the job has them."""
 
     actor: WorkerGroup
     rollout: WorkerGroup
@@ -51,6 +51,7 @@ class JobWorkers:
     critic: WorkerGroup | None = None
     reward: WorkerGroup | None = None
     cost: WorkerGroup | None = None
+    cost_critic: WorkerGroup | None = None
 
     @classmethod
     def of(cls, deployment: Deployment) -> JobWorkers:
@@ -62,6 +63,7 @@ class JobWorkers:
             critic=groups.get("critic"),
             reward=groups.get("reward"),
             cost=groups.get("cost"),
+            cost_critic=groups.get("cost_critic"),
         )
 
 

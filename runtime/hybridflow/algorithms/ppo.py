@@ -36,4 +36,7 @@ def train_step(
     actor_update = workers.actor.update_policy.submit(batch)
     metrics.update(average_worker_metrics(critic_update.result()))
     metrics.update(average_worker_metrics(actor_update.result()))
+    metrics["critic/explained_variance"] = float(
+        core.explained_variance(batch.tensors["values"], returns, mask)
+    )
     return metrics

@@ -151,7 +151,7 @@ def deploy(
         host_cls: Any = ray.remote(WorkerHost)
         for placement in placements:
             pool = placement.pool
-            threads = max(1, int(pool.cpus_per_gpu))
+            threads = pool.threads_per_worker
             hosts[pool.name] = [
                 host_cls.options(
                     num_cpus=pool.cpus_per_gpu,

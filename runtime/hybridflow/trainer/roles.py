@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
+import os
+
 from hybridflow.algorithms.api import JobWorkers, needs_reference
 from hybridflow.controller import DeviceMesh, ResourcePool, RoleSpec, Worker
 from hybridflow.spec import RLHFJobSpec, RoleName
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
-from hybridflow.workers.value import CostModelWorker, CriticWorker, RewardModelWorker
+from hybridflow.workers.value import CostCriticWorker, CostModelWorker, CriticWorker, RewardModelWorker
 
 __all__ = ["JobWorkers", "job_roles", "resource_pools", "uses_hybrid_engine"]
 
 
 def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
-    """The spec's pools. Simulated (embedded, CPU) pools reserve a token CPU share per GPU."""
+    """The spec's pools.
+
+    Simulated (embedded, CPU) pools reserve a token CPU share per GPU with Ray but give each
+    worker process its share of this machine's cores as torch threads: 2 simulated GPUs on 2
+    cores run one thread each (no oversubscription), 1 simulated GPU gets both cores.
+    """
+    simulated_gpus = sum(p.nodes * p.gpus_per_node for p in spec.resource_pools)
+    threads = max(1, available_cores() // max(1, simulated_gpus))
     return [
         ResourcePool(
             p.name,
             nodes=p.nodes,
             gpus_per_node=p.gpus_per_node,
             cpus_per_gpu=0.01 if simulated else float(p.cpus_per_gpu),
+            torch_threads=threads if simulated else None,
         )
         for p in spec.resource_pools
     ]
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def uses_hybrid_engine(spec: RLHFJobSpec) -> bool:
@@ -92,4 +107,8 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
         roles["reward"] = RoleSpec(RewardModelWorker, spec.pool("reward").name, kwargs=kwargs)
     if spec.models.cost is not None:
         roles["cost"] = RoleSpec(CostModelWorker, spec.pool("cost").name, kwargs=kwargs)
+        if spec.algorithm.name == "safe-rlhf":
+            # The cost critic lives with the reward critic (FSDP whatever the backend: a small
+            # second value model, data parallel over the critic's pool).
+            roles["cost_critic"] = RoleSpec(CostCriticWorker, spec.pool("critic").name, kwargs=kwargs)
     return roles

@@ -111,6 +111,8 @@ def run_training(
                 workers.actor.load_checkpoint(str(directory / "actor"))
                 if workers.critic is not None:
                     workers.critic.load_checkpoint(str(directory / "critic"))
+                if workers.cost_critic is not None:
+                    workers.cost_critic.load_checkpoint(str(directory / "cost_critic"))
                 sampler.load_state_dict(saved["sampler"])
                 state.load_state_dict(saved["algorithm"])
                 start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
@@ -206,5 +208,7 @@ def _save(
     workers.actor.save_checkpoint(str(staging / "actor"))
     if workers.critic is not None:
         workers.critic.save_checkpoint(str(staging / "critic"))
+    if workers.cost_critic is not None:
+        workers.cost_critic.save_checkpoint(str(staging / "cost_critic"))
     controller: dict[str, Any] = {"sampler": dict(sampler.state_dict()), "algorithm": state.state_dict()}
     checkpoints.publish(staging, step, controller)

@@ -28,7 +28,7 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers
 from hybridflow.workers.policy import seed_everything
 
-__all__ = ["CostModelWorker", "CriticWorker", "RewardModelWorker"]
+__all__ = ["CostCriticWorker", "CostModelWorker", "CriticWorker", "RewardModelWorker"]
 
 
 class _ValueRole(Worker):
@@ -95,10 +95,12 @@ class CostModelWorker(_SequenceScorer):
 
 
 class CriticWorker(_ValueRole):
+    """The reward critic: a value per response token, trained towards the GAE returns."""
+
+    metric_prefix = "critic"
+
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        if spec.models.critic is None:
-            raise ValueError("the critic role needs spec.models.critic")
-        super().__init__(ctx, spec, spec.models.critic.path)
+        super().__init__(ctx, spec, self.initial_model_path(spec))
         training = spec.training
         self.optimizer = build_optimizer(self.model, learning_rate=training.critic_learning_rate)
         self.scheduler = build_lr_scheduler(
@@ -108,6 +110,12 @@ class CriticWorker(_ValueRole):
             schedule=training.lr_schedule,
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+
+    @staticmethod
+    def initial_model_path(spec: RLHFJobSpec) -> str:
+        if spec.models.critic is None:
+            raise ValueError("the critic role needs spec.models.critic")
+        return spec.models.critic.path
 
     @register(DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch:
@@ -145,12 +153,12 @@ class CriticWorker(_ValueRole):
                     local_loss, _ = core.value_loss_clipped(
                         values.detach(), old_values, returns, mask, algo.value_clip
                     )
-                    totals.setdefault("critic/value_loss", []).append(float(local_loss))
-                    totals.setdefault("critic/clipfrac", []).append(float(clipfrac))
+                    totals.setdefault(f"{self.metric_prefix}/value_loss", []).append(float(local_loss))
+                    totals.setdefault(f"{self.metric_prefix}/clipfrac", []).append(float(clipfrac))
                 norm = clip_grad_norm_and_step(
                     self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
                 )
-                totals.setdefault("critic/grad_norm", []).append(norm)
+                totals.setdefault(f"{self.metric_prefix}/grad_norm", []).append(norm)
         self.scheduler.step()
         return {name: float(np.mean(v)) for name, v in totals.items()}
 
@@ -161,3 +169,20 @@ class CriticWorker(_ValueRole):
     @register(BROADCAST)
     def load_checkpoint(self, directory: str) -> None:
         load_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+
+
+class CostCriticWorker(CriticWorker):
+    """Safe-RLHF's cost critic: values of the expected cost, with their own GAE and clipped loss.
+
+    Starts from the cost model's weights, as Safe-RLHF initialises its cost critic (Dai et al.,
+    2023, section 4); trained with the critic's learning rate. Same fields as the reward critic
+    (``values``, ``returns``): the controller renames the cost ones on the way in and out.
+    """
+
+    metric_prefix = "cost_critic"
+
+    @staticmethod
+    def initial_model_path(spec: RLHFJobSpec) -> str:
+        if spec.models.cost is None:
+            raise ValueError("the cost critic needs spec.models.cost (it starts from the cost model)")
+        return spec.models.cost.path
