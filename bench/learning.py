@@ -99,7 +99,12 @@ def main() -> None:
     cost_model = write_tiny_model(workdir / "tiny-cost-model", head="score", seed=11)
     data = workdir / "target_char.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in make_toy_dataset("target_char", 256, seed=0)))
-    figures: dict[str, Any] = {"steps": steps, "task": "target_char", "target_gain": TARGET_GAIN, "quick": args.quick}
+    figures: dict[str, Any] = {
+        "steps": steps,
+        "task": "target_char",
+        "target_gain": TARGET_GAIN,
+        "quick": args.quick,
+    }
     # The cost model's mean cost on the initial policy, measured by a one-step Safe-RLHF run with no
     # constraint pressure; the limit sits below it so the constraint binds from the start.
     cost_limit = 0.0
@@ -109,7 +114,9 @@ def main() -> None:
         cost_limit = round(initial_cost - 0.05 * abs(initial_cost) - 0.01, 4)
         figures["safe_rlhf_initial_cost"] = round(initial_cost, 4)
     for algorithm in args.only or ALGORITHMS:
-        metrics, wall = run(spec_for(algorithm, workdir, model, cost_model, data, steps, cost_limit), algorithm)
+        metrics, wall = run(
+            spec_for(algorithm, workdir, model, cost_model, data, steps, cost_limit), algorithm
+        )
         rewards = [m["reward/mean"] for m in metrics]
         first, last = statistics.mean(rewards[:window]), statistics.mean(rewards[-window:])
         entry: dict[str, Any] = {
