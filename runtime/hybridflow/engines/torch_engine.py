@@ -254,7 +254,7 @@ class TorchRolloutEngine(RolloutEngine):
         # The cache and the attention mask are allocated once for prompt + max_new_tokens columns
         # and filled in place (a static cache): no per-step concatenation or reallocation.
         total_width = prompt_width + params.max_new_tokens
-        cache = StaticCache(config=model.config, max_cache_len=total_width)
+        cache = StaticCache(config=cast(Any, model).config, max_cache_len=total_width)
         full_mask = torch.zeros((batch, total_width), dtype=attention_mask.dtype, device=device)
         full_mask[:, :prompt_width] = attention_mask
         outputs = model(
