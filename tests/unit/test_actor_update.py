@@ -28,6 +28,7 @@ from hybridflow.controller import Batch, WorkerContext
 from hybridflow.mesh import DeviceMesh
 from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.mini_batches import token_budget_micro_batches, trim_padding
 from hybridflow.workers.policy import ActorWorker
 
 pytestmark = pytest.mark.unit
@@ -175,3 +176,42 @@ def test_target_kl_stops_the_epochs(model_dir: Path) -> None:
     assert metrics["actor/epochs"] == 2.0
     free = _actor(_spec(model_dir, ppoEpochs=2))
     assert free.update_policy(batch.union(free.compute_log_probs(batch)))["actor/epochs"] == 2.0
+
+
+def test_trimming_keeps_every_valid_token_in_the_layout() -> None:
+    batch = _rollout(0)
+    short = batch.rows([0, 3, 6])  # response lengths 1, 4, 1 and prompt lengths 2, 2, 2
+    trimmed = trim_padding(short)
+    assert trimmed.tensors["responses"].shape[1] == 4 and trimmed.tensors["input_ids"].shape[1] == 2 + 4
+    for name in ("response_mask", "advantages"):
+        assert torch.equal(trimmed.tensors[name], short.tensors[name][:, :4])
+    assert torch.equal(trimmed.tensors["input_ids"], short.tensors["input_ids"][:, PROMPT - 2 : PROMPT + 4])
+    assert int(trimmed.tensors["attention_mask"].sum()) == int(short.tensors["attention_mask"].sum())
+
+
+def test_token_budget_packs_sorted_rows_and_keeps_every_row() -> None:
+    batch = _rollout(0)
+    micro = token_budget_micro_batches(batch, 24, dp_sum=lambda t: t, dp_size=1, dp_rank=0)
+    assert sum(len(m) for m in micro) == ROWS and len(micro) > 1
+    for m in micro:
+        assert len(m) == 1 or len(m) * m.tensors["input_ids"].shape[1] <= 24
+    assert sum(int(m.tensors["response_mask"].sum()) for m in micro) == int(
+        batch.tensors["response_mask"].sum()
+    )
+    # another DP rank needing 5 micro-batches: this rank splits to match
+    matched = token_budget_micro_batches(
+        batch, 24, dp_sum=lambda t: t + torch.tensor([[0.0, 5.0], [0.0, float(ROWS)]]), dp_size=2, dp_rank=0
+    )
+    assert len(matched) == max(5, len(micro))
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_token_budget_micro_batches_give_the_same_gradient(model_dir: Path) -> None:
+    norms = []
+    for budget in (None, 30):
+        spec = _spec(model_dir)
+        spec = spec.model_copy(
+            update={"training": spec.training.model_copy(update={"max_tokens_per_micro_batch": budget})}
+        )
+        norms.append(_train(_actor(spec), 1, two_pass=True)[0]["actor/grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)

@@ -292,7 +292,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
     assert spec_errors(manifest) == [
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
-        "miniBatchSize, microBatchSizePerGpu, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
+        "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
         "maxGradNorm, precision, tensorParallelSize, pipelineParallelSize, seed)",
     ]
 
@@ -405,6 +405,10 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "group-baseline-needs-samples": (_set("algorithm.samplesPerPrompt", 1), "1 with name 'grpo'"),
     "top-k-not-zero": (_set("rollout.topK", 0), "0"),
     "warmup-within-total-steps": (_set("training.warmupSteps", 11), "11 with totalSteps 10"),
+    "token-budget-needs-fsdp": (
+        _all(_set("training.backend", "megatron"), _set("training.maxTokensPerMicroBatch", 64)),
+        "64 with backend 'megatron'",
+    ),
     "tensor-parallel-needs-megatron": (
         _all(_set("training.tensorParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),
         "2 with backend 'fsdp'",

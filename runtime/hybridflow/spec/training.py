@@ -54,6 +54,16 @@ class TrainingSpec(SpecModel):
             "the whole mini-batch's token or sequence count (spec.algorithm.lossAggregation)."
         ),
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "backend 'fsdp' only: form each rank's update micro-batches by a token budget instead of "
+            "microBatchSizePerGpu: rows sorted by length, packed while rows x the widest row stay within "
+            "this many tokens, and trimmed of the columns that are padding in every row. Unset: fixed "
+            "row counts. Never changes the result (global loss counts)."
+        ),
+    )
     learning_rate: float = Field(
         default=1e-6,
         gt=0,
@@ -103,6 +113,15 @@ class TrainingSpec(SpecModel):
 
 
 TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
+    CrossFieldRule[TrainingSpec](
+        name="token-budget-needs-fsdp",
+        node_path="spec.training",
+        field_path=".maxTokensPerMicroBatch",
+        cel="self.backend == 'fsdp' || !has(self.maxTokensPerMicroBatch)",
+        message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
+        holds=lambda training: training.backend == "fsdp" or training.max_tokens_per_micro_batch is None,
+        observed=lambda training: f"{training.max_tokens_per_micro_batch} with backend {training.backend!r}",
+    ),
     CrossFieldRule[TrainingSpec](
         name="warmup-within-total-steps",
         node_path="spec.training",

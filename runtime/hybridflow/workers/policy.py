@@ -33,7 +33,13 @@ from hybridflow.backends.fsdp import (
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers, kl_exceeded, local_mini_batches
+from hybridflow.workers.mini_batches import (
+    dp_sum_over,
+    global_normalizers,
+    kl_exceeded,
+    local_mini_batches,
+    update_micro_batches,
+)
 
 __all__ = ["ActorWorker", "ReferenceWorker", "seed_everything"]
 
@@ -150,7 +156,7 @@ class ActorWorker(_PolicyModel):
             epoch_k3: list[float] = []
             for mini, normalizer in zip(minis, normalizers, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.chunk_by_size(self.micro_batch_size):
+                for micro in update_micro_batches(self.spec, self.ctx, mini, dp_sum):
                     log_probs, entropy = self._log_probs(micro, with_entropy=True)
                     old_log_probs = (
                         log_probs.detach() if on_policy else micro.tensors["old_log_probs"].to(device)

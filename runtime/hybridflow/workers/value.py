@@ -25,7 +25,7 @@ from hybridflow.backends.fsdp import (
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers
+from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers, update_micro_batches
 from hybridflow.workers.policy import seed_everything
 
 __all__ = ["CostCriticWorker", "CostModelWorker", "CriticWorker", "RewardModelWorker"]
@@ -129,13 +129,12 @@ class CriticWorker(_ValueRole):
         self.model.train()
         totals: dict[str, list[float]] = {}
         minis = batch.chunk_by_size(self.local_mini_batch)
-        normalizers = global_normalizers(
-            minis, dp_size=self.ctx.mesh.dp_size, dp_sum=dp_sum_over(None, device)
-        )
+        dp_sum = dp_sum_over(None, device)
+        normalizers = global_normalizers(minis, dp_size=self.ctx.mesh.dp_size, dp_sum=dp_sum)
         for _ in range(algo.ppo_epochs):
             for mini, normalizer in zip(minis, normalizers, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.chunk_by_size(self.micro_batch_size):
+                for micro in update_micro_batches(self.spec, self.ctx, mini, dp_sum):
                     values = self._values(micro)
                     old_values = micro.tensors["values"].to(device)
                     returns = micro.tensors["returns"].to(device)
