@@ -74,7 +74,7 @@ def spec_for(
     algo.update(changes)
     if algorithm == "safe-rlhf":
         models["cost"] = {"path": str(cost_model)}
-        algo.update({"costLimit": cost_limit, "lagrangianLearningRate": 0.5})
+        algo.update({"costLimit": cost_limit, "lagrangianLearningRate": 0.2})
     return spec.model_copy(
         update={
             "models": spec.models.model_validate(models),

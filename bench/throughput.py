@@ -151,7 +151,6 @@ def job_spec(workdir: Path, model: Path, data: Path, gpus: int, steps: int) -> R
 
 
 def hybridflow_run(spec: RLHFJobSpec, warmup: int) -> dict[str, Any]:
-    init_local_ray(resource_pools(spec, simulated=True))
     summary = run_training(spec, on_step=lambda line: print(f"[{spec.output_dir}] {line}", file=sys.stderr))
     measured = summary.metrics[warmup:]
     walls = [m["perf/step_seconds"] for m in measured]
@@ -182,6 +181,8 @@ def main() -> None:
         "quick": args.quick,
         "plain_loop": plain_loop(model, rows, steps, warmup),
     }
+    # One embedded Ray for both runs, sized for the larger (it cannot grow once started).
+    init_local_ray(resource_pools(job_spec(workdir, model, data, 2, 1), simulated=True))
     for gpus in (1, 2):
         figures[f"hybridflow_{gpus}gpu"] = hybridflow_run(
             job_spec(workdir, model, data, gpus, warmup + steps), warmup

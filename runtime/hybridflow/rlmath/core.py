@@ -540,15 +540,18 @@ class LagrangeMultiplier:
     """Safe-RLHF's multiplier ``lambda = exp(log_lambda)`` for the constraint ``E[cost] <= cost_limit``.
 
     The parameter is ``log_lambda`` so lambda stays positive. After each step the controller
-    calls ``update(mean_cost)``, one gradient-ascent step on the Lagrangian term
-    ``lambda * (mean_cost - cost_limit)`` with respect to ``log_lambda`` (as Safe-RLHF's
-    ``lambda_loss = -(cost - limit) * exp(log_lambda)``)::
-
-        log_lambda += lr * (mean_cost - cost_limit) * lambda
-
-    Lambda grows while the constraint is violated and decays once it holds; it is clamped
-    to ``max_lambda`` so that a long violation cannot make the reward irrelevant.
+    calls ``update(mean_cost)``: one Adam step (beta 0.9/0.999) on Safe-RLHF's
+    ``lambda_loss = -(mean_cost - cost_limit) * exp(log_lambda)`` with respect to
+    ``log_lambda``, as the paper's released code does (``torch.optim.Adam([log_lambda])``).
+    Adam makes a step about ``lr`` in ``log_lambda`` whatever the cost's units, and a lambda
+    near 0 (where the plain gradient ``(mean_cost - cost_limit) * lambda`` vanishes) can still
+    grow again when the constraint is violated. Lambda grows while the constraint is violated
+    and decays once it holds; it is clamped to ``max_lambda`` so that a long violation cannot
+    make the reward irrelevant.
     """
+
+    _BETAS = (0.9, 0.999)
+    _EPS = 1e-8
 
     def __init__(
         self, init_lambda: float, cost_limit: float, lr: float, max_lambda: float | None = None
@@ -563,6 +566,9 @@ class LagrangeMultiplier:
         self.cost_limit = float(cost_limit)
         self.lr = float(lr)
         self.max_lambda = max_lambda
+        self._step = 0
+        self._first_moment = 0.0
+        self._second_moment = 0.0
 
     @property
     def value(self) -> float:
@@ -570,15 +576,30 @@ class LagrangeMultiplier:
         return math.exp(self.log_lambda)
 
     def update(self, mean_cost: float) -> None:
-        """One ascent step from the batch's mean episode cost."""
-        self.log_lambda += self.lr * (mean_cost - self.cost_limit) * self.value
+        """One Adam step from the batch's mean episode cost (ascent on ``lambda * (cost - limit)``)."""
+        gradient = -(mean_cost - self.cost_limit) * self.value
+        beta1, beta2 = self._BETAS
+        self._step += 1
+        self._first_moment = beta1 * self._first_moment + (1 - beta1) * gradient
+        self._second_moment = beta2 * self._second_moment + (1 - beta2) * gradient * gradient
+        first = self._first_moment / (1 - beta1**self._step)
+        second = self._second_moment / (1 - beta2**self._step)
+        self.log_lambda -= self.lr * first / (math.sqrt(second) + self._EPS)
         if self.max_lambda is not None:
             self.log_lambda = min(self.log_lambda, math.log(self.max_lambda))
 
     def state_dict(self) -> dict[str, float]:
-        """The checkpointed state: ``log_lambda`` (limit, lr and max are config)."""
-        return {"log_lambda": self.log_lambda}
+        """The checkpointed state: ``log_lambda`` and Adam's moments (limit, lr and max are config)."""
+        return {
+            "log_lambda": self.log_lambda,
+            "step": float(self._step),
+            "first_moment": self._first_moment,
+            "second_moment": self._second_moment,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restore from ``state_dict()``."""
+        """Restore from ``state_dict()`` (a checkpoint with only ``log_lambda`` restarts Adam's moments)."""
         self.log_lambda = float(state["log_lambda"])
+        self._step = int(state.get("step", 0))
+        self._first_moment = float(state.get("first_moment", 0.0))
+        self._second_moment = float(state.get("second_moment", 0.0))
