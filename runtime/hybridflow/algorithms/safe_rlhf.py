@@ -10,8 +10,8 @@ How the paper's method maps onto this step (section 3 and Algorithm 1 of the pap
   cost's carry only the cost score on the last token.
 * The Lagrangian ``min_theta max_{lambda >= 0} -J_R(theta) + lambda * (J_C(theta) - d)``, with
   ``d = costLimit`` and ``J_C`` the expected episode cost, is solved by alternating updates:
-  first lambda by gradient ascent on ``lambda * (J_C - d)`` from this batch's mean episode cost
-  (lambda = exp(log_lambda) stays positive; ``lagrangianLearningRate``), then the policy with
+  first lambda by ascent on ``lambda * (J_C - d)`` from this batch's mean episode cost (an Adam
+  step on log_lambda, as the paper's code; ``lagrangianLearningRate``), then the policy with
   the advantage ``(A_R - lambda * A_C) / (1 + lambda)``, the paper's eq. (13) normalisation,
   which keeps the step size independent of lambda. Both advantages are whitened first.
 * Both critics update with the clipped value loss, concurrently with the actor.
