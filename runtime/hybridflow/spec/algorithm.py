@@ -181,8 +181,8 @@ class AlgorithmSpec(SpecModel):
         default=0.05,
         gt=0,
         description=(
-            "safe-rlhf only: step size of the Lagrange multiplier, which grows while the measured "
-            "cost exceeds costLimit and shrinks (down to 0) while it is below."
+            "safe-rlhf only: Adam step size on log(lambda) of the Lagrange multiplier, which grows while "
+            "the measured episode cost exceeds costLimit and shrinks towards 0 while it is below."
         ),
     )
 
