@@ -56,6 +56,7 @@ format: setup
 bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
+	RAY_AUTH_MODE=disabled $(PY) bench/throughput.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator_scale.py
 	RAY_AUTH_MODE=disabled $(PY) bench/e2e.py

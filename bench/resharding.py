@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.controller.mesh import DeviceMesh
+from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding import DESIGNS, DecoderSpec, ParamBytes, build_plan, decoder_layout, table2
 from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard, TransitionStats
 

@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from hybridflow.controller import WorkerStalledError, init_local_ray
     from hybridflow.data import PromptDataError
-    from hybridflow.trainer.rewards import RewardFunctionError
+    from hybridflow.rewards.scorer import RewardFunctionError
     from hybridflow.trainer.roles import resource_pools
     from hybridflow.trainer.runner import UnsupportedAlgorithmError, run_training
 

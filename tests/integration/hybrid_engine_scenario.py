@@ -99,8 +99,8 @@ def main(work: Path, rollout_tp: int) -> None:
     from hybridflow.data import PromptDataset, PromptSampler
     from hybridflow.models.tiny import write_tiny_model
     from hybridflow.rewards import make_toy_dataset
+    from hybridflow.rewards.scorer import RewardScorer
     from hybridflow.spec.manifest import parse_job_manifest
-    from hybridflow.trainer.rewards import RewardScorer
     from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools
     from hybridflow.trainer.runner import reshard_metrics
 

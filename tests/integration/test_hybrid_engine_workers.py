@@ -144,11 +144,9 @@ def test_roles_follow_the_training_backend() -> None:
     assert plain["rollout"].worker_cls is RolloutWorker
 
 
-def test_runner_refuses_model_parallelism_on_fsdp_naming_the_field(tmp_path: Path) -> None:
-    from hybridflow.trainer.runner import UnsupportedAlgorithmError, run_training
+def test_spec_refuses_tensor_parallelism_on_fsdp_naming_the_field() -> None:
+    """Rejected by the spec (hence `hybridflow validate` and admission), before any GPU is allocated."""
+    from hybridflow.spec import SpecError
 
-    spec = job_spec(tensorParallelSize=2).model_copy(update={"output_dir": str(tmp_path)})
-    with pytest.raises(
-        UnsupportedAlgorithmError, match=r"spec.training.tensorParallelSize: 2.*backend: megatron"
-    ):
-        run_training(spec)
+    with pytest.raises(SpecError, match=r"spec.training.tensorParallelSize: must be 1 with backend 'fsdp'"):
+        job_spec(tensorParallelSize=2)

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.engines.base import EngineStateError, SamplingParams
+from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding import DESIGNS, DecoderSpec, Design, ReshardingError, build_plan, decoder_layout
 from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
 from spawned_ranks import free_port, run_spawned_ranks

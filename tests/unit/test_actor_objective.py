@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hybridflow.algorithms import core
-from hybridflow.algorithms.objectives import actor_objective
+from hybridflow.rlmath import core
+from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import AlgorithmSpec
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridflow.algorithms.core import (
+from hybridflow.rlmath.core import (
     AdaptiveKLController,
     FixedKLController,
     KLEstimator,
@@ -436,14 +436,29 @@ def test_combine_reward_cost_advantages() -> None:
 
 def test_lagrange_multiplier_rises_on_violation_falls_when_satisfied() -> None:
     multiplier = LagrangeMultiplier(init_lambda=1.0, cost_limit=0.0, lr=0.1)
-    multiplier.update(mean_cost=2.0)  # log_lambda = 0 + 0.1 * 2 * 1
-    assert multiplier.value == pytest.approx(math.exp(0.2))
-    before = multiplier.value
-    multiplier.update(mean_cost=-1.0)
-    assert multiplier.log_lambda == pytest.approx(0.2 - 0.1 * before)
+    multiplier.update(mean_cost=2.0)  # Adam's first step is lr * sign(cost - limit), whatever the units
+    assert multiplier.log_lambda == pytest.approx(0.1)
+    tiny = LagrangeMultiplier(init_lambda=1.0, cost_limit=0.0, lr=0.1)
+    tiny.update(mean_cost=0.002)
+    assert tiny.log_lambda == pytest.approx(0.1, rel=1e-4)
+    peak = multiplier.value
+    for _ in range(10):
+        multiplier.update(mean_cost=-1.0)
+    assert multiplier.value < 1.0 < peak
     restored = LagrangeMultiplier(init_lambda=5.0, cost_limit=0.0, lr=0.1)
     restored.load_state_dict(multiplier.state_dict())
     assert restored.value == pytest.approx(multiplier.value)
+    multiplier.update(mean_cost=3.0)
+    restored.update(mean_cost=3.0)
+    assert restored.value == pytest.approx(multiplier.value)  # the moments were restored too
+
+
+def test_a_lambda_near_zero_grows_again_on_violation() -> None:
+    multiplier = LagrangeMultiplier(init_lambda=1e-6, cost_limit=0.0, lr=0.5)
+    before = multiplier.value
+    for _ in range(5):
+        multiplier.update(mean_cost=1.0)
+    assert multiplier.value > 10 * before
 
 
 def test_lagrange_multiplier_is_clamped_to_max() -> None:

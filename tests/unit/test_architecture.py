@@ -4,6 +4,9 @@
   shadow the standard library's ``operator`` and break kopf, kubernetes and pytest).
 * ``hybridflow_operator`` never imports torch, ray or vllm (the operator image has none).
 * ``hybridflow`` never imports kopf; ``hybridflow.spec`` imports neither side's stack.
+* The runtime's layers point one way (``RUNTIME_LAYERS``, lowest first): a module imports only
+  modules of its own layer or below; the torch-only layers (everything below the controller)
+  never load Ray; the backends do not import each other.
 
 Each rule is checked twice: statically over every source file (catches imports on code paths
 a plain import does not reach) and dynamically in a fresh interpreter.
@@ -99,3 +102,123 @@ def test_importing_the_runtime_loads_no_kopf() -> None:
     loaded = _modules_loaded_by("; ".join(f"import {m}" for m in modules))
     assert "hybridflow" in loaded
     assert not loaded & {"kopf", "hybridflow_operator"}
+
+
+# --------------------------------------------------------------------------- the runtime's layers
+
+RUNTIME_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hybridflow.spec",),
+    # leaves: pure math, topology, rules, data and files; no Ray, no workers
+    (
+        "hybridflow.mesh",
+        "hybridflow.rlmath",
+        "hybridflow.rewards",
+        "hybridflow.rewards.rules",
+        "hybridflow.rewards.parallel",
+        "hybridflow.models",
+        "hybridflow.data",
+        "hybridflow.metrics",
+        "hybridflow.checkpoint",
+    ),
+    # torch-only SPMD code a worker process calls; no Ray
+    ("hybridflow.backends", "hybridflow.engines", "hybridflow.resharding"),
+    ("hybridflow.controller",),
+    ("hybridflow.workers", "hybridflow.rewards.scorer"),
+    # the worker API an algorithm sees (algorithms.api) and the algorithms over it
+    ("hybridflow.algorithms",),
+    ("hybridflow.trainer", "hybridflow.incluster", "hybridflow.cli", "hybridflow"),
+)
+RAY_FREE_LAYERS = 3  # the layers below the controller
+BACKENDS = ("hybridflow.backends.fsdp", "hybridflow.backends.megatron")
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT / "runtime").with_suffix("").parts).removesuffix(".__init__")
+
+
+def _layer_of(module: str) -> int:
+    """The layer of the longest prefix of ``module`` that ``RUNTIME_LAYERS`` names."""
+    best, best_len = -1, -1
+    for index, prefixes in enumerate(RUNTIME_LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer of RUNTIME_LAYERS; add it where it belongs")
+    return best
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """Each runtime module -> the ``hybridflow.*`` modules it imports (anywhere in the file)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(RUNTIME.rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        found[_module_name(path)] = {n for n in names if n.startswith("hybridflow.")}
+    return found
+
+
+def _resolvable(name: str) -> str:
+    """``from pkg import name`` may name a module or an attribute; keep the longest existing module path."""
+    parts = name.split(".")
+    while parts:
+        candidate = ROOT / "runtime" / Path(*parts)
+        if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+            return ".".join(parts)
+        parts.pop()
+    return name
+
+
+def test_runtime_layers_point_one_way() -> None:
+    upward = sorted(
+        f"{module} (layer {_layer_of(module)}) imports {target} (layer {_layer_of(target)})"
+        for module, targets in _runtime_imports().items()
+        for target in {_resolvable(t) for t in targets}
+        if _layer_of(target) > _layer_of(module)
+    )
+    assert upward == []
+
+
+def test_backends_do_not_import_each_other() -> None:
+    crossing = sorted(
+        f"{module} imports {target}"
+        for module, targets in _runtime_imports().items()
+        for target in targets
+        for own in BACKENDS
+        for other in BACKENDS
+        if own != other and module.startswith(own) and target.startswith(other)
+    )
+    assert crossing == []
+
+
+def test_torch_only_layers_do_not_import_ray() -> None:
+    ray_free = {
+        module: names & {"ray"}
+        for module, names in (
+            (_module_name(p), imported) for p, imported in _top_level_imports_by_path().items()
+        )
+        if _layer_of(module) < RAY_FREE_LAYERS and names & {"ray"}
+    }
+    assert ray_free == {}
+
+
+def _top_level_imports_by_path() -> dict[Path, set[str]]:
+    return {ROOT / file: names for file, names in imported_top_level_modules(RUNTIME).items()}
+
+
+def test_importing_the_torch_only_layers_loads_no_ray() -> None:
+    """Dynamically too: a package ``__init__`` on the way (``hybridflow.controller``'s loads Ray) would show here."""
+    modules = sorted(
+        _module_name(p)
+        for p in RUNTIME.rglob("*.py")
+        if _layer_of(_module_name(p)) < RAY_FREE_LAYERS
+        and not _module_name(p).startswith(("hybridflow.backends.megatron", "hybridflow.engines.vllm_engine"))
+    )
+    loaded = _modules_loaded_by("; ".join(f"import {m}" for m in modules))
+    assert "torch" in loaded
+    assert "ray" not in loaded

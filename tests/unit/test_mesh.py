@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from hybridflow.controller.mesh import DeviceMesh, MeshError
+from hybridflow.mesh import DeviceMesh, MeshError
 
 pytestmark = pytest.mark.unit
 

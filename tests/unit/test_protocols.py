@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hybridflow.controller.batch import Batch
-from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.controller.protocols import (
     BROADCAST,
     DP_SPLIT,
@@ -20,6 +19,7 @@ from hybridflow.controller.protocols import (
     method_spec,
     register,
 )
+from hybridflow.mesh import DeviceMesh
 
 pytestmark = pytest.mark.unit
 

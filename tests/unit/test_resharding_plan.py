@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from hybridflow.controller.mesh import DeviceMesh
+from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding import (
     DESIGNS,
     DecoderSpec,

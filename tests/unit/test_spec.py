@@ -7,6 +7,7 @@ exactly one rule, so the tests also show the rules do not overlap.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -254,7 +255,8 @@ def test_enum_error_names_path_value_and_allowed_values() -> None:
     manifest = minimal_manifest()
     manifest["spec"]["algorithm"]["name"] = "ppo2"
     assert spec_errors(manifest) == [
-        "spec.algorithm.name: 'ppo2' is not one of 'ppo', 'grpo', 'remax', 'safe-rlhf', 'rloo', 'reinforce++'"
+        "spec.algorithm.name: 'ppo2' is not one of 'ppo', 'grpo', 'remax', 'safe-rlhf', 'rloo', 'reinforce++' "
+        "or a plugin 'package.module:train_step'"
     ]
 
 
@@ -290,7 +292,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
     assert spec_errors(manifest) == [
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
-        "miniBatchSize, microBatchSizePerGpu, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
+        "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
         "maxGradNorm, precision, tensorParallelSize, pipelineParallelSize, seed)",
     ]
 
@@ -403,6 +405,14 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "group-baseline-needs-samples": (_set("algorithm.samplesPerPrompt", 1), "1 with name 'grpo'"),
     "top-k-not-zero": (_set("rollout.topK", 0), "0"),
     "warmup-within-total-steps": (_set("training.warmupSteps", 11), "11 with totalSteps 10"),
+    "token-budget-needs-fsdp": (
+        _all(_set("training.backend", "megatron"), _set("training.maxTokensPerMicroBatch", 64)),
+        "64 with backend 'megatron'",
+    ),
+    "tensor-parallel-needs-megatron": (
+        _all(_set("training.tensorParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),
+        "2 with backend 'fsdp'",
+    ),
     "pipeline-parallel-needs-megatron": (
         _all(_set("training.pipelineParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),
         "2 with backend 'fsdp'",
@@ -440,7 +450,7 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "reward-source": (_set("rewards", []), "no reward functions and no reward model"),
     "mini-batch-divides-step": (_set("training.miniBatchSize", 5), "5 with 8 prompts x 4 samples"),
     "training-fits-actor-pool": (
-        _set("training.tensorParallelSize", 2),
+        _all(_set("training.backend", "megatron"), _set("training.tensorParallelSize", 2)),
         "2 * 1 = 2; pool 'default' has 1 GPU",
     ),
     "training-fits-critic-pool": (
@@ -448,6 +458,7 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
             _PPO_WITH_CRITIC,
             _set("resourcePools", [_pool("default", 2), _pool("critic", 1)]),
             _set("roles.critic", "critic"),
+            _set("training.backend", "megatron"),
             _set("training.tensorParallelSize", 2),
         ),
         "2 * 1 = 2; pool 'critic' has 1 GPU",
@@ -611,14 +622,10 @@ def test_json_schema_uses_camel_case_and_enums() -> None:
     schema = RLHFJobSpec.model_json_schema(by_alias=True)
     training = schema["$defs"]["TrainingSpec"]["properties"]
     assert "microBatchSizePerGpu" in training and "micro_batch_size_per_gpu" not in training
-    assert schema["$defs"]["AlgorithmSpec"]["properties"]["name"]["enum"] == [
-        "ppo",
-        "grpo",
-        "remax",
-        "safe-rlhf",
-        "rloo",
-        "reinforce++",
-    ]
+    name_pattern = re.compile(schema["$defs"]["AlgorithmSpec"]["properties"]["name"]["pattern"])
+    for name in ("ppo", "grpo", "remax", "safe-rlhf", "rloo", "reinforce++", "my_pkg.algos:train_step"):
+        assert name_pattern.match(name), name
+    assert not name_pattern.match("ppo2") and not name_pattern.match("pkg.mod")
     assert schema["properties"]["rollout"]["default"]["engine"] == "vllm"
 
 

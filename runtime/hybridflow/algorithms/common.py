@@ -8,12 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.algorithms import core
+from hybridflow.algorithms.api import JobWorkers, RewardScorer, needs_old_log_probs
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
+from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers
 
 __all__ = [
     "average_worker_metrics",
@@ -27,10 +26,14 @@ __all__ = [
 def rollout_and_score(
     workers: JobWorkers, prompts: Batch, scorer: RewardScorer, spec: RLHFJobSpec
 ) -> tuple[Batch, dict[str, float]]:
-    """Generate ``samples_per_prompt`` responses per prompt and add scores, old and ref log-probs.
+    """Generate ``samples_per_prompt`` responses per prompt and add scores and the log-probs needed.
 
-    The returned metrics include ``timing/*`` seconds per phase (weight sync, generation,
-    scoring, log-probs), the breakdown dashboards show.
+    ``old_log_probs`` only when :func:`~hybridflow.algorithms.api.needs_old_log_probs` (else the
+    actor's update takes its own), ``ref_log_probs`` only when the job has a reference (a KL
+    term). The actor and reference passes are submitted before scoring, so the reward
+    functions run in the controller's process pool while the workers compute. The returned
+    metrics include ``timing/*`` seconds per phase (weight sync, generation, reward and
+    log-probs together), the breakdown dashboards show.
     """
     clock = time.monotonic()
     timing: dict[str, float] = {}
@@ -45,29 +48,30 @@ def rollout_and_score(
     lap("weight_sync")
     batch = workers.rollout.generate_sequences(prompts)
     lap("generate")
+    old = workers.actor.compute_log_probs.submit(batch) if needs_old_log_probs(spec) else None
+    ref = workers.reference.compute_ref_log_probs.submit(batch) if workers.reference is not None else None
     scores, metrics = scorer.scores(batch)
     lap("reward")
-    old = workers.actor.compute_log_probs.submit(batch)
-    ref = workers.reference.compute_ref_log_probs.submit(batch)
-    batch = batch.union(old.result()).union(ref.result()).with_fields(scores=scores)
+    for future in (old, ref):
+        if future is not None:
+            batch = batch.union(future.result())
+    batch = batch.with_fields(scores=scores)
     lap("log_probs")
     metrics.update(timing)
     mask = batch.tensors["response_mask"].float()
-    kl = core.masked_mean(
-        core.kl_penalty(
-            batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], spec.algorithm.kl.estimator
-        ),
-        mask,
-    )
     metrics.update(
         {
             "reward/mean": float(scores.mean()),
             "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-            "kl/actor_ref": float(kl),
             "response/length_mean": float(mask.sum(dim=1).mean()),
             "tokens/step": float(batch.tensors["attention_mask"].sum()),
         }
     )
+    if "old_log_probs" in batch.tensors and "ref_log_probs" in batch.tensors:
+        kl = core.kl_penalty(
+            batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], spec.algorithm.kl.estimator
+        )
+        metrics["kl/actor_ref"] = float(core.masked_mean(kl, mask))
     return batch, metrics
 
 
@@ -88,7 +92,7 @@ def kl_adjusted_scores(batch: Batch, state: AlgorithmState) -> torch.Tensor:
     """Sequence scores, minus ``coef * summed KL`` when ``kl.mode`` is ``reward`` (outcome-baseline algorithms)."""
     kl = state.spec.algorithm.kl
     scores = batch.tensors["scores"]
-    if kl.mode == "reward":
+    if kl.mode == "reward" and "ref_log_probs" in batch.tensors:
         scores = scores - state.kl_controller.value * sequence_kl(batch, kl.estimator)
     return scores
 
@@ -101,7 +105,7 @@ def kl_penalized_token_rewards(
     kl = state.spec.algorithm.kl
     mask = batch.tensors["response_mask"].float()
     token_rewards = core.place_outcome_score(scores, mask)
-    if kl.mode != "reward":
+    if kl.mode != "reward" or "ref_log_probs" not in batch.tensors:
         return token_rewards
     token_rewards, mean_kl = core.apply_kl_penalty_to_rewards(
         token_rewards,

@@ -8,7 +8,7 @@ pools they run in parallel, colocated they run one after the other in the same p
 
 from __future__ import annotations
 
-from hybridflow.algorithms import core
+from hybridflow.algorithms.api import JobWorkers, RewardScorer
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -16,8 +16,7 @@ from hybridflow.algorithms.common import (
 )
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers
+from hybridflow.rlmath import core
 
 
 def train_step(
@@ -37,4 +36,7 @@ def train_step(
     actor_update = workers.actor.update_policy.submit(batch)
     metrics.update(average_worker_metrics(critic_update.result()))
     metrics.update(average_worker_metrics(actor_update.result()))
+    metrics["critic/explained_variance"] = float(
+        core.explained_variance(batch.tensors["values"], returns, mask)
+    )
     return metrics

@@ -7,7 +7,7 @@ whole batch and used as advantages with PPO's clipped loss (Hu, 2025).
 
 from __future__ import annotations
 
-from hybridflow.algorithms import core
+from hybridflow.algorithms.api import JobWorkers, RewardScorer
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -15,8 +15,7 @@ from hybridflow.algorithms.common import (
 )
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers
+from hybridflow.rlmath import core
 
 
 def train_step(

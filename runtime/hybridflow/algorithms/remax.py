@@ -7,12 +7,11 @@ critic. KL follows ``spec.algorithm.kl.mode`` as in GRPO.
 
 from __future__ import annotations
 
-from hybridflow.algorithms import core
+from hybridflow.algorithms.api import JobWorkers, RewardScorer
 from hybridflow.algorithms.common import average_worker_metrics, kl_adjusted_scores, rollout_and_score
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers
+from hybridflow.rlmath import core
 
 
 def train_step(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.algorithms.core import AdaptiveKLController, FixedKLController, LagrangeMultiplier
+from hybridflow.rlmath.core import AdaptiveKLController, FixedKLController, LagrangeMultiplier
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = ["AlgorithmState"]

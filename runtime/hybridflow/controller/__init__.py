@@ -16,7 +16,6 @@ from hybridflow.controller.errors import (
     WorkerStalledError,
 )
 from hybridflow.controller.local_cluster import init_local_ray
-from hybridflow.controller.mesh import DeviceMesh, MeshCoord, MeshError
 from hybridflow.controller.protocols import (
     BROADCAST,
     DP_SPLIT,
@@ -33,6 +32,7 @@ from hybridflow.controller.protocols import (
 from hybridflow.controller.resource_pool import PlacementError, ResourcePool, node_pool_resource
 from hybridflow.controller.worker import Worker, WorkerContext
 from hybridflow.controller.worker_group import GroupFuture, WorkerGroup
+from hybridflow.mesh import DeviceMesh, MeshCoord, MeshError
 
 __all__ = [
     "BROADCAST",

@@ -23,10 +23,10 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.errors import RoleMappingError
-from hybridflow.controller.mesh import DeviceMesh, MeshError
 from hybridflow.controller.resource_pool import PoolPlacement, ResourcePool, place_pool
 from hybridflow.controller.worker import Worker, WorkerHost
 from hybridflow.controller.worker_group import RankPlacement, WorkerGroup, wait_for_ranks
+from hybridflow.mesh import DeviceMesh, MeshError
 
 __all__ = ["Deployment", "RoleSpec", "deploy"]
 
@@ -153,7 +153,7 @@ def deploy(
         host_cls: Any = ray.remote(WorkerHost)
         for placement in placements:
             pool = placement.pool
-            threads = max(1, int(pool.cpus_per_gpu))
+            threads = pool.threads_per_worker
             hosts[pool.name] = [
                 host_cls.options(
                     num_cpus=pool.cpus_per_gpu,

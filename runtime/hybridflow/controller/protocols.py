@@ -2,7 +2,7 @@
 
 A worker method is exposed to the controller by decorating it with :func:`register`, naming a
 :class:`TransferProtocol`. A protocol is two pure functions of the call and the group's
-:class:`~hybridflow.controller.mesh.DeviceMesh`:
+:class:`~hybridflow.mesh.DeviceMesh`:
 
 ``dispatch(call, mesh) -> Dispatched``
     the arguments each global rank receives (``None``: the rank does not run the method), the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hybridflow.controller.batch import Batch, BatchError
-from hybridflow.controller.mesh import DeviceMesh
+from hybridflow.mesh import DeviceMesh
 
 __all__ = [
     "BROADCAST",

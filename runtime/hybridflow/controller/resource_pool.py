@@ -57,7 +57,10 @@ class ResourcePool:
 
     ``cpus_per_gpu`` is reserved with each GPU bundle (data loading, tokenization, the Ray
     worker itself). ``bind_to_node_pool=False`` drops the custom resource, for plain Ray
-    clusters that do not advertise it.
+    clusters that do not advertise it. ``torch_threads`` is each worker's torch intra-op thread
+    count; None means ``int(cpus_per_gpu)`` (at least 1). Simulated pools on a CPU machine
+    reserve a token CPU share but set it to their share of the cores, so the workers neither
+    oversubscribe nor leave cores idle.
     """
 
     name: str
@@ -65,6 +68,7 @@ class ResourcePool:
     gpus_per_node: int = 1
     cpus_per_gpu: float = 1.0
     bind_to_node_pool: bool = True
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not _POOL_NAME.match(self.name):
@@ -86,6 +90,10 @@ class ResourcePool:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def threads_per_worker(self) -> int:
+        return max(1, self.torch_threads if self.torch_threads is not None else int(self.cpus_per_gpu))
 
     def bundle(self) -> dict[str, float]:
         """Resources of one bundle (one GPU)."""

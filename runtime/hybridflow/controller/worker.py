@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller.batch import Batch
-from hybridflow.controller.mesh import DeviceMesh, MeshCoord
+from hybridflow.mesh import DeviceMesh, MeshCoord
 
 __all__ = ["Worker", "WorkerContext", "WorkerHost"]
 

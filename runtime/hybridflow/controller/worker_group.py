@@ -35,7 +35,6 @@ from hybridflow.controller.errors import (
     WorkerError,
     WorkerStalledError,
 )
-from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.controller.protocols import (
     CallArgs,
     MethodSpec,
@@ -43,6 +42,7 @@ from hybridflow.controller.protocols import (
     method_spec,
     registered_methods,
 )
+from hybridflow.mesh import DeviceMesh
 
 __all__ = ["GroupFuture", "MethodCaller", "RankPlacement", "WorkerGroup", "wait_for_ranks"]
 

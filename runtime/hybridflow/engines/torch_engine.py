@@ -12,9 +12,10 @@ Decoding, for ``B = len(prompts) * n`` rows:
    and as the trainer's forward pass gives it (:mod:`hybridflow.engines.layout`). RoPE only
    sees position differences, so shifted positions would barely change the output of these
    models; they would still break absolute-position models and exact comparisons.
-2. One prefill forward pass fills a ``DynamicCache`` with the prompts' keys and values; each
-   following step feeds only the tokens just chosen, with the attention mask grown by one
-   column and each row's position advanced by one.
+2. One prefill forward pass fills a preallocated ``StaticCache`` (prompt width +
+   ``max_new_tokens`` columns) with the prompts' keys and values; each following step feeds
+   only the tokens just chosen, writes them into the next cache column in place, unmasks that
+   column of a preallocated attention mask and advances each row's position by one.
 3. A row stops when it emits an eos token (kept as its last token); after that it is fed pad
    tokens, whose outputs are discarded. The loop ends when every row stopped or after
    ``max_new_tokens`` steps.
@@ -33,7 +34,7 @@ from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, StaticCache
 
 from hybridflow.engines.base import (
     EngineStateError,
@@ -250,12 +251,18 @@ class TorchRolloutEngine(RolloutEngine):
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
-        cache = DynamicCache(config=getattr(model, "config", None))
+        # The cache and the attention mask are allocated once for prompt + max_new_tokens columns
+        # and filled in place (a static cache): no per-step concatenation or reallocation.
+        total_width = prompt_width + params.max_new_tokens
+        cache = StaticCache(config=cast(Any, model).config, max_cache_len=total_width)
+        full_mask = torch.zeros((batch, total_width), dtype=attention_mask.dtype, device=device)
+        full_mask[:, :prompt_width] = attention_mask
         outputs = model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=full_mask[:, :prompt_width],
             position_ids=position_ids,
             past_key_values=cache,
+            cache_position=torch.arange(prompt_width, device=device),
             use_cache=True,
             logits_to_keep=1,  # only the last column's logits are needed to start decoding
         )
@@ -272,12 +279,14 @@ class TorchRolloutEngine(RolloutEngine):
             finished |= stopped_now
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
+            column = prompt_width + step
+            full_mask[:, column] = 1
             outputs = model(
                 input_ids=chosen[:, None],
-                attention_mask=attention_mask,
+                attention_mask=full_mask[:, : column + 1],
                 position_ids=next_positions,
                 past_key_values=cache,
+                cache_position=torch.tensor([column], device=device),
                 use_cache=True,
             )
             next_positions = next_positions + 1

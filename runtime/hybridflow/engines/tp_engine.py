@@ -1,7 +1,7 @@
 """A tensor- and pipeline-parallel rollout engine for Qwen2/Llama in plain torch, fed by resharding.
 
 Each rank of a generation replica (the ranks sharing one generation DP index of a
-:class:`~hybridflow.controller.mesh.DeviceMesh`) runs this engine on its own slice of the
+:class:`~hybridflow.mesh.DeviceMesh`) runs this engine on its own slice of the
 weights, a :class:`~hybridflow.resharding.transfer.GenerationShard`, and the replica decodes
 as one model:
 
@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridflow.controller.mesh import DeviceMesh
 from hybridflow.engines.base import (
     EngineStateError,
     FinishReason,
@@ -57,6 +56,7 @@ from hybridflow.engines.base import (
     SamplingParams,
     check_prompts,
 )
+from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding.layout import DecoderSpec, ModelLayout, decoder_layout
 from hybridflow.resharding.transfer import GenerationShard, SubgroupCache
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Literal, get_args
 
-from hybridflow.controller.mesh import DeviceMesh
+from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding.layout import Block, ModelLayout, ReshardingError
 
 __all__ = [

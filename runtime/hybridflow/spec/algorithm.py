@@ -8,7 +8,7 @@ algorithm needs (a critic for ppo, a cost model for safe-rlhf) are checked on th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -16,6 +16,12 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
 AlgorithmName = Literal["ppo", "grpo", "remax", "safe-rlhf", "rloo", "reinforce++"]
+BUILTIN_ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+PLUGIN_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+"""``package.module:function``: a user's step function over the same worker API as the built-ins."""
+ALGORITHM_NAME_PATTERN = (
+    "^(" + "|".join(name.replace("+", "\\+") for name in BUILTIN_ALGORITHMS) + "|" + PLUGIN_PATTERN + ")$"
+)
 CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo", "safe-rlhf")
 """Algorithms whose advantages come from a learned value function (GAE), so they train a critic."""
 GROUP_BASELINE_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo")
@@ -82,12 +88,15 @@ KL_RULES: tuple[CrossFieldRule[KLSpec], ...] = (
 class AlgorithmSpec(SpecModel):
     """The algorithm and its loss coefficients."""
 
-    name: AlgorithmName = Field(
+    name: str = Field(
+        pattern=ALGORITHM_NAME_PATTERN,
         description=(
-            "The RL algorithm. ppo and safe-rlhf train a critic (safe-rlhf adds a cost model and a "
-            "Lagrangian constraint); grpo and rloo use the other responses to the same prompt as the "
-            "baseline; remax uses the greedy response's reward; reinforce++ uses a batch-normalized "
-            "return."
+            "The RL algorithm: one of " + ", ".join(BUILTIN_ALGORITHMS) + ", or a plugin "
+            "'package.module:train_step' (a step function over the same worker API, importable by the "
+            "controller; it gets a critic when models.critic is set). ppo and safe-rlhf train a critic "
+            "(safe-rlhf adds a cost model, a cost critic and a Lagrangian constraint); grpo and rloo use "
+            "the other responses to the same prompt as the baseline; remax uses the greedy response's "
+            "reward; reinforce++ uses a batch-normalized return."
         ),
     )
     gamma: float = Field(
@@ -146,6 +155,24 @@ class AlgorithmSpec(SpecModel):
         ge=1,
         description="Passes over each step's responses by the optimizer (each pass in mini-batches).",
     )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        default="token-mean",
+        description=(
+            "How per-token losses (policy, entropy, KL, value) reduce over a mini-batch: 'token-mean' "
+            "(every token weighs the same; veRL/DAPO), 'seq-mean-token-mean' (every sequence weighs the "
+            "same; the PPO/GRPO papers), 'seq-mean-token-sum' (token sums averaged over sequences; "
+            "Dr. GRPO). Counts are global over micro-batches and data-parallel ranks, so neither split "
+            "changes the result."
+        ),
+    )
+    target_kl: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Early stop: an actor update ends its remaining ppoEpochs once a mini-batch's k3 estimate of "
+            "KL(rollout policy || updated policy) exceeds this. Unset: always run every epoch."
+        ),
+    )
     cost_limit: float = Field(
         default=0.0,
         description="safe-rlhf only: the expected cost per response the constraint allows.",
@@ -154,8 +181,8 @@ class AlgorithmSpec(SpecModel):
         default=0.05,
         gt=0,
         description=(
-            "safe-rlhf only: step size of the Lagrange multiplier, which grows while the measured "
-            "cost exceeds costLimit and shrinks (down to 0) while it is below."
+            "safe-rlhf only: Adam step size on log(lambda) of the Lagrange multiplier, which grows while "
+            "the measured episode cost exceeds costLimit and shrinks towards 0 while it is below."
         ),
     )
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from hybridflow.spec.algorithm import ALGORITHM_NAME_PATTERN, BUILTIN_ALGORITHMS
 from hybridflow.spec.data import TRAIN_FILE_PATTERN
 from hybridflow.spec.job import LABEL_VALUE_PATTERN
 from hybridflow.spec.resources import DNS_LABEL_PATTERN, MEMORY_QUANTITY_PATTERN
@@ -33,6 +34,9 @@ _PATTERN_MEANINGS: dict[str, str] = {
     MEMORY_QUANTITY_PATTERN: "a memory quantity such as '64Gi' or '500M'",
     ABSOLUTE_PATH_PATTERN: "an absolute path",
     RELATIVE_PATH_PATTERN: "a relative path",
+    ALGORITHM_NAME_PATTERN: "one of "
+    + quoted_list(BUILTIN_ALGORITHMS)
+    + " or a plugin 'package.module:train_step'",
     LABEL_VALUE_PATTERN: "a Kubernetes label value (letters, digits, '-', '_' and '.', starting and ending "
     "with a letter or digit)",
 }

@@ -411,9 +411,16 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         name="critic-unused",
         node_path="spec",
         field_path=".models.critic",
-        cel=f"!has(self.models.critic) || self.algorithm.name in {list(CRITIC_ALGORITHMS)!r}",
-        message="is only used by ppo and safe-rlhf; remove it or change algorithm.name",
-        holds=lambda spec: spec.models.critic is None or spec.algorithm.name in CRITIC_ALGORITHMS,
+        cel=(
+            f"!has(self.models.critic) || self.algorithm.name in {list(CRITIC_ALGORITHMS)!r}"
+            " || self.algorithm.name.contains(':')"
+        ),
+        message="is only used by ppo, safe-rlhf and plugins; remove it or change algorithm.name",
+        holds=lambda spec: (
+            spec.models.critic is None
+            or spec.algorithm.name in CRITIC_ALGORITHMS
+            or ":" in spec.algorithm.name
+        ),
         observed=lambda spec: f"a critic with algorithm.name {spec.algorithm.name!r}",
     ),
     CrossFieldRule[RLHFJobSpec](

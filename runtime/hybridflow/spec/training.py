@@ -23,8 +23,9 @@ class TrainingSpec(SpecModel):
     backend: Literal["fsdp", "megatron"] = Field(
         default="fsdp",
         description=(
-            "Training backend: 'fsdp' (PyTorch FSDP2, optionally with tensor parallelism) or "
-            "'megatron' (Megatron-core, tensor and pipeline parallelism)."
+            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism only, tensorParallelSize and "
+            "pipelineParallelSize must be 1) or 'megatron' (Megatron-core: tensor and pipeline "
+            "parallelism, the 3D-HybridEngine reshards to the rollout's layout)."
         ),
     )
     total_steps: int = Field(
@@ -49,7 +50,18 @@ class TrainingSpec(SpecModel):
         ge=1,
         description=(
             "Sequences per forward/backward pass on one data-parallel rank; gradients accumulate over "
-            "micro-batches. Trades memory for speed, never changes the result."
+            "micro-batches. Trades memory for speed, never changes the result: losses are normalized by "
+            "the whole mini-batch's token or sequence count (spec.algorithm.lossAggregation)."
+        ),
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "backend 'fsdp' only: form each rank's update micro-batches by a token budget instead of "
+            "microBatchSizePerGpu: rows sorted by length, packed while rows x the widest row stay within "
+            "this many tokens, and trimmed of the columns that are padding in every row. Unset: fixed "
+            "row counts. Never changes the result (global loss counts)."
         ),
     )
     learning_rate: float = Field(
@@ -86,7 +98,7 @@ class TrainingSpec(SpecModel):
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
-        description="Tensor-parallel size of each trained model.",
+        description="Tensor-parallel size of each trained model; above 1 needs backend 'megatron'.",
     )
     pipeline_parallel_size: int = Field(
         default=1,
@@ -102,6 +114,15 @@ class TrainingSpec(SpecModel):
 
 TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
     CrossFieldRule[TrainingSpec](
+        name="token-budget-needs-fsdp",
+        node_path="spec.training",
+        field_path=".maxTokensPerMicroBatch",
+        cel="self.backend == 'fsdp' || !has(self.maxTokensPerMicroBatch)",
+        message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
+        holds=lambda training: training.backend == "fsdp" or training.max_tokens_per_micro_batch is None,
+        observed=lambda training: f"{training.max_tokens_per_micro_batch} with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
         name="warmup-within-total-steps",
         node_path="spec.training",
         field_path=".warmupSteps",
@@ -109,6 +130,15 @@ TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
         message="must not exceed totalSteps",
         holds=lambda training: training.warmup_steps <= training.total_steps,
         observed=lambda training: f"{training.warmup_steps} with totalSteps {training.total_steps}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="tensor-parallel-needs-megatron",
+        node_path="spec.training",
+        field_path=".tensorParallelSize",
+        cel="self.backend == 'megatron' || self.tensorParallelSize == 1",
+        message="must be 1 with backend 'fsdp', which shards by data parallelism only; tensor parallelism needs backend 'megatron'",
+        holds=lambda training: training.backend == "megatron" or training.tensor_parallel_size == 1,
+        observed=lambda training: f"{training.tensor_parallel_size} with backend {training.backend!r}",
     ),
     CrossFieldRule[TrainingSpec](
         name="pipeline-parallel-needs-megatron",

@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
-from hybridflow.controller import Deployment, DeviceMesh, ResourcePool, RoleSpec, Worker, WorkerGroup
-from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec, RoleName
+from hybridflow.algorithms.api import JobWorkers, needs_reference
+from hybridflow.controller import DeviceMesh, ResourcePool, RoleSpec, Worker
+from hybridflow.spec import RLHFJobSpec, RoleName
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
-from hybridflow.workers.value import CostModelWorker, CriticWorker, RewardModelWorker
+from hybridflow.workers.value import CostCriticWorker, CostModelWorker, CriticWorker, RewardModelWorker
 
 __all__ = ["JobWorkers", "job_roles", "resource_pools", "uses_hybrid_engine"]
 
 
 def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
-    """The spec's pools. Simulated (embedded, CPU) pools reserve a token CPU share per GPU."""
+    """The spec's pools.
+
+    Simulated (embedded, CPU) pools reserve a token CPU share per GPU with Ray but give each
+    worker process its share of this machine's cores as torch threads: 2 simulated GPUs on 2
+    cores run one thread each (no oversubscription), 1 simulated GPU gets both cores.
+    """
+    simulated_gpus = sum(p.nodes * p.gpus_per_node for p in spec.resource_pools)
+    threads = max(1, available_cores() // max(1, simulated_gpus))
     return [
         ResourcePool(
             p.name,
             nodes=p.nodes,
             gpus_per_node=p.gpus_per_node,
             cpus_per_gpu=0.01 if simulated else float(p.cpus_per_gpu),
+            torch_threads=threads if simulated else None,
         )
         for p in spec.resource_pools
     ]
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def uses_hybrid_engine(spec: RLHFJobSpec) -> bool:
@@ -45,7 +59,8 @@ def _pool_size(spec: RLHFJobSpec, role: RoleName) -> int:
 def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     """Which worker class runs each role, on which pool, with which mesh.
 
-    The rollout always shares the actor's pool. With ``spec.training.backend: megatron`` the
+    The rollout always shares the actor's pool. The reference is deployed only when a KL term
+    reads it (``kl.coef > 0``). With ``spec.training.backend: megatron`` the
     actor, reference and critic train/score under ``DeviceMesh.training(pp, tp)`` of their pools, and
     (``t*p > 1``) the rollout generates under the HybridFlow generation mesh derived from the
     actor's. The worker modules are imported only for the backend in use: megatron-core is not
@@ -65,7 +80,7 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
         pp, tp = training.pipeline_parallel_size, training.tensor_parallel_size
         actor_mesh = DeviceMesh.training(_pool_size(spec, "actor"), pp=pp, tp=tp)
         reference_mesh = DeviceMesh.training(_pool_size(spec, "reference"), pp=pp, tp=tp)
-        if spec.algorithm.name in CRITIC_ALGORITHMS:
+        if spec.models.critic is not None:
             from hybridflow.workers.megatron_value import MegatronCriticWorker
 
             critic_cls = MegatronCriticWorker
@@ -81,36 +96,19 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     roles = {
         "actor": RoleSpec(actor_cls, actor_pool, mesh=actor_mesh, kwargs=kwargs),
         "rollout": RoleSpec(rollout_cls, actor_pool, mesh=rollout_mesh, kwargs=kwargs),
-        "reference": RoleSpec(reference_cls, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs),
     }
-    if spec.algorithm.name in CRITIC_ALGORITHMS:
+    if needs_reference(spec):
+        roles["reference"] = RoleSpec(
+            reference_cls, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs
+        )
+    if spec.models.critic is not None:
         roles["critic"] = RoleSpec(critic_cls, spec.pool("critic").name, mesh=critic_mesh, kwargs=kwargs)
     if spec.models.reward is not None:
         roles["reward"] = RoleSpec(RewardModelWorker, spec.pool("reward").name, kwargs=kwargs)
     if spec.models.cost is not None:
         roles["cost"] = RoleSpec(CostModelWorker, spec.pool("cost").name, kwargs=kwargs)
+        if spec.algorithm.name == "safe-rlhf":
+            # The cost critic lives with the reward critic (FSDP whatever the backend: a small
+            # second value model, data parallel over the critic's pool).
+            roles["cost_critic"] = RoleSpec(CostCriticWorker, spec.pool("critic").name, kwargs=kwargs)
     return roles
-
-
-@dataclass(frozen=True)
-class JobWorkers:
-    """The worker groups an algorithm step talks to (critic and reward model when the job has them)."""
-
-    actor: WorkerGroup
-    rollout: WorkerGroup
-    reference: WorkerGroup
-    critic: WorkerGroup | None = None
-    reward: WorkerGroup | None = None
-    cost: WorkerGroup | None = None
-
-    @classmethod
-    def of(cls, deployment: Deployment) -> JobWorkers:
-        groups = deployment.groups
-        return cls(
-            actor=groups["actor"],
-            rollout=groups["rollout"],
-            reference=groups["reference"],
-            critic=groups.get("critic"),
-            reward=groups.get("reward"),
-            cost=groups.get("cost"),
-        )

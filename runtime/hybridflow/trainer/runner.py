@@ -21,16 +21,17 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
+from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.controller import Batch, deploy
 from hybridflow.data import PromptDataset, PromptSampler
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
+from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.report import StepReport
-from hybridflow.trainer.rewards import RewardScorer
-from hybridflow.trainer.roles import JobWorkers, job_roles, resource_pools, uses_hybrid_engine
+from hybridflow.trainer.roles import job_roles, resource_pools, uses_hybrid_engine
 
 __all__ = [
     "ALGORITHM_STEPS",
@@ -41,8 +42,7 @@ __all__ = [
     "run_training",
 ]
 
-StepFn = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
-ALGORITHM_STEPS: dict[str, StepFn] = {
+ALGORITHM_STEPS: dict[str, StepFunction] = {
     "grpo": grpo.train_step,
     "ppo": ppo.train_step,
     "rloo": rloo.train_step,
@@ -53,7 +53,17 @@ ALGORITHM_STEPS: dict[str, StepFn] = {
 
 
 class UnsupportedAlgorithmError(ValueError):
-    """The manifest names an algorithm this runtime cannot run yet."""
+    """The manifest names an algorithm this runtime cannot run, or a plugin that does not load."""
+
+
+def step_function(name: str) -> StepFunction:
+    """A built-in's step, or the plugin ``"package.module:train_step"`` names (imported here)."""
+    if name in ALGORITHM_STEPS:
+        return ALGORITHM_STEPS[name]
+    try:
+        return load_step_function(name)
+    except ValueError as error:
+        raise UnsupportedAlgorithmError(f"{error}; built-ins: {sorted(ALGORITHM_STEPS)}") from error
 
 
 @dataclass(frozen=True)
@@ -84,11 +94,7 @@ def run_training(
     says yes, the step just finished is checkpointed (unless it already was) and the run returns
     with ``preempted`` set, so the next run resumes at the following step.
     """
-    if spec.algorithm.name not in ALGORITHM_STEPS:
-        raise UnsupportedAlgorithmError(
-            f"spec.algorithm.name: {spec.algorithm.name!r} is not runnable yet; runnable: {sorted(ALGORITHM_STEPS)}"
-        )
-    step_fn = ALGORITHM_STEPS[spec.algorithm.name]
+    step_fn = step_function(spec.algorithm.name)
     _check_parallel_layout(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
     dataset = PromptDataset.from_spec(spec.data, tokenizer)
@@ -112,65 +118,67 @@ def run_training(
         stall_timeout_seconds=spec.stall_timeout_seconds,
     ) as deployment:
         workers = JobWorkers.of(deployment)
-        scorer = RewardScorer(spec, workers.reward)
-        start, resumed, last_checkpoint = 1, None, None
-        found = checkpoints.latest()
-        if found is not None:
-            directory, saved = found
-            workers.actor.load_checkpoint(str(directory / "actor"))
-            if workers.critic is not None:
-                workers.critic.load_checkpoint(str(directory / "critic"))
-            sampler.load_state_dict(saved["sampler"])
-            state.load_state_dict(saved["algorithm"])
-            start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
-            writer.truncate_after(int(saved["step"]))
-            on_step(f"resumed from {directory} (step {saved['step']})")
-        total = spec.training.total_steps
-        last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
-        began = time.monotonic()
-        for step in range(start, last + 1):
-            step_started = time.monotonic()
-            prompts = sampler.next_batch(spec.training.prompts_per_step)
-            batch = Batch.from_dict(
-                prompts.to_batch_fields(),
-                meta={
-                    "samples": spec.algorithm.samples_per_prompt,
-                    "seed": spec.training.seed * 100_003 + step,
-                },
-            )
-            metrics = step_fn(workers, batch, scorer, state)
-            if hybrid:
-                metrics.update(reshard_metrics(workers.rollout.transition_stats()))
-            seconds = time.monotonic() - step_started
-            metrics["perf/step_seconds"] = seconds
-            # Everything after rollout and scoring: advantages, critic and actor updates.
-            measured = sum(v for k, v in metrics.items() if k.startswith("timing/"))
-            metrics["timing/update"] = max(0.0, seconds - measured)
-            metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
-            metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
-            if step % spec.checkpoint.interval_steps == 0 or step == total:
-                saving = time.monotonic()
-                _save(checkpoints, workers, step, sampler, state)
-                last_checkpoint = step
-                # After the step proper: not part of perf/step_seconds or tokens/s.
-                metrics["timing/checkpoint"] = time.monotonic() - saving
-            preempted = should_stop is not None and should_stop()
-            if preempted and last_checkpoint != step:
-                _save(checkpoints, workers, step, sampler, state)
-                last_checkpoint = step
-            history.append({"step": float(step), **metrics})
-            writer.write(step, metrics)
-            done = step - start + 1
-            eta = (time.monotonic() - began) / done * (total - step)
-            report = StepReport(step, total, metrics, eta, last_checkpoint)
-            if on_report is not None:
-                on_report(report)
-            else:
-                on_step(progress_line(report))
-            if preempted:
-                on_step(f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written")
-                writer.close()
-                return RunSummary(start, step, resumed, history, preempted=True)
+        with RewardScorer(spec, workers.reward) as scorer:
+            start, resumed, last_checkpoint = 1, None, None
+            found = checkpoints.latest()
+            if found is not None:
+                directory, saved = found
+                workers.actor.load_checkpoint(str(directory / "actor"))
+                if workers.critic is not None:
+                    workers.critic.load_checkpoint(str(directory / "critic"))
+                if workers.cost_critic is not None:
+                    workers.cost_critic.load_checkpoint(str(directory / "cost_critic"))
+                sampler.load_state_dict(saved["sampler"])
+                state.load_state_dict(saved["algorithm"])
+                start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
+                writer.truncate_after(int(saved["step"]))
+                on_step(f"resumed from {directory} (step {saved['step']})")
+            total = spec.training.total_steps
+            last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
+            began = time.monotonic()
+            for step in range(start, last + 1):
+                step_started = time.monotonic()
+                prompts = sampler.next_batch(spec.training.prompts_per_step)
+                batch = Batch.from_dict(
+                    prompts.to_batch_fields(),
+                    meta={
+                        "samples": spec.algorithm.samples_per_prompt,
+                        "seed": spec.training.seed * 100_003 + step,
+                    },
+                )
+                metrics = step_fn(workers, batch, scorer, state)
+                if hybrid:
+                    metrics.update(reshard_metrics(workers.rollout.transition_stats()))
+                seconds = time.monotonic() - step_started
+                metrics["perf/step_seconds"] = seconds
+                # Everything after rollout and scoring: advantages, critic and actor updates.
+                measured = sum(v for k, v in metrics.items() if k.startswith("timing/"))
+                metrics["timing/update"] = max(0.0, seconds - measured)
+                metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
+                metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
+                if step % spec.checkpoint.interval_steps == 0 or step == total:
+                    saving = time.monotonic()
+                    _save(checkpoints, workers, step, sampler, state)
+                    last_checkpoint = step
+                    # After the step proper: not part of perf/step_seconds or tokens/s.
+                    metrics["timing/checkpoint"] = time.monotonic() - saving
+                preempted = should_stop is not None and should_stop()
+                if preempted and last_checkpoint != step:
+                    _save(checkpoints, workers, step, sampler, state)
+                    last_checkpoint = step
+                history.append({"step": float(step), **metrics})
+                writer.write(step, metrics)
+                done = step - start + 1
+                eta = (time.monotonic() - began) / done * (total - step)
+                report = StepReport(step, total, metrics, eta, last_checkpoint)
+                if on_report is not None:
+                    on_report(report)
+                else:
+                    on_step(progress_line(report))
+                if preempted:
+                    on_step(f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written")
+                    writer.close()
+                    return RunSummary(start, step, resumed, history, preempted=True)
     writer.close()
     return RunSummary(start, last, resumed, history)
 
@@ -229,5 +237,7 @@ def _save(
     workers.actor.save_checkpoint(str(staging / "actor"))
     if workers.critic is not None:
         workers.critic.save_checkpoint(str(staging / "critic"))
+    if workers.cost_critic is not None:
+        workers.cost_critic.save_checkpoint(str(staging / "cost_critic"))
     controller: dict[str, Any] = {"sampler": dict(sampler.state_dict()), "algorithm": state.state_dict()}
     checkpoints.publish(staging, step, controller)

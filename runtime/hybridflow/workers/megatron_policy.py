@@ -27,14 +27,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
 
-from hybridflow.algorithms.objectives import actor_objective
 from hybridflow.backends import megatron as mb
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.transfer import TrainingShard
+from hybridflow.rlmath.aggregation import LossNormalizer
+from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers, kl_exceeded, local_mini_batches
 from hybridflow.workers.policy import seed_everything
 
 __all__ = ["MODEL_FIELDS", "MegatronActorWorker", "MegatronReferenceWorker", "parameter_dtype"]
@@ -115,41 +118,52 @@ class MegatronActorWorker(_MegatronPolicyModel):
 
     @register(DP_SPLIT_EXACT)
     def update_policy(self, batch: Batch) -> dict[str, float]:
-        """PPO-clip updates, as the FSDP actor's: one optimizer step per mini-batch, LR step per call."""
+        """PPO-clip updates, as the FSDP actor's: one optimizer step per mini-batch, LR step per call.
+
+        Same contract as :meth:`hybridflow.workers.policy.ActorWorker.update_policy`: global
+        loss counts over micro-batches and DP ranks, on-policy without ``old_log_probs``, early
+        stop at ``algorithm.targetKl``.
+        """
         algo = self.spec.algorithm
         use_kl_loss = algo.kl.mode == "loss" and "ref_log_probs" in batch.tensors
+        on_policy = "old_log_probs" not in batch.tensors
         device = self.ctx.torch_device
         response_len = int(batch.tensors["responses"].shape[1])
-        wanted = [*MODEL_FIELDS, "response_mask", "old_log_probs", "advantages"]
+        wanted = [*MODEL_FIELDS, "response_mask", "advantages"]
+        if not on_policy:
+            wanted.append("old_log_probs")
         if use_kl_loss:
             wanted.append("ref_log_probs")
+        dp_size = self.ctx.mesh.dp_size
+        dp_sum = dp_sum_over(parallel_state.get_data_parallel_group(), device)
+        minis = local_mini_batches(batch, self.local_mini_batch, on_policy=on_policy, epochs=algo.ppo_epochs)
+        normalizers = global_normalizers(minis, dp_size=dp_size, dp_sum=dp_sum)
         self.model.train()
         totals: dict[str, list[float]] = {}
         for _ in range(algo.ppo_epochs):
-            for mini in batch.chunk_by_size(self.local_mini_batch):
+            epoch_k3: list[float] = []
+            for mini, normalizer in zip(minis, normalizers, strict=True):
                 micro_batches = [
                     {name: micro.tensors[name].to(device) for name in wanted}
                     for micro in mini.chunk_by_size(self.micro_batch_size)
                 ]
-                rows = len(mini)
 
                 def loss_fn(
                     log_probs: torch.Tensor,
                     entropy: torch.Tensor | None,
                     micro: Mapping[str, torch.Tensor],
-                    rows: int = rows,
+                    normalizer: LossNormalizer = normalizer,
                 ) -> tuple[torch.Tensor, dict[str, Any]]:
-                    loss, metrics = actor_objective(
+                    return actor_objective(
                         algo,
                         log_probs,
                         entropy,
-                        old_log_probs=micro["old_log_probs"],
+                        old_log_probs=log_probs.detach() if on_policy else micro["old_log_probs"],
                         advantages=micro["advantages"],
                         response_mask=micro["response_mask"],
                         ref_log_probs=micro["ref_log_probs"] if use_kl_loss else None,
+                        normalizer=normalizer,
                     )
-                    # Weighted by rows, as the FSDP actor's ``loss * len(micro) / len(mini)``.
-                    return loss * (len(micro["input_ids"]) / rows), metrics
 
                 for metrics in mb.forward_backward(
                     self.model,
@@ -160,10 +174,14 @@ class MegatronActorWorker(_MegatronPolicyModel):
                 ):
                     for name, value in metrics.items():
                         totals.setdefault(name, []).append(value)
+                    epoch_k3.append(metrics["actor/approx_kl_k3"])
                 grad_norm = mb.clip_grad_norm_and_step(
                     self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
                 )
                 totals.setdefault("actor/grad_norm", []).append(grad_norm)
+            totals.setdefault("actor/epochs", [0.0])[0] += 1
+            if kl_exceeded(algo.target_kl, epoch_k3, dp_size=dp_size, dp_sum=dp_sum):
+                break
         self.model.eval()
         result = {name: float(np.mean(values)) for name, values in totals.items()}
         result["actor/lr"] = float(self.scheduler.get_last_lr()[0])

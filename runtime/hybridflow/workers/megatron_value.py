@@ -17,13 +17,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
 
-from hybridflow.algorithms import core
 from hybridflow.backends import megatron as mb
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
+from hybridflow.rlmath import core
+from hybridflow.rlmath.aggregation import LossNormalizer
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.megatron_policy import MODEL_FIELDS, parameter_dtype
+from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers
 from hybridflow.workers.policy import seed_everything
 
 __all__ = ["MegatronCriticWorker"]
@@ -69,32 +72,42 @@ class MegatronCriticWorker(Worker):
         device = self.ctx.torch_device
         response_len = int(batch.tensors["responses"].shape[1])
         wanted = [*MODEL_FIELDS, "response_mask", "values", "returns"]
+        minis = batch.chunk_by_size(self.local_mini_batch)
+        normalizers = global_normalizers(
+            minis,
+            dp_size=self.ctx.mesh.dp_size,
+            dp_sum=dp_sum_over(parallel_state.get_data_parallel_group(), device),
+        )
         self.model.train()
         totals: dict[str, list[float]] = {}
         for _ in range(algo.ppo_epochs):
-            for mini in batch.chunk_by_size(self.local_mini_batch):
+            for mini, normalizer in zip(minis, normalizers, strict=True):
                 micro_batches = [
                     {name: micro.tensors[name].to(device) for name in wanted}
                     for micro in mini.chunk_by_size(self.micro_batch_size)
                 ]
-                rows = len(mini)
 
                 def loss_fn(
                     values: torch.Tensor,
                     entropy: torch.Tensor | None,
                     micro: Mapping[str, torch.Tensor],
-                    rows: int = rows,
+                    normalizer: LossNormalizer = normalizer,
                 ) -> tuple[torch.Tensor, dict[str, Any]]:
                     del entropy  # a value model has none
+                    mask = micro["response_mask"].float()
                     loss, clipfrac = core.value_loss_clipped(
                         values,
                         micro["values"],
                         micro["returns"],
-                        micro["response_mask"].float(),
+                        mask,
                         algo.value_clip,
+                        aggregation=algo.loss_aggregation,
+                        normalizer=normalizer,
                     )
-                    metrics = {"critic/value_loss": loss.detach(), "critic/clipfrac": float(clipfrac)}
-                    return loss * (len(micro["input_ids"]) / rows), metrics
+                    local_loss, _ = core.value_loss_clipped(
+                        values.detach(), micro["values"], micro["returns"], mask, algo.value_clip
+                    )
+                    return loss, {"critic/value_loss": local_loss, "critic/clipfrac": float(clipfrac)}
 
                 for metrics in mb.forward_backward(
                     self.model, micro_batches, loss_fn, response_len=response_len

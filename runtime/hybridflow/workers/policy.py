@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms.objectives import actor_objective
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
     build_optimizer,
@@ -33,7 +32,15 @@ from hybridflow.backends.fsdp import (
 )
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
+from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.mini_batches import (
+    dp_sum_over,
+    global_normalizers,
+    kl_exceeded,
+    local_mini_batches,
+    update_micro_batches,
+)
 
 __all__ = ["ActorWorker", "ReferenceWorker", "seed_everything"]
 
@@ -129,34 +136,53 @@ class ActorWorker(_PolicyModel):
 
     @register(DP_SPLIT_EXACT)
     def update_policy(self, batch: Batch) -> dict[str, float]:
-        """PPO-clip updates over ``batch`` (needs old_log_probs, advantages; ref_log_probs for KL loss)."""
+        """PPO-clip updates over ``batch`` (needs advantages; ref_log_probs for the KL loss).
+
+        Without ``old_log_probs`` (on-policy: one mini-batch, one epoch; see
+        :mod:`hybridflow.workers.mini_batches`) the detached log-probs of the update's own
+        forward are the old ones. Each micro-batch's loss is its share of the mini-batch's
+        (global counts over micro-batches and DP ranks), so the split never changes the result.
+        """
         algo = self.spec.algorithm
         use_kl_loss = algo.kl.mode == "loss" and "ref_log_probs" in batch.tensors
+        on_policy = "old_log_probs" not in batch.tensors
         self.model.train()
         totals: dict[str, list[float]] = {}
         device = self.ctx.torch_device
+        dp_size = self.ctx.mesh.dp_size
+        dp_sum = dp_sum_over(None, device)
+        minis = local_mini_batches(batch, self.local_mini_batch, on_policy=on_policy, epochs=algo.ppo_epochs)
+        normalizers = global_normalizers(minis, dp_size=dp_size, dp_sum=dp_sum)
         for _ in range(algo.ppo_epochs):
-            for mini in batch.chunk_by_size(self.local_mini_batch):
+            epoch_k3: list[float] = []
+            for mini, normalizer in zip(minis, normalizers, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                micro_batches = mini.chunk_by_size(self.micro_batch_size)
-                for micro in micro_batches:
+                for micro in update_micro_batches(self.spec, self.ctx, mini, dp_sum):
                     log_probs, entropy = self._log_probs(micro, with_entropy=True)
+                    old_log_probs = (
+                        log_probs.detach() if on_policy else micro.tensors["old_log_probs"].to(device)
+                    )
                     loss, stats = actor_objective(
                         algo,
                         log_probs,
                         entropy,
-                        old_log_probs=micro.tensors["old_log_probs"].to(device),
+                        old_log_probs=old_log_probs,
                         advantages=micro.tensors["advantages"].to(device),
                         response_mask=micro.tensors["response_mask"].to(device),
                         ref_log_probs=micro.tensors["ref_log_probs"].to(device) if use_kl_loss else None,
+                        normalizer=normalizer,
                     )
-                    (loss * len(micro) / len(mini)).backward()
+                    loss.backward()
                     for name, value in stats.items():
                         totals.setdefault(name, []).append(float(value))
+                    epoch_k3.append(float(stats["actor/approx_kl_k3"]))
                 grad_norm = clip_grad_norm_and_step(
                     self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
                 )
                 totals.setdefault("actor/grad_norm", []).append(grad_norm)
+            totals.setdefault("actor/epochs", [0.0])[0] += 1
+            if kl_exceeded(algo.target_kl, epoch_k3, dp_size=dp_size, dp_sum=dp_sum):
+                break
         metrics = {name: float(np.mean(values)) for name, values in totals.items()}
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics.update(device_metrics("actor"))

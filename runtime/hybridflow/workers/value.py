@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms import core
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
     build_optimizer,
@@ -25,10 +24,12 @@ from hybridflow.backends.fsdp import (
 )
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
+from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers, update_micro_batches
 from hybridflow.workers.policy import seed_everything
 
-__all__ = ["CostModelWorker", "CriticWorker", "RewardModelWorker"]
+__all__ = ["CostCriticWorker", "CostModelWorker", "CriticWorker", "RewardModelWorker"]
 
 
 class _ValueRole(Worker):
@@ -95,10 +96,12 @@ class CostModelWorker(_SequenceScorer):
 
 
 class CriticWorker(_ValueRole):
+    """The reward critic: a value per response token, trained towards the GAE returns."""
+
+    metric_prefix = "critic"
+
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        if spec.models.critic is None:
-            raise ValueError("the critic role needs spec.models.critic")
-        super().__init__(ctx, spec, spec.models.critic.path)
+        super().__init__(ctx, spec, self.initial_model_path(spec))
         training = spec.training
         self.optimizer = build_optimizer(self.model, learning_rate=training.critic_learning_rate)
         self.scheduler = build_lr_scheduler(
@@ -109,37 +112,55 @@ class CriticWorker(_ValueRole):
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
 
+    @staticmethod
+    def initial_model_path(spec: RLHFJobSpec) -> str:
+        if spec.models.critic is None:
+            raise ValueError("the critic role needs spec.models.critic")
+        return spec.models.critic.path
+
     @register(DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch:
         return Batch({"values": self._scored(batch)})
 
     @register(DP_SPLIT_EXACT)
     def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss updates; micro-batch losses are shares of the mini-batch's (global counts)."""
         algo = self.spec.algorithm
         device = self.ctx.torch_device
         self.model.train()
         totals: dict[str, list[float]] = {}
+        minis = batch.chunk_by_size(self.local_mini_batch)
+        dp_sum = dp_sum_over(None, device)
+        normalizers = global_normalizers(minis, dp_size=self.ctx.mesh.dp_size, dp_sum=dp_sum)
         for _ in range(algo.ppo_epochs):
-            for mini in batch.chunk_by_size(self.local_mini_batch):
+            for mini, normalizer in zip(minis, normalizers, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.chunk_by_size(self.micro_batch_size):
+                for micro in update_micro_batches(self.spec, self.ctx, mini, dp_sum):
                     values = self._values(micro)
+                    old_values = micro.tensors["values"].to(device)
+                    returns = micro.tensors["returns"].to(device)
+                    mask = micro.tensors["response_mask"].to(device).float()
                     loss, clipfrac = core.value_loss_clipped(
                         values,
-                        micro.tensors["values"].to(device),
-                        micro.tensors["returns"].to(device),
-                        micro.tensors["response_mask"].to(device).float(),
+                        old_values,
+                        returns,
+                        mask,
                         algo.value_clip,
+                        aggregation=algo.loss_aggregation,
+                        normalizer=normalizer,
                     )
-                    (loss * len(micro) / len(mini)).backward()
-                    totals.setdefault("critic/value_loss", []).append(float(loss.detach()))
-                    totals.setdefault("critic/clipfrac", []).append(float(clipfrac))
+                    loss.backward()
+                    local_loss, _ = core.value_loss_clipped(
+                        values.detach(), old_values, returns, mask, algo.value_clip
+                    )
+                    totals.setdefault(f"{self.metric_prefix}/value_loss", []).append(float(local_loss))
+                    totals.setdefault(f"{self.metric_prefix}/clipfrac", []).append(float(clipfrac))
                 norm = clip_grad_norm_and_step(
                     self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
                 )
-                totals.setdefault("critic/grad_norm", []).append(norm)
+                totals.setdefault(f"{self.metric_prefix}/grad_norm", []).append(norm)
         self.scheduler.step()
-        return {name: float(np.mean(v)) for name, v in totals.items()} | device_metrics("critic")
+        return {name: float(np.mean(v)) for name, v in totals.items()} | device_metrics(self.metric_prefix)
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:
@@ -148,3 +169,20 @@ class CriticWorker(_ValueRole):
     @register(BROADCAST)
     def load_checkpoint(self, directory: str) -> None:
         load_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+
+
+class CostCriticWorker(CriticWorker):
+    """Safe-RLHF's cost critic: values of the expected cost, with their own GAE and clipped loss.
+
+    Starts from the cost model's weights, as Safe-RLHF initialises its cost critic (Dai et al.,
+    2023, section 4); trained with the critic's learning rate. Same fields as the reward critic
+    (``values``, ``returns``): the controller renames the cost ones on the way in and out.
+    """
+
+    metric_prefix = "cost_critic"
+
+    @staticmethod
+    def initial_model_path(spec: RLHFJobSpec) -> str:
+        if spec.models.cost is None:
+            raise ValueError("the cost critic needs spec.models.cost (it starts from the cost model)")
+        return spec.models.cost.path

@@ -15,8 +15,9 @@ generation. Columns of response padding get finite garbage that the caller masks
 These are plain forward passes: under FSDP2 every rank of the group must run them on its own
 batch at the same time (each layer's forward all-gathers its parameters), with the same number of
 micro-batches. Gradients flow through the results when grad mode is on (the actor's update);
-the scoring calls run them under ``torch.no_grad()``. Memory is dominated by ``[B, R, vocab]``
-fp32 tensors; bound it with the micro-batch size.
+the scoring calls run them under ``torch.no_grad()``. The log-softmax and entropy run a chunk of
+positions at a time (:mod:`hybridflow.rlmath.logits`), so besides the model's own ``[B, R + 1,
+vocab]`` logits no fp32 ``[B, R, vocab]`` tensor exists.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridflow.algorithms.core import entropy_from_logits
+from hybridflow.rlmath.logits import token_logprobs_and_entropy_from_logits
 
 __all__ = ["token_logprobs_and_entropy", "token_values"]
 
@@ -55,7 +56,7 @@ def token_logprobs_and_entropy(
     one the rollout sampled with, so the log-probs are those of the distribution the tokens were
     drawn from. Both results are fp32 whatever the compute dtype. Entropy is that of the
     tempered distribution at each response position
-    (:func:`hybridflow.algorithms.core.entropy_from_logits`).
+    (:func:`hybridflow.rlmath.core.entropy_from_logits`).
 
     Only the last ``R + 1`` columns' logits are computed (``logits_to_keep``): the LM head and
     the softmax never touch the prompt, whose logits would cost ``[B, T - R, vocab]``. Measured
@@ -72,13 +73,13 @@ def token_logprobs_and_entropy(
         logits_to_keep=response_len + 1,
     )
     # The kept columns are T-R-1 .. T-1; the last one predicts past the end of the sequence.
-    logits = output.logits[:, :-1, :].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, -response_len:]
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+    # Chunked over positions: no fp32 [B, R, vocab] copy (hybridflow.rlmath.logits).
+    return token_logprobs_and_entropy_from_logits(
+        output.logits[:, :-1, :],
+        input_ids[:, -response_len:],
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )
 
 
 def token_values(

@@ -29,7 +29,7 @@ Call order on every rank, after joining the ``torch.distributed`` world:
 Weight layouts
 --------------
 Rank order is megatron's ``tp-cp-ep-dp-pp`` = the controller's
-:meth:`~hybridflow.controller.mesh.DeviceMesh.training` (checked at initialisation). Pipeline
+:meth:`~hybridflow.mesh.DeviceMesh.training` (checked at initialisation). Pipeline
 stage ``s`` of ``p`` holds layers ``[s*L/p, (s+1)*L/p)``, the embedding on stage 0, final norm
 and head on stage ``p-1``. TP rank ``r`` of ``t`` holds, for every HF parameter, exactly the
 even slice the resharding layout assigns to ``r``:

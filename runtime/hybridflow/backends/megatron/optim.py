@@ -42,11 +42,11 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from torch import nn
 
-from hybridflow.backends.fsdp.optim import LRSchedule
-from hybridflow.backends.fsdp.optim import build_lr_scheduler as _build_torch_lr_scheduler
 from hybridflow.backends.megatron.load import model_info, unwrap
 from hybridflow.backends.megatron.logprobs import logprob_head, value_head
 from hybridflow.backends.megatron.pipeline import MicroBatch, check_layout, run_micro_batches
+from hybridflow.backends.schedule import LRSchedule
+from hybridflow.backends.schedule import build_lr_scheduler as _build_torch_lr_scheduler
 
 __all__ = [
     "LossFn",

@@ -10,7 +10,7 @@ layouts with it).
 
 Rank order: megatron's ``"tp-cp-ep-dp-pp"`` (tensor-parallel rank fastest, then data-parallel,
 then pipeline stage), which is the controller's training layout,
-:meth:`hybridflow.controller.mesh.DeviceMesh.training`; :func:`initialize_parallel_state`
+:meth:`hybridflow.mesh.DeviceMesh.training`; :func:`initialize_parallel_state`
 checks that every rank's megatron coordinates equal the mesh's, so the transfer protocols
 (``is_output_rank``: TP rank 0 of the last stage) and the resharding plan address the ranks
 megatron actually built.
@@ -29,7 +29,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.transformer.module import MegatronModule
 
-from hybridflow.controller.mesh import DeviceMesh, MeshCoord
+from hybridflow.mesh import DeviceMesh, MeshCoord
 
 __all__ = [
     "ParallelLayout",

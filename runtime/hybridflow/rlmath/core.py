@@ -14,8 +14,9 @@ Conventions (every function here follows them; callers may rely on them):
   recursion with a zero bootstrap after the last valid token.
 * Advantages and returns are training targets: they are computed under ``torch.no_grad``
   and come back detached. Losses keep their graph.
-* Aggregation is token-mean over the whole batch (every valid token weighs the same), the
-  aggregation veRL uses by default; a batch with no valid token yields 0, not NaN.
+* Losses aggregate by token-mean over the whole batch by default (every valid token weighs
+  the same, veRL's default); the other modes and the split over micro-batches and DP ranks
+  are in :mod:`hybridflow.rlmath.aggregation`. A batch with no valid token yields 0, not NaN.
 
 Nothing here knows about Ray, workers or models; the algorithm files call these functions
 on the tensors the workers return.
@@ -28,6 +29,8 @@ from collections.abc import Hashable, Sequence
 from typing import Literal, get_args
 
 import torch
+
+from hybridflow.rlmath.aggregation import LossAggregation, LossNormalizer, aggregate
 
 KLEstimator = Literal["k1", "k2", "k3"]
 """Per-token estimators of KL(policy || reference) from sampled-token log-probabilities.
@@ -343,8 +346,11 @@ def policy_loss_clipped(
     response_mask: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
+    *,
+    aggregation: LossAggregation = "token-mean",
+    normalizer: LossNormalizer | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate (Schulman et al., 2017), token-mean over the valid tokens.
+    """PPO's clipped surrogate (Schulman et al., 2017), reduced over the valid tokens by ``aggregation``.
 
     ``logprob`` (with grad) is the current policy's log-probability of each sampled token,
     ``old_logprob`` the rollout policy's; all inputs ``[batch, response_len]``. Per token,
@@ -352,21 +358,29 @@ def policy_loss_clipped(
 
         loss_t = max(-A_t * ratio, -A_t * clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
 
-    Separate low/high bounds allow DAPO's "clip-higher". Returns ``(loss, metrics)``:
+    Separate low/high bounds allow DAPO's "clip-higher" (Yu et al., 2025, section 3.1: a
+    larger ``clip_ratio_high`` lets low-probability tokens rise, against entropy collapse).
+    ``aggregation`` and ``normalizer`` are those of
+    :func:`hybridflow.rlmath.aggregation.aggregate` (default: token-mean of this batch).
+    Returns ``(loss, metrics)``:
     ``metrics["clipfrac"]`` is the fraction of valid tokens where the clipped term was
     chosen (its gradient is 0 there), ``metrics["approx_kl"]`` the token-mean of
-    ``old_logprob - logprob`` (k1 estimate of KL(old || new)); both detached scalars.
+    ``old_logprob - logprob`` (k1 estimate of KL(old || new)) and ``metrics["approx_kl_k3"]``
+    its k3 estimate ``mean(ratio - 1 - log ratio)`` (never negative, lower variance: the one
+    an early stop at ``targetKl`` reads); all detached scalars.
     """
     valid = _valid(response_mask)
     log_ratio = torch.clamp(logprob - old_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped_loss = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = masked_mean(torch.maximum(unclipped_loss, clipped_loss), valid)
+    loss = aggregate(torch.maximum(unclipped_loss, clipped_loss), valid, aggregation, normalizer)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped_loss > unclipped_loss).to(logprob.dtype), valid),
             "approx_kl": masked_mean(-log_ratio, valid),
+            # k3 (Schulman 2020) of KL(old || new) from samples of old: (r - 1) - log r >= 0.
+            "approx_kl_k3": masked_mean(ratio - 1.0 - log_ratio, valid),
         }
     return loss, metrics
 
@@ -377,8 +391,11 @@ def value_loss_clipped(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     clip_range: float,
+    *,
+    aggregation: LossAggregation = "token-mean",
+    normalizer: LossNormalizer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The critic's clipped regression loss, token-mean over the valid tokens.
+    """The critic's clipped regression loss, reduced over the valid tokens by ``aggregation``.
 
     ``values`` (with grad) are the critic's current predictions, ``old_values`` those made
     at rollout time, ``returns`` the GAE targets; all ``[batch, response_len]``. The
@@ -394,7 +411,7 @@ def value_loss_clipped(
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     unclipped_error = (values - returns).square()
     clipped_error = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), valid)
+    loss = 0.5 * aggregate(torch.maximum(unclipped_error, clipped_error), valid, aggregation, normalizer)
     with torch.no_grad():
         clipfrac = masked_mean((clipped_error > unclipped_error).to(values.dtype), valid)
     return loss, clipfrac
@@ -420,6 +437,23 @@ def masked_entropy(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     bonus) to keep the policy from collapsing early; it also logs the value.
     """
     return masked_mean(entropy_from_logits(logits), response_mask)
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over the valid tokens: how much of the
+    return's spread the critic predicts (1 perfect, 0 no better than a constant, < 0 worse).
+
+    A detached scalar; 0 when the returns do not vary (nothing to explain). The diagnostic
+    PPO implementations log for the critic (e.g. Stable-Baselines3, cleanrl).
+    """
+    with torch.no_grad():
+        valid = _valid(response_mask)
+        spread = masked_var(returns, valid)
+        if float(spread) <= 0.0:
+            return torch.zeros((), dtype=returns.dtype)
+        return 1.0 - masked_var(returns - values, valid) / spread
 
 
 # --------------------------------------------------------------------------- KL coefficient controllers
@@ -506,15 +540,18 @@ class LagrangeMultiplier:
     """Safe-RLHF's multiplier ``lambda = exp(log_lambda)`` for the constraint ``E[cost] <= cost_limit``.
 
     The parameter is ``log_lambda`` so lambda stays positive. After each step the controller
-    calls ``update(mean_cost)``, one gradient-ascent step on the Lagrangian term
-    ``lambda * (mean_cost - cost_limit)`` with respect to ``log_lambda`` (as Safe-RLHF's
-    ``lambda_loss = -(cost - limit) * exp(log_lambda)``)::
-
-        log_lambda += lr * (mean_cost - cost_limit) * lambda
-
-    Lambda grows while the constraint is violated and decays once it holds; it is clamped
-    to ``max_lambda`` so that a long violation cannot make the reward irrelevant.
+    calls ``update(mean_cost)``: one Adam step (beta 0.9/0.999) on Safe-RLHF's
+    ``lambda_loss = -(mean_cost - cost_limit) * exp(log_lambda)`` with respect to
+    ``log_lambda``, as the paper's released code does (``torch.optim.Adam([log_lambda])``).
+    Adam makes a step about ``lr`` in ``log_lambda`` whatever the cost's units, and a lambda
+    near 0 (where the plain gradient ``(mean_cost - cost_limit) * lambda`` vanishes) can still
+    grow again when the constraint is violated. Lambda grows while the constraint is violated
+    and decays once it holds; it is clamped to ``max_lambda`` so that a long violation cannot
+    make the reward irrelevant.
     """
+
+    _BETAS = (0.9, 0.999)
+    _EPS = 1e-8
 
     def __init__(
         self, init_lambda: float, cost_limit: float, lr: float, max_lambda: float | None = None
@@ -529,6 +566,9 @@ class LagrangeMultiplier:
         self.cost_limit = float(cost_limit)
         self.lr = float(lr)
         self.max_lambda = max_lambda
+        self._step = 0
+        self._first_moment = 0.0
+        self._second_moment = 0.0
 
     @property
     def value(self) -> float:
@@ -536,15 +576,30 @@ class LagrangeMultiplier:
         return math.exp(self.log_lambda)
 
     def update(self, mean_cost: float) -> None:
-        """One ascent step from the batch's mean episode cost."""
-        self.log_lambda += self.lr * (mean_cost - self.cost_limit) * self.value
+        """One Adam step from the batch's mean episode cost (ascent on ``lambda * (cost - limit)``)."""
+        gradient = -(mean_cost - self.cost_limit) * self.value
+        beta1, beta2 = self._BETAS
+        self._step += 1
+        self._first_moment = beta1 * self._first_moment + (1 - beta1) * gradient
+        self._second_moment = beta2 * self._second_moment + (1 - beta2) * gradient * gradient
+        first = self._first_moment / (1 - beta1**self._step)
+        second = self._second_moment / (1 - beta2**self._step)
+        self.log_lambda -= self.lr * first / (math.sqrt(second) + self._EPS)
         if self.max_lambda is not None:
             self.log_lambda = min(self.log_lambda, math.log(self.max_lambda))
 
     def state_dict(self) -> dict[str, float]:
-        """The checkpointed state: ``log_lambda`` (limit, lr and max are config)."""
-        return {"log_lambda": self.log_lambda}
+        """The checkpointed state: ``log_lambda`` and Adam's moments (limit, lr and max are config)."""
+        return {
+            "log_lambda": self.log_lambda,
+            "step": float(self._step),
+            "first_moment": self._first_moment,
+            "second_moment": self._second_moment,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restore from ``state_dict()``."""
+        """Restore from ``state_dict()`` (a checkpoint with only ``log_lambda`` restarts Adam's moments)."""
         self.log_lambda = float(state["log_lambda"])
+        self._step = int(state.get("step", 0))
+        self._first_moment = float(state.get("first_moment", 0.0))
+        self._second_moment = float(state.get("second_moment", 0.0))

@@ -1,0 +1,109 @@
+"""What an algorithm's step sees: the worker groups, the reward scorer, its state, and which work it needs.
+
+A step function is ``train_step(workers, prompts, scorer, state) -> metrics``: plain sequential
+code over :class:`JobWorkers` (``workers.rollout.generate_sequences(prompts)``,
+``workers.actor.update_policy(batch)``, ...), scoring with
+:class:`~hybridflow.rewards.scorer.RewardScorer` and keeping what must survive a restart in
+:class:`~hybridflow.algorithms.state.AlgorithmState`. The built-ins (``ppo.py``, ``grpo.py``...)
+and user plugins (``spec.algorithm.name: "package.module:train_step"``) are written against
+this module alone; the trainer, which deploys the roles and runs the loop, sits above it.
+
+Which work a step needs follows from the spec, not from the algorithm's code, so the trainer
+deploys only the roles that will be called and the shared rollout skips passes nobody reads:
+
+* :func:`needs_reference`: a reference model is loaded and run only with ``kl.coef > 0``.
+* :func:`needs_old_log_probs`: the separate "old" log-prob pass runs only when the update is
+  off-policy (more than one mini-batch or epoch, where the policy moves between the rollout and
+  a later mini-batch) or the KL is a reward penalty (computed before the update). On-policy,
+  the actor takes the detached log-probs of its own forward instead: the ratio is exactly 1
+  and the gradient is the same.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.controller import Batch, Deployment, WorkerGroup
+from hybridflow.rewards.scorer import RewardScorer
+from hybridflow.spec import RLHFJobSpec
+
+__all__ = [
+    "AlgorithmState",
+    "JobWorkers",
+    "RewardScorer",
+    "StepFunction",
+    "load_step_function",
+    "needs_old_log_probs",
+    "needs_reference",
+]
+
+
+@dataclass(frozen=True)
+class JobWorkers:
+    """The worker groups a step talks to; reference, critics, reward and cost models only when the job has them."""
+
+    actor: WorkerGroup
+    rollout: WorkerGroup
+    reference: WorkerGroup | None = None
+    critic: WorkerGroup | None = None
+    reward: WorkerGroup | None = None
+    cost: WorkerGroup | None = None
+    cost_critic: WorkerGroup | None = None
+
+    @classmethod
+    def of(cls, deployment: Deployment) -> JobWorkers:
+        groups = deployment.groups
+        return cls(
+            actor=groups["actor"],
+            rollout=groups["rollout"],
+            reference=groups.get("reference"),
+            critic=groups.get("critic"),
+            reward=groups.get("reward"),
+            cost=groups.get("cost"),
+            cost_critic=groups.get("cost_critic"),
+        )
+
+
+StepFunction = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
+
+
+def needs_reference(spec: RLHFJobSpec) -> bool:
+    """Whether any KL term reads the reference's log-probs (``kl.coef`` 0 disables KL entirely)."""
+    return spec.algorithm.kl.coef > 0
+
+
+def is_on_policy(spec: RLHFJobSpec) -> bool:
+    """One mini-batch and one epoch: the update's policy is the rollout's for every token."""
+    sequences = spec.training.prompts_per_step * spec.algorithm.samples_per_prompt
+    return spec.algorithm.ppo_epochs == 1 and spec.training.mini_batch_size >= sequences
+
+
+def needs_old_log_probs(spec: RLHFJobSpec) -> bool:
+    """Whether the rollout must run the actor's separate log-prob pass (see the module docstring)."""
+    kl_in_reward = spec.algorithm.kl.mode == "reward" and needs_reference(spec)
+    return kl_in_reward or not is_on_policy(spec)
+
+
+def load_step_function(name: str) -> StepFunction:
+    """The step function ``"package.module:function"`` names; errors name the value and what is wrong."""
+    module_name, separator, attribute = name.partition(":")
+    if not separator or not module_name or not attribute:
+        raise ValueError(
+            f"spec.algorithm.name: {name!r} is neither a built-in nor 'package.module:train_step'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"spec.algorithm.name: {name!r}: module {module_name!r} could not be imported ({error})"
+        ) from error
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(
+            f"spec.algorithm.name: {name!r}: module {module_name!r} has no function {attribute!r}"
+        )
+    step: StepFunction = function
+    return step

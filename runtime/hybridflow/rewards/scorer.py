@@ -1,0 +1,113 @@
+"""Sequence scores for a rollout batch: weighted rule/user functions plus the reward model.
+
+Rule and user functions run on the decoded response text in a pool of processes on the
+controller's node (:mod:`hybridflow.rewards.parallel`), a chunk of samples per process, so a
+slow function (a verifier, a math checker) uses the node's cores instead of one driver loop.
+The reward model, when the job has one, is a worker group; its scores are requested before
+the functions run, so both proceed at once. A function that raises is reported with its name
+and the sample it failed on, not as a bare traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import Executor, ProcessPoolExecutor
+
+import torch
+
+from hybridflow.controller import Batch, WorkerGroup
+from hybridflow.rewards import resolve_reward_function
+from hybridflow.rewards.parallel import Sample, SampleFailure, score_chunk
+from hybridflow.spec import RLHFJobSpec
+
+__all__ = ["RewardFunctionError", "RewardScorer", "reward_processes"]
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned a non-number; names the function and the sample."""
+
+
+def reward_processes() -> int:
+    """Processes of the reward pool: the cores this process may use, at most 8."""
+    return max(
+        1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
+
+
+class RewardScorer:
+    """Scores batches for one job. ``close()`` (or a ``with`` block) stops the process pool."""
+
+    def __init__(
+        self, spec: RLHFJobSpec, reward_model: WorkerGroup | None, *, processes: int | None = None
+    ) -> None:
+        for f in spec.rewards:
+            resolve_reward_function(f.function)  # fail fast, in the controller, on a bad name
+        self.functions = [(f.function, f.weight) for f in spec.rewards]
+        self.reward_model = reward_model
+        self.processes = reward_processes() if processes is None else processes
+        self._pool: Executor | None = None
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+    def _executor(self) -> Executor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def _function_scores(self, batch: Batch) -> list[list[float]]:
+        """``[function][row]`` scores, computed in chunks across the pool."""
+        texts = batch.non_tensors["response_text"]
+        samples: list[Sample] = [
+            (
+                str(batch.non_tensors["data_source"][row]),
+                str(texts[row]),
+                batch.non_tensors["ground_truth"][row],
+                batch.non_tensors["extra_info"][row] or {},
+            )
+            for row in range(len(batch))
+        ]
+        names = [name for name, _ in self.functions]
+        chunk = -(-len(samples) // self.processes)
+        starts = list(range(0, len(samples), chunk))
+        pool = self._executor()
+        futures = [pool.submit(score_chunk, names, samples[start : start + chunk]) for start in starts]
+        per_function: list[list[float]] = [[] for _ in names]
+        for start, future in zip(starts, futures, strict=True):
+            result = future.result()
+            if isinstance(result, SampleFailure):
+                row = start + result.row
+                raise RewardFunctionError(
+                    f"reward function {result.function!r} failed on sample {batch.non_tensors['uid'][row]} "
+                    f"(response {str(texts[row])[:80]!r}): {result.error}"
+                )
+            for values, chunk_values in zip(per_function, result, strict=True):
+                values.extend(chunk_values)
+        return per_function
+
+    def scores(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """One score per row, and the mean of each component for the metrics."""
+        total = torch.zeros(len(batch), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        model_scores = (
+            self.reward_model.compute_scores.submit(batch) if self.reward_model is not None else None
+        )
+        if self.functions:
+            for (name, weight), values in zip(self.functions, self._function_scores(batch), strict=True):
+                scores = torch.tensor(values, dtype=torch.float32)
+                total += weight * scores
+                metrics[f"reward/{name}"] = float(scores.mean())
+        if model_scores is not None:
+            rm = model_scores.result()["rm_scores"].float()
+            total += rm
+            metrics["reward/model"] = float(rm.mean())
+        return total, metrics

@@ -1,0 +1,68 @@
+"""The actor's training objective, shared by every backend's actor worker.
+
+Per micro-batch: PPO's clipped surrogate, minus ``entropyCoef`` times the entropy, plus
+``kl.coef`` times the KL to the reference when ``kl.mode`` is ``loss``; all three reduced by
+``spec.algorithm.lossAggregation`` with the mini-batch's global counts
+(:mod:`hybridflow.rlmath.aggregation`), so the micro-batch losses sum to the mini-batch's. The
+backends differ only in how they run forward/backward (FSDP2 directly, Megatron through its
+pipeline schedule), so the objective lives here once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.rlmath import core
+from hybridflow.rlmath.aggregation import LossNormalizer, aggregate
+from hybridflow.spec import AlgorithmSpec
+
+__all__ = ["actor_objective"]
+
+
+def actor_objective(
+    algo: AlgorithmSpec,
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ref_log_probs: torch.Tensor | None,
+    normalizer: LossNormalizer | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """(loss, metrics) of one micro-batch; ``ref_log_probs`` None means no KL loss term.
+
+    ``normalizer`` holds the mini-batch's global counts; the loss is then this micro-batch's
+    share (backward on every share gives the mini-batch's gradient). None: the batch is the
+    whole mini-batch. Metrics are this micro-batch's own means, detached: 0-d tensors for the
+    loss parts, floats for the clip and KL statistics.
+    """
+    mode = algo.loss_aggregation
+    mask = response_mask.float()
+    policy_loss, stats = core.policy_loss_clipped(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        algo.clip_ratio_low,
+        algo.clip_ratio_high,
+        aggregation=mode,
+        normalizer=normalizer,
+    )
+    if entropy is None:
+        raise ValueError("the actor objective needs the per-token entropy (with_entropy=True)")
+    loss = policy_loss - algo.entropy_coef * aggregate(entropy, mask, mode, normalizer)
+    metrics: dict[str, torch.Tensor | float] = {
+        "actor/policy_loss": core.policy_loss_clipped(
+            log_probs.detach(), old_log_probs, advantages, mask, algo.clip_ratio_low, algo.clip_ratio_high
+        )[0],
+        "actor/entropy": core.masked_mean(entropy.detach(), mask),
+        "actor/clipfrac": float(stats["clipfrac"]),
+        "actor/approx_kl": float(stats["approx_kl"]),
+        "actor/approx_kl_k3": float(stats["approx_kl_k3"]),
+    }
+    if ref_log_probs is not None:
+        per_token_kl = core.kl_penalty(log_probs, ref_log_probs, algo.kl.estimator)
+        loss = loss + algo.kl.coef * aggregate(per_token_kl, mask, mode, normalizer)
+        metrics["actor/kl_loss"] = core.masked_mean(per_token_kl.detach(), mask)
+    return loss, metrics

@@ -1,0 +1,217 @@
+"""The FSDP actor's update loop in one process (FSDP2 over a gloo world of one, no Ray).
+
+* On-policy (one mini-batch, one epoch) the actor may skip the separate old-log-prob pass and
+  use the detached log-probs of its own forward: after N steps the parameters equal those of the
+  two-pass path.
+* The micro-batch size does not change the update (global loss counts).
+* The contract is enforced: no old log-probs with several mini-batches is an error, not a
+  silently wrong ratio.
+* ``targetKl`` stops the epochs early.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.backends.fsdp import full_state_dict
+from hybridflow.controller import Batch, WorkerContext
+from hybridflow.mesh import DeviceMesh
+from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.mini_batches import token_budget_micro_batches, trim_padding
+from hybridflow.workers.policy import ActorWorker
+
+pytestmark = pytest.mark.unit
+
+PROMPT, RESPONSE, ROWS = 5, 6, 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("actor-update") / "qwen2", "qwen2", seed=5)
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.fail("a torch.distributed process group is already initialised in the test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _spec(model_dir: Path, mini_batch: int = ROWS, **algorithm: Any) -> RLHFJobSpec:
+    return RLHFJobSpec.model_validate(
+        {
+            "models": {"actor": {"path": str(model_dir)}},
+            "data": {"trainFiles": ["/data/prompts.jsonl"]},
+            "algorithm": {"name": "grpo", "samplesPerPrompt": 2, "entropyCoef": 0.01, **algorithm},
+            "rollout": {"engine": "torch"},
+            "training": {
+                "totalSteps": 10,
+                "promptsPerStep": ROWS // 2,
+                "miniBatchSize": mini_batch,
+                "microBatchSizePerGpu": 2,
+                "learningRate": 1e-2,
+                "precision": "fp32",
+            },
+            "rewards": [{"function": "target_char"}],
+        }
+    )
+
+
+def _actor(spec: RLHFJobSpec) -> ActorWorker:
+    ctx = WorkerContext(
+        role="actor",
+        pool="default",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_id="local",
+        mesh=DeviceMesh.data_parallel(1),
+        device="cpu",
+        backend="gloo",
+    )
+    return ActorWorker(ctx, spec)
+
+
+def _rollout(seed: int) -> Batch:
+    """A rollout batch in the engine layout: left-padded prompts, right-padded responses of unequal length."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.full((ROWS, PROMPT + RESPONSE), PAD_TOKEN_ID)
+    attention_mask = torch.zeros_like(input_ids)
+    for row in range(ROWS):
+        prompt_len, response_len = 2 + row % 3, 1 + (row * 5) % RESPONSE
+        start = PROMPT - prompt_len
+        input_ids[row, start : PROMPT + response_len] = torch.randint(
+            40, 120, (prompt_len + response_len,), generator=g
+        )
+        attention_mask[row, start : PROMPT + response_len] = 1
+    mask = attention_mask[:, PROMPT:]
+    return Batch.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0),
+            "responses": input_ids[:, PROMPT:],
+            "response_mask": mask,
+            "advantages": torch.randn(ROWS, 1, generator=g).expand(ROWS, RESPONSE) * mask,
+        }
+    )
+
+
+def _train(actor: ActorWorker, steps: int, *, two_pass: bool) -> list[dict[str, float]]:
+    metrics = []
+    for step in range(steps):
+        batch = _rollout(step)
+        if two_pass:
+            batch = batch.union(actor.compute_log_probs(batch))
+        metrics.append(actor.update_policy(batch))
+    return metrics
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_on_policy_update_without_the_old_log_prob_pass_equals_the_two_pass_path(model_dir: Path) -> None:
+    spec = _spec(model_dir)
+    two_pass, one_pass = _actor(spec), _actor(spec)
+    _train(two_pass, 2, two_pass=True)
+    metrics = _train(one_pass, 2, two_pass=False)
+    expected, got = full_state_dict(two_pass.model), full_state_dict(one_pass.model)
+    initial = full_state_dict(_actor(spec).model)
+    assert any(not torch.equal(got[name], p) for name, p in initial.items())
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert all(m["actor/approx_kl_k3"] == 0.0 and m["actor/clipfrac"] == 0.0 for m in metrics)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_micro_batch_size_does_not_change_the_update(model_dir: Path) -> None:
+    """Same gradient (its norm, before clipping) for 1 and 4 rows per micro-batch.
+
+    Parameters agree to ~1e-4 only: Adam divides by sqrt(v), which turns float-summation noise
+    of near-zero gradient entries into steps of up to ``lr``; the gradient norm shows the
+    weighting itself is the same.
+    """
+    norms, params = [], []
+    for micro in (1, 4):
+        spec = _spec(model_dir)
+        spec = spec.model_copy(
+            update={"training": spec.training.model_copy(update={"micro_batch_size_per_gpu": micro})}
+        )
+        actor = _actor(spec)
+        norms.append([m["actor/grad_norm"] for m in _train(actor, 1, two_pass=True)])
+        params.append(full_state_dict(actor.model))
+    for other_norms, other_params in zip(norms[1:], params[1:], strict=True):
+        assert other_norms == pytest.approx(norms[0], rel=1e-5)
+        for name, tensor in params[0].items():
+            torch.testing.assert_close(other_params[name], tensor, rtol=0, atol=1e-3, msg=name)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_without_old_log_probs_several_mini_batches_are_refused(model_dir: Path) -> None:
+    actor = _actor(_spec(model_dir, mini_batch=4))
+    with pytest.raises(ValueError, match="only allowed for one mini-batch and one epoch"):
+        actor.update_policy(_rollout(0))
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_target_kl_stops_the_epochs(model_dir: Path) -> None:
+    actor = _actor(_spec(model_dir, ppoEpochs=4, targetKl=1e-9))
+    batch = _rollout(0)
+    metrics = actor.update_policy(batch.union(actor.compute_log_probs(batch)))
+    # Epoch 1 measures the rollout policy itself (KL 0) and steps; epoch 2 sees the moved policy.
+    assert metrics["actor/epochs"] == 2.0
+    free = _actor(_spec(model_dir, ppoEpochs=2))
+    assert free.update_policy(batch.union(free.compute_log_probs(batch)))["actor/epochs"] == 2.0
+
+
+def test_trimming_keeps_every_valid_token_in_the_layout() -> None:
+    batch = _rollout(0)
+    short = batch.rows([0, 3, 6])  # response lengths 1, 4, 1 and prompt lengths 2, 2, 2
+    trimmed = trim_padding(short)
+    assert trimmed.tensors["responses"].shape[1] == 4 and trimmed.tensors["input_ids"].shape[1] == 2 + 4
+    for name in ("response_mask", "advantages"):
+        assert torch.equal(trimmed.tensors[name], short.tensors[name][:, :4])
+    assert torch.equal(trimmed.tensors["input_ids"], short.tensors["input_ids"][:, PROMPT - 2 : PROMPT + 4])
+    assert int(trimmed.tensors["attention_mask"].sum()) == int(short.tensors["attention_mask"].sum())
+
+
+def test_token_budget_packs_sorted_rows_and_keeps_every_row() -> None:
+    batch = _rollout(0)
+    micro = token_budget_micro_batches(batch, 24, dp_sum=lambda t: t, dp_size=1, dp_rank=0)
+    assert sum(len(m) for m in micro) == ROWS and len(micro) > 1
+    for m in micro:
+        assert len(m) == 1 or len(m) * m.tensors["input_ids"].shape[1] <= 24
+    assert sum(int(m.tensors["response_mask"].sum()) for m in micro) == int(
+        batch.tensors["response_mask"].sum()
+    )
+    # another DP rank needing 5 micro-batches: this rank splits to match
+    matched = token_budget_micro_batches(
+        batch, 24, dp_sum=lambda t: t + torch.tensor([[0.0, 5.0], [0.0, float(ROWS)]]), dp_size=2, dp_rank=0
+    )
+    assert len(matched) == max(5, len(micro))
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_token_budget_micro_batches_give_the_same_gradient(model_dir: Path) -> None:
+    norms = []
+    for budget in (None, 30):
+        spec = _spec(model_dir)
+        spec = spec.model_copy(
+            update={"training": spec.training.model_copy(update={"max_tokens_per_micro_batch": budget})}
+        )
+        norms.append(_train(_actor(spec), 1, two_pass=True)[0]["actor/grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
