@@ -26,6 +26,8 @@ from hybridflow.spec.data import DataSpec
 from hybridflow.spec.models import ModelsSpec
 from hybridflow.spec.resources import (
     DEFAULT_POOL_NAME,
+    PLACEMENT_DESCRIPTION,
+    PlacementMode,
     ResourcePoolSpec,
     RoleName,
     RolePlacementSpec,
@@ -80,6 +82,7 @@ class RLHFJobSpec(SpecModel):
         default=RolePlacementSpec(),
         description="Which pool each role runs on; roles left unset share the actor's pool.",
     )
+    placement: PlacementMode = Field(default="manual", description=PLACEMENT_DESCRIPTION)
     checkpoint: CheckpointSpec = Field(
         default=CheckpointSpec(),
         description="Checkpoint interval, retention and location; the job resumes from the newest one.",
@@ -315,6 +318,22 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
     )
 
 
+def _auto_placement_settings(spec: RLHFJobSpec) -> list[str]:
+    """The settings ``placement: auto`` would override, as ``field=value`` (empty: none set)."""
+    found = [f"roles.{role}={getattr(spec.roles, role)!r}" for role in _ROLES[1:] if getattr(spec.roles, role)]
+    sizes = {
+        "training.tensorParallelSize": spec.training.tensor_parallel_size,
+        "training.pipelineParallelSize": spec.training.pipeline_parallel_size,
+        "rollout.tensorParallelSize": spec.rollout.tensor_parallel_size,
+        "rollout.pipelineParallelSize": spec.rollout.pipeline_parallel_size,
+    }
+    return found + [f"{name}={value}" for name, value in sizes.items() if value != 1]
+
+
+def _auto_placement_left_open(spec: RLHFJobSpec) -> bool:
+    return not _auto_placement_settings(spec)
+
+
 def _rollout_colocated(spec: RLHFJobSpec) -> bool:
     return spec.roles.pool_of("rollout") == spec.roles.actor
 
@@ -345,14 +364,13 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         node_path="spec",
         field_path=".resourcePools",
         cel=(
-            "self.resourcePools.all(p, p.name == self.roles.actor"
+            "self.placement == 'auto' || self.resourcePools.all(p, p.name == self.roles.actor"
             + "".join(f" || (has(self.roles.{role}) && p.name == self.roles.{role})" for role in _ROLES[1:])
             + ")"
         ),
         message="every pool must host at least one role in spec.roles; an unused pool holds GPUs idle",
-        holds=lambda spec: all(
-            any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools
-        ),
+        holds=lambda spec: spec.placement == "auto"
+        or all(any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools),
         observed=lambda spec: (
             "unused: "
             + quoted_list(
@@ -501,6 +519,33 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             f"{spec.rollout.tensor_parallel_size} * {spec.rollout.pipeline_parallel_size}; pool "
             f"{spec.roles.rollout!r} has {_gpus(_pools_named(spec, spec.roles.rollout)[0].world_size)}"
         ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="auto-placement-one-pool",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel="self.placement != 'auto' || size(self.resourcePools) == 1",
+        message="must hold exactly one pool, the GPU budget, when spec.placement is auto",
+        holds=lambda spec: spec.placement != "auto" or len(spec.resource_pools) == 1,
+        observed=lambda spec: f"{len(spec.resource_pools)} pools: {_pool_names(spec)}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="auto-placement-chooses-roles-and-sizes",
+        node_path="spec",
+        field_path=".placement",
+        cel=(
+            "self.placement != 'auto' || ("
+            + " && ".join(f"!has(self.roles.{role})" for role in _ROLES[1:])
+            + " && self.training.tensorParallelSize == 1 && self.training.pipelineParallelSize == 1"
+            " && self.rollout.tensorParallelSize == 1 && self.rollout.pipelineParallelSize == 1)"
+        ),
+        message=(
+            "auto chooses the roles' pools and the parallel sizes: leave spec.roles (other than actor), "
+            "training.tensorParallelSize/pipelineParallelSize and rollout.tensorParallelSize/"
+            "pipelineParallelSize unset"
+        ),
+        holds=lambda spec: spec.placement != "auto" or _auto_placement_left_open(spec),
+        observed=lambda spec: "auto with " + ", ".join(_auto_placement_settings(spec)),
     ),
     CrossFieldRule[RLHFJobSpec](
         name="volume-mount-paths-unique",
