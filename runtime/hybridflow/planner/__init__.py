@@ -14,7 +14,15 @@ read ``hybridflow plan``.
 
 from hybridflow.planner.hardware import A100_80GB, ClusterShape, DeviceConstants
 from hybridflow.planner.parallel import ModelLayoutChoice
-from hybridflow.planner.search import PLACEMENT_KINDS, Placement, PlacementKind, Plan, PoolPlan, plan_job, placements
+from hybridflow.planner.search import (
+    PLACEMENT_KINDS,
+    Placement,
+    PlacementKind,
+    Plan,
+    PoolPlan,
+    placements,
+    plan_job,
+)
 from hybridflow.planner.shapes import PAPER_MODELS, ModelShape, PlannerInputError, Workload
 
 __all__ = [

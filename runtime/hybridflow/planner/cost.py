@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.parallel import ModelLayoutChoice
@@ -109,7 +108,11 @@ def forward_seconds(
 
 
 def _gradient_sync_seconds(
-    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants, gpus_per_node: int
+    model: ModelShape,
+    layout: ModelLayoutChoice,
+    workload: Workload,
+    device: DeviceConstants,
+    gpus_per_node: int,
 ) -> float:
     if layout.dp == 1:
         return 0.0
@@ -149,14 +152,17 @@ def reshard_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Worklo
     rank receives the other stages' copies.
     """
     t_g = layout.generation_tp or 1
-    partitioned, replicated_bytes = model.param_bytes(workload.param_bytes)
+    partitioned, _ = model.param_bytes(workload.param_bytes)
     row = table2("hybridflow", p=layout.pp, t=layout.tp, d=layout.dp, p_g=1, t_g=t_g, model_bytes=partitioned)
-    replicated = Fraction(replicated_bytes) * (layout.pp - 1) / layout.pp
-    return int(row.traffic + replicated)
+    return int(row.traffic) + model.replicated_bytes_from_other_stages(layout.pp, workload.param_bytes)
 
 
 def reshard_seconds(
-    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants, gpus_per_node: int
+    model: ModelShape,
+    layout: ModelLayoutChoice,
+    workload: Workload,
+    device: DeviceConstants,
+    gpus_per_node: int,
 ) -> float:
     """The train -> generate all-gather inside each micro-DP group (generate -> train moves nothing)."""
     received = reshard_bytes(model, layout, workload)
@@ -165,7 +171,9 @@ def reshard_seconds(
     # A micro-DP group spans the TP ranks of one replica (one node) and, with p > 1, its stages.
     group_span = layout.tp if layout.pp == 1 else layout.tp * layout.dp * layout.pp
     bandwidth = (
-        device.intra_node_bytes_per_second if group_span <= gpus_per_node else device.inter_node_bytes_per_second
+        device.intra_node_bytes_per_second
+        if group_span <= gpus_per_node
+        else device.inter_node_bytes_per_second
     )
     return received / bandwidth
 
@@ -249,7 +257,11 @@ def generation_estimate(
     seq = workload.prompt_tokens + workload.response_tokens
     kv_per_sequence = model.kv_bytes_per_token(workload.param_bytes) * seq / t_g
     weights = workload.param_bytes * model.params / t_g
-    fits = int((kv_budget_bytes_per_gpu - weights) // kv_per_sequence) if kv_budget_bytes_per_gpu > weights else 0
+    fits = (
+        int((kv_budget_bytes_per_gpu - weights) // kv_per_sequence)
+        if kv_budget_bytes_per_gpu > weights
+        else 0
+    )
     if fits < 1:
         return None
     waves = math.ceil(per_replica / fits)
@@ -258,7 +270,9 @@ def generation_estimate(
     # its average context (the prompt plus half the response).
     context = workload.prompt_tokens + workload.response_tokens / 2
     kv_read = batch * model.kv_bytes_per_token(workload.param_bytes) * context / t_g
-    read = (weights + kv_read) / (device.memory_bandwidth_bytes_per_second * device.decode_bandwidth_efficiency)
+    read = (weights + kv_read) / (
+        device.memory_bandwidth_bytes_per_second * device.decode_bandwidth_efficiency
+    )
     # Roofline: a decoding step is bound by reading the shard or by its GEMMs at full efficiency
     # (the saturating curve would count the small batch's memory-boundness twice).
     compute = 2 * model.params * batch / (t_g * device.peak_flops * device.train_efficiency)
@@ -266,8 +280,9 @@ def generation_estimate(
     all_reduces = 2 * model.decoder.num_layers * device.collective_latency_seconds if t_g > 1 else 0.0
     step = max(read, compute) + all_reduces + device.decode_step_overhead_seconds
     prompt_tokens = batch * workload.prompt_tokens
-    prefill = 2 * model.params * prompt_tokens / (
-        t_g * device.peak_flops * device.efficiency(prompt_tokens)
-    ) + device.call_overhead_seconds
+    prefill = (
+        2 * model.params * prompt_tokens / (t_g * device.peak_flops * device.efficiency(prompt_tokens))
+        + device.call_overhead_seconds
+    )
     seconds = waves * (prefill + workload.response_tokens * step)
     return GenerationEstimate(seconds, waves, batch, batch * kv_per_sequence, weights)

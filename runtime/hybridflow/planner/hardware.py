@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hybridflow.planner.shapes import PlannerInputError
 
-__all__ = ["A100_80GB", "ClusterShape", "DeviceConstants"]
+__all__ = ["A100_80GB", "SIMULATED_CPU_GPU", "ClusterShape", "DeviceConstants"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,28 @@ class ClusterShape:
     def node_gpus(self) -> int:
         """GPUs of one node that the budget uses (all of them, or the whole budget if smaller)."""
         return min(self.gpus, self.gpus_per_node)
+
+
+SIMULATED_CPU_GPU = DeviceConstants(
+    name="simulated GPU (one CPU thread)",
+    # `hybridflow plan --profile` on the 2-core development machine with the tiny model
+    # (hidden 64, 2 layers): ~8 GFLOP/s sustained by one thread, ~1.6 ms fixed per forward
+    # call, ~8 GB/s memory copy. Fixed here so that `placement: auto` picks the same plan on
+    # every (re)start of a job; --profile measures the current machine instead.
+    peak_flops=8e9,
+    train_efficiency=1.0,
+    tokens_for_half_efficiency=0.0,
+    memory_bandwidth_bytes_per_second=8e9,
+    decode_bandwidth_efficiency=1.0,
+    # A simulated GPU has no memory of its own; tiny models fit anywhere (assumed share of host RAM).
+    memory_bytes=8e9,
+    memory_headroom=0.1,
+    # gloo on one host (shared/notes/cpu-stack.md: 64 MiB all-reduce in ~60 ms).
+    intra_node_bytes_per_second=1.1e9,
+    inter_node_bytes_per_second=1.1e9,
+    call_overhead_seconds=0.0016,
+    decode_step_overhead_seconds=0.0016,
+    collective_latency_seconds=100e-6,
+    compute_slots=None,
+)
+"""The device of local runs without GPUs; set ``compute_slots`` to the core count when using it."""

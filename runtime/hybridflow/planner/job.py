@@ -9,13 +9,17 @@ does before ``hybridflow run`` deploys anything.
 
 from __future__ import annotations
 
-from hybridflow.planner.hardware import ClusterShape
-from hybridflow.planner.search import Plan, pool_shape
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+
+from hybridflow.planner.hardware import SIMULATED_CPU_GPU, ClusterShape, DeviceConstants
+from hybridflow.planner.search import PLACEMENT_KINDS, PlacementKind, Plan, plan_job, pool_shape
 from hybridflow.planner.shapes import ModelShape, PlannerInputError, Workload, model_shape_from_dir
 from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec
 from hybridflow.spec.resources import ResourcePoolSpec, RolePlacementSpec
 
-__all__ = ["apply_plan", "budget_of", "workload_from_spec"]
+__all__ = ["apply_plan", "budget_of", "local_device", "resolve_auto_placement", "workload_from_spec"]
 
 
 def workload_from_spec(spec: RLHFJobSpec) -> Workload:
@@ -103,3 +107,17 @@ def apply_plan(spec: RLHFJobSpec, plan: Plan) -> RLHFJobSpec:
 def _elsewhere(pool_of: dict[str, str], role: str) -> str | None:
     name = pool_of.get(role)
     return None if name is None or name == pool_of["actor"] else name
+
+
+def resolve_auto_placement(
+    spec: RLHFJobSpec, device: DeviceConstants, *, kinds: Sequence[PlacementKind] = PLACEMENT_KINDS
+) -> tuple[RLHFJobSpec, Plan]:
+    """The runnable spec of an auto-placed job, and the plan it follows (the fastest estimated)."""
+    _, cluster = budget_of(spec)
+    best = plan_job(workload_from_spec(spec), cluster, device, kinds=kinds)[0]
+    return apply_plan(spec, best), best
+
+
+def local_device() -> DeviceConstants:
+    """The device ``hybridflow run`` plans for: the simulated CPU GPU sharing this machine's cores."""
+    return replace(SIMULATED_CPU_GPU, compute_slots=os.cpu_count() or 1)

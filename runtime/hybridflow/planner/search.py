@@ -171,7 +171,9 @@ ModelParallel = tuple[int, int]
 """``(p, t)`` shared by the actor, reference and critic when ``Workload.shared_model_parallel``."""
 
 
-def _allowed(role: ModelRole, layout: ModelLayoutChoice, workload: Workload, shared: ModelParallel | None) -> bool:
+def _allowed(
+    role: ModelRole, layout: ModelLayoutChoice, workload: Workload, shared: ModelParallel | None
+) -> bool:
     if shared is not None:
         wanted = shared if role in ("actor", "reference", "critic") else (1, 1)
         if (layout.pp, layout.tp) != wanted:
@@ -241,8 +243,9 @@ def _cost_pool(
     for combo in itertools.product(*options):
         chosen = dict(zip(roles, combo, strict=True))
         static = sum(c.memory.static for c in combo)
-        peak_work = max(c.memory.gradients + max(c.memory.train_activations, c.memory.forward_activations)
-                        for c in combo)
+        peak_work = max(
+            c.memory.gradients + max(c.memory.train_activations, c.memory.forward_activations) for c in combo
+        )
         peak = static + peak_work
         if peak > device.usable_memory_bytes:
             continue
@@ -257,8 +260,13 @@ def _cost_pool(
             if generation is None:
                 continue
             generate = generation.seconds + actor.reshard_seconds
-            peak = max(peak, static - actor.memory.weights + generation.weights_bytes_per_gpu
-                       + generation.kv_bytes_per_gpu)
+            peak = max(
+                peak,
+                static
+                - actor.memory.weights
+                + generation.weights_bytes_per_gpu
+                + generation.kv_bytes_per_gpu,
+            )
         score = sum(c.forward_seconds for c in combo)
         train = sum(c.train_seconds for c in combo)
         pool = PoolPlan(
@@ -282,7 +290,9 @@ def _contention(active: Sequence[int], device: DeviceConstants) -> float:
     return max(1.0, sum(active) / slots)
 
 
-def _combine(placement: Placement, pools: list[PoolPlan], workload: Workload, device: DeviceConstants) -> Plan:
+def _combine(
+    placement: Placement, pools: list[PoolPlan], workload: Workload, device: DeviceConstants
+) -> Plan:
     actor_pool = next(pool for pool in pools if "actor" in pool.roles)
     generate = actor_pool.generate_seconds * _contention([actor_pool.gpus], device)
     scoring = [p.gpus for p in pools if p.score_seconds > 0]
@@ -320,10 +330,13 @@ def plan_job(
 ) -> list[Plan]:
     """Every feasible plan, fastest first; raises :class:`PlannerInputError` when nothing fits."""
     plans = []
-    shared_options: list[ModelParallel | None] = [None]
+    shared_options: Sequence[ModelParallel | None] = [None]
     if workload.shared_model_parallel:
         shared_options = sorted(
-            {(c.pp, c.tp) for c in training_layouts(workload.actor, cluster.gpus, cluster.node_gpus, workload)}
+            {
+                (c.pp, c.tp)
+                for c in training_layouts(workload.actor, cluster.gpus, cluster.node_gpus, workload)
+            }
         )
     cache: dict[tuple[tuple[ModelRole, ...], int, ModelParallel | None], PoolPlan | None] = {}
     for shared in shared_options:
@@ -344,9 +357,19 @@ def plan_job(
     if not plans:
         raise PlannerInputError(
             f"no placement of {', '.join(workload.models())} fits {cluster.gpus} GPUs of "
-            f"{device.memory_bytes / 1e9:.0f} GB ({device.name}); add GPUs or shrink the models or the batch"
+            f"{device.memory_bytes / 1e9:.0f} GB ({device.name}){_constraints(workload)}; add GPUs or shrink the "
+            "models or the batch"
         )
     return sorted(plans, key=lambda plan: (plan.step_seconds, plan.placement.describe()))
+
+
+def _constraints(workload: Workload) -> str:
+    if workload.mini_batch_sequences is None:
+        return ""
+    return (
+        f" with miniBatchSize {workload.mini_batch_sequences} in whole micro-batches of "
+        f"{workload.micro_batch_sequences} on every data-parallel rank of the actor and critic"
+    )
 
 
 def pool_shape(gpus: int, cluster: ClusterShape) -> tuple[int, int]:
@@ -355,4 +378,3 @@ def pool_shape(gpus: int, cluster: ClusterShape) -> tuple[int, int]:
     if gpus % g == 0:
         return gpus // g, g
     return 1, gpus
-

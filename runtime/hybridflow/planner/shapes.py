@@ -56,6 +56,10 @@ class ModelShape:
         """The HF parameter layout with ``itemsize`` bytes per element (cached: the search asks often)."""
         return _layout(self.decoder, itemsize)
 
+    def replicated_bytes_from_other_stages(self, pp: int, itemsize: int) -> int:
+        """The most TP-replicated bytes a rank lacks when its generation stage spans all ``pp`` stages."""
+        return _replicated_from_other_stages(self.decoder, pp, itemsize)
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Bytes of K and V cache one token takes over all layers (the whole model, before TP)."""
         d = self.decoder
@@ -66,6 +70,16 @@ class ModelShape:
 def _param_bytes(decoder: DecoderSpec, itemsize: int) -> tuple[int, int]:
     layout = _layout(decoder, itemsize)
     return layout.partitioned_bytes, layout.replicated_bytes
+
+
+@lru_cache(maxsize=256)
+def _replicated_from_other_stages(decoder: DecoderSpec, pp: int, itemsize: int) -> int:
+    layout = _layout(decoder, itemsize)
+    per_stage = [
+        sum(param.numel for param in layout.stage_params(pp, stage) if not param.partitioned) * itemsize
+        for stage in range(pp)
+    ]
+    return sum(per_stage) - min(per_stage)
 
 
 @lru_cache(maxsize=64)
@@ -154,7 +168,13 @@ class Workload:
     shared_model_parallel: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("sequences", "prompt_tokens", "response_tokens", "micro_batch_sequences", "update_epochs"):
+        for name in (
+            "sequences",
+            "prompt_tokens",
+            "response_tokens",
+            "micro_batch_sequences",
+            "update_epochs",
+        ):
             if getattr(self, name) < 1:
                 raise PlannerInputError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -235,9 +235,14 @@ def _training_fits_pool_rule(role: Literal["actor", "critic"]) -> CrossFieldRule
     The critic's rule applies only when the critic has a pool of its own; on the actor's pool
     the actor's rule already covers it.
     """
-    guard = "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    # Under placement auto the one pool is the budget, not the role's pool: the planner sizes the pools.
+    guard = "self.placement == 'auto' || " + (
+        "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    )
 
     def holds(spec: RLHFJobSpec) -> bool:
+        if spec.placement == "auto":
+            return True
         if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
             return True
         pools = _pools_named(spec, spec.roles.pool_of(role))
@@ -274,12 +279,17 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
     Skipped when the parallel sizes do not tile the pool: ``training-fits-*-pool`` reports that,
     and the data-parallel size is undefined until it is fixed.
     """
-    guard = "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    # Under placement auto the one pool is the budget, not the role's pool: the planner sizes the pools.
+    guard = "self.placement == 'auto' || " + (
+        "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    )
 
     def data_parallel_size(spec: RLHFJobSpec, pool: ResourcePoolSpec) -> int:
         return pool.world_size // _train_model_parallel(spec)
 
     def holds(spec: RLHFJobSpec) -> bool:
+        if spec.placement == "auto":
+            return True
         if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
             return True
         training = spec.training
@@ -320,7 +330,9 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
 
 def _auto_placement_settings(spec: RLHFJobSpec) -> list[str]:
     """The settings ``placement: auto`` would override, as ``field=value`` (empty: none set)."""
-    found = [f"roles.{role}={getattr(spec.roles, role)!r}" for role in _ROLES[1:] if getattr(spec.roles, role)]
+    found = [
+        f"roles.{role}={getattr(spec.roles, role)!r}" for role in _ROLES[1:] if getattr(spec.roles, role)
+    ]
     sizes = {
         "training.tensorParallelSize": spec.training.tensor_parallel_size,
         "training.pipelineParallelSize": spec.training.pipeline_parallel_size,
@@ -369,8 +381,12 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             + ")"
         ),
         message="every pool must host at least one role in spec.roles; an unused pool holds GPUs idle",
-        holds=lambda spec: spec.placement == "auto"
-        or all(any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools),
+        holds=lambda spec: (
+            spec.placement == "auto"
+            or all(
+                any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools
+            )
+        ),
         observed=lambda spec: (
             "unused: "
             + quoted_list(

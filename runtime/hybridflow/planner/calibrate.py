@@ -1,0 +1,116 @@
+"""``hybridflow plan --profile``: the device constants measured on this machine (needs torch).
+
+A short run, a few seconds: the job's own actor model (random weights of its config, so no
+checkpoint is read) runs forward passes of two sizes on one device, single-threaded on a CPU
+as one simulated GPU worker is. The time of a pass is fitted as ``a + T/r`` for ``T`` tokens:
+``a`` becomes the fixed cost of a call and of a decoding step, ``2*N*r`` the sustained FLOP/s
+(``peak_flops`` with ``train_efficiency = 1`` and no small-batch penalty: the fit already is
+the sustained rate). A large tensor copy gives the memory bandwidth.
+
+On a CPU, the simulated GPUs of a local run share its cores: ``compute_slots`` is the core
+count, and the link constants are those of gloo on one host (docs/placement.md gives the
+figures). On a GPU the link constants of the base device are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from hybridflow.planner.hardware import DeviceConstants
+from hybridflow.planner.shapes import ModelShape
+
+__all__ = ["GLOO_HOST_BYTES_PER_SECOND", "calibrate_device"]
+
+GLOO_HOST_BYTES_PER_SECOND = 1.1e9
+"""gloo all-reduce on one host: 64 MiB fp32 in ~60 ms between 2 ranks (shared/notes/cpu-stack.md)."""
+GLOO_LATENCY_SECONDS = 100e-6
+"""A small gloo all-reduce between local processes (assumed, order of a loopback round trip)."""
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def calibrate_device(model: ModelShape, base: DeviceConstants, *, repeats: int = 5) -> DeviceConstants:
+    """``base`` with compute, call and memory constants measured on this machine (see the module docstring)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    decoder = model.decoder
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    threads = torch.get_num_threads()
+    if not on_gpu:
+        torch.set_num_threads(1)
+    try:
+        config = AutoConfig.for_model(
+            decoder.arch,
+            vocab_size=decoder.vocab_size,
+            hidden_size=decoder.hidden_size,
+            intermediate_size=decoder.intermediate_size,
+            num_hidden_layers=decoder.num_layers,
+            num_attention_heads=decoder.num_heads,
+            num_key_value_heads=decoder.num_kv_heads,
+            head_dim=decoder.head_dim,
+            max_position_embeddings=decoder.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        net = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+        small_tokens, large_tokens = 8, 8 * min(256, decoder.max_position_embeddings)
+
+        def forward(tokens: int) -> Callable[[], object]:
+            ids = torch.randint(0, decoder.vocab_size, (tokens // 8, 8) if tokens == 8 else (8, tokens // 8))
+            ids = ids.to(device)
+
+            def run() -> object:
+                with torch.no_grad():
+                    out = net(input_ids=ids).logits
+                if on_gpu:
+                    torch.cuda.synchronize()
+                return out
+
+            return run
+
+        small = _median_seconds(forward(small_tokens), repeats)
+        large = _median_seconds(forward(large_tokens), repeats)
+        seconds_per_token = max((large - small) / (large_tokens - small_tokens), 1e-12)
+        fixed = max(small - small_tokens * seconds_per_token, 0.0)
+        flops = 2 * model.params / seconds_per_token
+        buffer = torch.empty(64 * 2**20 // 4, dtype=torch.float32, device=device)
+        target = torch.empty_like(buffer)
+        copy = _median_seconds(lambda: target.copy_(buffer), repeats)
+        bandwidth = 2 * buffer.numel() * 4 / copy
+    finally:
+        torch.set_num_threads(threads)
+    measured = replace(
+        base,
+        name=f"{'cuda' if on_gpu else 'cpu'} (measured with {model.name})",
+        peak_flops=flops,
+        train_efficiency=1.0,
+        tokens_for_half_efficiency=0.0,
+        memory_bandwidth_bytes_per_second=bandwidth,
+        decode_bandwidth_efficiency=1.0,
+        call_overhead_seconds=fixed,
+        decode_step_overhead_seconds=fixed,
+    )
+    if on_gpu:
+        return replace(measured, memory_bytes=float(torch.cuda.get_device_properties(0).total_memory))
+    return replace(
+        measured,
+        memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        intra_node_bytes_per_second=GLOO_HOST_BYTES_PER_SECOND,
+        inter_node_bytes_per_second=GLOO_HOST_BYTES_PER_SECOND,
+        collective_latency_seconds=GLOO_LATENCY_SECONDS,
+        compute_slots=os.cpu_count() or 1,
+    )
