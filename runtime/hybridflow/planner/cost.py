@@ -21,7 +21,11 @@ Time
     cost; prefill is a forward pass over the prompts.
   * resharding (train -> generate): the bytes each rank receives in the 3D-HybridEngine
     transition, :func:`hybridflow.resharding.plan.table2` (``(tp - t_g)/(t_g tp) M`` with
-    ``p_g = 1``), over NVLink when the micro-DP group sits in one node.
+    ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP the rollout
+    gathers the full weights, ``(d-1)/d`` of them.
+  * collective latency: every latency-bound collective (FSDP's per-layer all-gathers and
+    reduce-scatters, Megatron's per-layer TP all-reduces, per micro-batch) costs
+    ``collective_latency_seconds``; on CPUs with gloo this, not bandwidth, dominates.
 
 Memory per GPU (bytes)
   * trained models: weights and gradients ``2b*N/(p t)``; Adam moments and (for 16-bit
@@ -97,14 +101,33 @@ def _compute_seconds(
     return flops / (gpus * device.peak_flops * device.efficiency(tokens / gpus)) * _bubble(workload, layout)
 
 
+def _collectives_per_micro_batch(
+    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, passes: int
+) -> int:
+    """Latency-bound collectives of one micro-batch over ``passes`` (1: forward, 3: forward+backward).
+
+    FSDP gathers each layer's parameters (plus the root's) in the forward and again in the
+    backward, and reduce-scatters their gradients: ``L + 1`` collectives per pass. Megatron's TP
+    all-reduces twice per layer and pass.
+    """
+    layers = model.decoder.num_layers
+    if workload.backend == "fsdp":
+        return 0 if layout.dp == 1 else passes * (layers + 1)
+    return 0 if layout.tp == 1 else 2 * passes * layers // layout.pp
+
+
 def forward_seconds(
     model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants
 ) -> float:
     """One forward pass over every sequence of the step (log-probs, values or scores)."""
     tokens = workload.tokens
     compute = _compute_seconds(2 * model.params * tokens, tokens, layout, workload, device)
-    calls = _micro_batches(workload, layout) * device.call_overhead_seconds
-    return compute + _tp_allreduce_seconds(model, layout, workload, device, per_layer=2) + calls
+    micro = _micro_batches(workload, layout)
+    calls = micro * device.call_overhead_seconds
+    latency = (
+        micro * _collectives_per_micro_batch(model, layout, workload, 1) * device.collective_latency_seconds
+    )
+    return compute + _tp_allreduce_seconds(model, layout, workload, device, per_layer=2) + calls + latency
 
 
 def _gradient_sync_seconds(
@@ -137,9 +160,15 @@ def train_seconds(
     tokens = workload.tokens
     epochs = workload.update_epochs
     compute = _compute_seconds(6 * model.params * tokens, tokens, layout, workload, device)
-    calls = 3 * _micro_batches(workload, layout) * device.call_overhead_seconds
-    comm = _tp_allreduce_seconds(model, layout, workload, device, per_layer=4) + _gradient_sync_seconds(
-        model, layout, workload, device, gpus_per_node
+    micro = _micro_batches(workload, layout)
+    calls = 3 * micro * device.call_overhead_seconds
+    latency = (
+        micro * _collectives_per_micro_batch(model, layout, workload, 3) * device.collective_latency_seconds
+    )
+    comm = (
+        _tp_allreduce_seconds(model, layout, workload, device, per_layer=4)
+        + _gradient_sync_seconds(model, layout, workload, device, gpus_per_node)
+        + latency
     )
     return epochs * (compute + calls + comm)
 
@@ -151,6 +180,9 @@ def reshard_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Worklo
     replicated RMSNorm weights move only when ``p > 1`` and are added as the plan does: each
     rank receives the other stages' copies.
     """
+    if workload.backend == "fsdp":
+        # The rollout gathers the full weights from the FSDP shards into its own engine.
+        return (layout.dp - 1) * model.params * workload.param_bytes // layout.dp
     t_g = layout.generation_tp or 1
     partitioned, _ = model.param_bytes(workload.param_bytes)
     row = table2("hybridflow", p=layout.pp, t=layout.tp, d=layout.dp, p_g=1, t_g=t_g, model_bytes=partitioned)
@@ -168,6 +200,9 @@ def reshard_seconds(
     received = reshard_bytes(model, layout, workload)
     if received == 0:
         return 0.0
+    if workload.backend == "fsdp":
+        gathers = model.decoder.num_layers + 1
+        return received / device.intra_node_bytes_per_second + gathers * device.collective_latency_seconds
     # A micro-DP group spans the TP ranks of one replica (one node) and, with p > 1, its stages.
     group_span = layout.tp if layout.pp == 1 else layout.tp * layout.dp * layout.pp
     bandwidth = (
