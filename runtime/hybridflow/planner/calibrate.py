@@ -15,7 +15,6 @@ figures). On a GPU the link constants of the base device are kept.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,17 +30,18 @@ GLOO_LATENCY_SECONDS = 100e-6
 """A small gloo all-reduce between local processes (assumed, order of a loopback round trip)."""
 
 
-def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+def _best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed runs after a warm-up: other load on the machine only adds time."""
     run()
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
         run()
         samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+    return min(samples)
 
 
-def calibrate_device(model: ModelShape, base: DeviceConstants, *, repeats: int = 5) -> DeviceConstants:
+def calibrate_device(model: ModelShape, base: DeviceConstants, *, repeats: int = 7) -> DeviceConstants:
     """``base`` with compute, call and memory constants measured on this machine (see the module docstring)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -82,14 +82,14 @@ def calibrate_device(model: ModelShape, base: DeviceConstants, *, repeats: int =
 
             return run
 
-        small = _median_seconds(forward(small_tokens), repeats)
-        large = _median_seconds(forward(large_tokens), repeats)
+        small = _best_seconds(forward(small_tokens), repeats)
+        large = _best_seconds(forward(large_tokens), repeats)
         seconds_per_token = max((large - small) / (large_tokens - small_tokens), 1e-12)
         fixed = max(small - small_tokens * seconds_per_token, 0.0)
         flops = 2 * model.params / seconds_per_token
         buffer = torch.empty(64 * 2**20 // 4, dtype=torch.float32, device=device)
         target = torch.empty_like(buffer)
-        copy = _median_seconds(lambda: target.copy_(buffer), repeats)
+        copy = _best_seconds(lambda: target.copy_(buffer), repeats)
         bandwidth = 2 * buffer.numel() * 4 / copy
     finally:
         torch.set_num_threads(threads)
