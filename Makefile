@@ -46,6 +46,7 @@ format: setup
 bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
+	RAY_AUTH_MODE=disabled $(PY) bench/pipeline.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator.py
 

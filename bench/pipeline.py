@@ -112,7 +112,10 @@ def main() -> None:
     for candidate in candidates:
         spec = budget_spec(workdir / candidate.label, model, data, candidate.gpus, steps)
         plans = plan_job(
-            workload_from_spec(spec), ClusterShape(candidate.gpus, candidate.gpus), device, kinds=(candidate.kind,)
+            workload_from_spec(spec),
+            ClusterShape(candidate.gpus, candidate.gpus),
+            device,
+            kinds=(candidate.kind,),
         )
         plan = next(p for p in plans if p.pools[p.pool_index_of("actor")].gpus == candidate.actor_gpus)
         chosen.append((candidate, plan, apply_plan(spec, plan)))
@@ -150,11 +153,14 @@ def main() -> None:
 
     measured = {row["label"]: row["measured_step_seconds"] for row in rows}
     tau = kendall_tau(
-        [float(row["predicted_step_seconds"]) for row in rows], [float(row["measured_step_seconds"]) for row in rows]
+        [float(row["predicted_step_seconds"]) for row in rows],
+        [float(row["measured_step_seconds"]) for row in rows],
     )
     figures = {
         "steps_per_run": steps,
         "device": device.name,
+        "measured_compute_slots": round(device.compute_slots or 0.0, 2),
+        "measured_collective_latency_seconds": round(device.collective_latency_seconds, 6),
         "step_seconds_colocated_sync": measured["colocate-2"],
         "step_seconds_split_sync": measured["split-1-1"],
         "split_over_colocated_ratio": round(float(measured["split-1-1"]) / float(measured["colocate-2"]), 3),

@@ -7,27 +7,106 @@ as one simulated GPU worker is. The time of a pass is fitted as ``a + T/r`` for 
 (``peak_flops`` with ``train_efficiency = 1`` and no small-batch penalty: the fit already is
 the sustained rate). A large tensor copy gives the memory bandwidth.
 
-On a CPU, the simulated GPUs of a local run share its cores: ``compute_slots`` is the core
-count, and the link constants are those of gloo on one host (docs/placement.md gives the
-figures). On a GPU the link constants of the base device are kept.
+On a CPU, the simulated GPUs of a local run are processes sharing its cores, with whatever
+else runs there. Two worker processes measure what that costs (:func:`measure_host_sharing`):
+the same compute loop alone and in both at once gives ``compute_slots`` (how many workers
+progress in parallel: 2 on two idle cores, 1 when they only take turns), and a gloo all-reduce
+of one float between them ``collective_latency_seconds``. Bandwidths are those of gloo on one
+host (docs/placement.md). On a GPU the link constants of the base device are kept.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.shapes import ModelShape
 
-__all__ = ["GLOO_HOST_BYTES_PER_SECOND", "calibrate_device"]
+__all__ = ["GLOO_HOST_BYTES_PER_SECOND", "HostSharing", "calibrate_device", "measure_host_sharing"]
 
 GLOO_HOST_BYTES_PER_SECOND = 1.1e9
 """gloo all-reduce on one host: 64 MiB fp32 in ~60 ms between 2 ranks (shared/notes/cpu-stack.md)."""
-GLOO_LATENCY_SECONDS = 100e-6
-"""A small gloo all-reduce between local processes (assumed, order of a loopback round trip)."""
+
+
+@dataclass(frozen=True)
+class HostSharing:
+    """How two worker processes share this host: parallel compute slots and collective latency."""
+
+    compute_slots: float
+    collective_latency_seconds: float
+
+
+COMPUTE_LOOP_MATMULS = 400
+"""128x128 fp32 matmuls per timed loop: ~0.1 s on one idle core."""
+
+
+def _compute_loop() -> float:
+    import torch
+
+    a = torch.randn(128, 128)
+    started = time.perf_counter()
+    for _ in range(COMPUTE_LOOP_MATMULS):
+        a = torch.tanh(a @ a)
+    return time.perf_counter() - started
+
+
+def _sharing_worker(rank: int, port: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    one = torch.zeros(1)
+    for _ in range(20):
+        dist.all_reduce(one)
+    latencies = []
+    for _ in range(200):
+        started = time.perf_counter()
+        dist.all_reduce(one)
+        latencies.append(time.perf_counter() - started)
+    loops = []
+    for _ in range(3):
+        dist.barrier()
+        loops.append(_compute_loop())
+    dist.destroy_process_group()
+    results.put((rank, statistics.median(latencies), min(loops)))
+
+
+def measure_host_sharing() -> HostSharing:
+    """Start two gloo workers on this host and measure their parallelism and collective latency."""
+    import multiprocessing
+    import socket
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compute_loop()
+        alone = min(_compute_loop() for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_sharing_worker, args=(rank, port, results)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    measured = [results.get(timeout=300) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    together = statistics.mean(loop for _, _, loop in measured)
+    latency = statistics.mean(lat for _, lat, _ in measured)
+    return HostSharing(
+        compute_slots=max(0.5, min(2.0, 2 * alone / together)), collective_latency_seconds=latency
+    )
 
 
 def _best_seconds(run: Callable[[], object], repeats: int) -> float:
@@ -106,11 +185,13 @@ def calibrate_device(model: ModelShape, base: DeviceConstants, *, repeats: int =
     )
     if on_gpu:
         return replace(measured, memory_bytes=float(torch.cuda.get_device_properties(0).total_memory))
+    sharing = measure_host_sharing()
     return replace(
         measured,
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         intra_node_bytes_per_second=GLOO_HOST_BYTES_PER_SECOND,
         inter_node_bytes_per_second=GLOO_HOST_BYTES_PER_SECOND,
-        collective_latency_seconds=GLOO_LATENCY_SECONDS,
-        compute_slots=os.cpu_count() or 1,
+        collective_latency_seconds=sharing.collective_latency_seconds,
+        # Two workers measured; more cores scale the same share.
+        compute_slots=sharing.compute_slots * (os.cpu_count() or 1) / 2,
     )

@@ -53,7 +53,7 @@ class DeviceConstants:
     call_overhead_seconds: float
     decode_step_overhead_seconds: float
     collective_latency_seconds: float
-    compute_slots: int | None = None
+    compute_slots: float | None = None
 
     def efficiency(self, tokens_per_gpu: float) -> float:
         """Sustained fraction of ``peak_flops`` for a pass of ``tokens_per_gpu`` tokens on each GPU."""

@@ -304,7 +304,7 @@ def _combine(
     )
     step = generate + score + train
     busy = [
-        (p.generate_seconds and generate)
+        (generate if p is actor_pool else 0.0)
         + p.score_seconds * _contention(scoring, device)
         + p.train_seconds * _contention(training, device)
         for p in pools
