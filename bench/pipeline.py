@@ -5,7 +5,9 @@ GPUs on this machine's cores): everything colocated, or the actor (with the roll
 reference on pools of their own. The planner (hybridflow.planner) costs each candidate with
 device constants measured in this process (``calibrate_device``, what ``hybridflow plan
 --profile`` does), then every candidate runs ``run_training`` for a few steps in this process's
-one embedded Ray, and its step time is the median of ``perf/step_seconds`` after the first step.
+one embedded Ray, twice (all candidates forwards, then backwards, so that a drifting load on the
+machine weighs on each alike); its step time is the mean over the two runs of the median
+``perf/step_seconds`` after the first step.
 
 Figures: ``step_seconds_colocated_sync`` and ``step_seconds_split_sync`` (2 GPUs: both roles on
 both GPUs, or one GPU each), their ratio, each candidate's predicted and measured seconds, and
@@ -133,23 +135,34 @@ def main() -> None:
         configure_logging=False,
         log_to_driver=False,
     )
-    rows = []
+    # Other load on the machine drifts over minutes: run the candidates forwards, then backwards
+    # (ABC CBA), so a linear drift adds the same time to every candidate's mean.
+    order = [*range(len(chosen)), *reversed(range(len(chosen)))]
+    seconds: dict[int, list[float]] = {index: [] for index in range(len(chosen))}
     try:
-        for candidate, plan, spec in chosen:
-            summary = run_training(spec, on_step=lambda line: None)
-            seconds = [m["perf/step_seconds"] for m in summary.metrics[1:]]
-            rows.append(
-                {
-                    "label": candidate.label,
-                    "gpus": candidate.gpus,
-                    "placement": plan.placement.describe(),
-                    "predicted_step_seconds": round(plan.step_seconds, 4),
-                    "measured_step_seconds": round(statistics.median(seconds), 4),
-                }
+        for round_index, index in enumerate(order):
+            candidate, plan, spec = chosen[index]
+            out = Path(spec.output_dir) / f"round-{round_index}"
+            summary = run_training(
+                spec.model_copy(update={"output_dir": str(out)}), on_step=lambda line: None
             )
-            print(json.dumps(rows[-1]), file=sys.stderr)
+            seconds[index].append(statistics.median(m["perf/step_seconds"] for m in summary.metrics[1:]))
+            print(
+                json.dumps({"label": candidate.label, "round": round_index, "seconds": seconds[index][-1]}),
+                file=sys.stderr,
+            )
     finally:
         ray.shutdown()
+    rows = [
+        {
+            "label": candidate.label,
+            "gpus": candidate.gpus,
+            "placement": plan.placement.describe(),
+            "predicted_step_seconds": round(plan.step_seconds, 4),
+            "measured_step_seconds": round(statistics.mean(seconds[index]), 4),
+        }
+        for index, (candidate, plan, _) in enumerate(chosen)
+    ]
 
     measured = {row["label"]: row["measured_step_seconds"] for row in rows}
     tau = kendall_tau(
