@@ -11,7 +11,8 @@ On a CPU, the simulated GPUs of a local run are processes sharing its cores, wit
 else runs there. Two worker processes measure what that costs (:func:`measure_host_sharing`):
 the same compute loop alone and in both at once gives ``compute_slots`` (how many workers
 progress in parallel: 2 on two idle cores, 1 when they only take turns), and a gloo all-reduce
-of one float between them ``collective_latency_seconds``. Bandwidths are those of gloo on one
+of one float between them, issued between slices of that loop as a training step issues its
+collectives, ``collective_latency_seconds`` (the wait includes the ranks' skew under load). Bandwidths are those of gloo on one
 host (docs/placement.md). On a GPU the link constants of the base device are kept.
 """
 
@@ -45,12 +46,16 @@ COMPUTE_LOOP_MATMULS = 400
 """128x128 fp32 matmuls per timed loop: ~0.1 s on one idle core."""
 
 
-def _compute_loop() -> float:
+INTERLEAVED_COLLECTIVES = 50
+"""Collectives in the interleaved loop, one after each slice of the compute loop."""
+
+
+def _compute_loop(matmuls: int = COMPUTE_LOOP_MATMULS) -> float:
     import torch
 
     a = torch.randn(128, 128)
     started = time.perf_counter()
-    for _ in range(COMPUTE_LOOP_MATMULS):
+    for _ in range(matmuls):
         a = torch.tanh(a @ a)
     return time.perf_counter() - started
 
@@ -73,8 +78,19 @@ def _sharing_worker(rank: int, port: int, results: Any) -> None:
     for _ in range(3):
         dist.barrier()
         loops.append(_compute_loop())
+    # A training step interleaves compute and collectives; under load the ranks reach each
+    # collective at different times, and that skew, not the idle round trip, is what a step pays.
+    chunk = COMPUTE_LOOP_MATMULS // INTERLEAVED_COLLECTIVES
+    dist.barrier()
+    alone = _compute_loop(chunk * INTERLEAVED_COLLECTIVES)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(INTERLEAVED_COLLECTIVES):
+        _compute_loop(chunk)
+        dist.all_reduce(one)
+    interleaved = (time.perf_counter() - started - alone) / INTERLEAVED_COLLECTIVES
     dist.destroy_process_group()
-    results.put((rank, statistics.median(latencies), min(loops)))
+    results.put((rank, max(statistics.median(latencies), interleaved), min(loops)))
 
 
 def measure_host_sharing() -> HostSharing:

@@ -74,7 +74,7 @@ def apply_plan(spec: RLHFJobSpec, plan: Plan) -> RLHFJobSpec:
     pools: list[ResourcePoolSpec] = []
     pool_of: dict[str, str] = {}
     for pool in plan.pools:
-        name = budget.name if len(plan.pools) == 1 else f"{budget.name}-{pool.roles[0]}"[:63]
+        name = budget.name if len(plan.pools) == 1 else f"{budget.name}-{pool.roles[0]}"[:63].rstrip("-")
         nodes, per_node = pool_shape(pool.gpus, cluster)
         pools.append(budget.model_copy(update={"name": name, "nodes": nodes, "gpus_per_node": per_node}))
         for role in pool.roles:
