@@ -37,6 +37,10 @@ def _validate(args: argparse.Namespace) -> int:
         f"  algorithm {spec.algorithm.name}, {spec.training.total_steps} steps, rollout engine {spec.rollout.engine}"
     )
     print(f"  pools: {pools}")
+    if spec.placement == "auto":
+        print(
+            "  placement auto: the pool is the GPU budget; `hybridflow plan` shows the plans `run` chooses from"
+        )
     return 0
 
 
