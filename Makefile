@@ -57,6 +57,7 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/controller.py
 	RAY_AUTH_MODE=disabled $(PY) bench/learning.py
 	RAY_AUTH_MODE=disabled $(PY) bench/throughput.py
+	RAY_AUTH_MODE=disabled $(PY) bench/pipeline.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator_scale.py
 	RAY_AUTH_MODE=disabled $(PY) bench/e2e.py
@@ -67,6 +68,8 @@ BENCH_QUICK := RAY_AUTH_MODE=disabled $(PY) bench/run_quick.py
 bench-smoke: setup
 	$(BENCH_QUICK) bench/controller.py
 	$(BENCH_QUICK) bench/learning.py
+	$(BENCH_QUICK) bench/throughput.py
+	$(BENCH_QUICK) bench/pipeline.py
 	$(BENCH_QUICK) bench/resharding.py
 	$(BENCH_QUICK) bench/operator_scale.py
 	$(BENCH_QUICK) bench/e2e.py

@@ -17,8 +17,12 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from hybridflow import __version__
+
+if TYPE_CHECKING:
+    from hybridflow.spec import RLHFJobSpec
 
 EXIT_USER_ERROR = 2
 EXIT_STALLED = 3
@@ -62,6 +66,10 @@ def _validate(args: argparse.Namespace) -> int:
         f"  algorithm {spec.algorithm.name}, {spec.training.total_steps} steps, rollout engine {spec.rollout.engine}"
     )
     print(f"  pools: {pools}")
+    if spec.placement == "auto":
+        print(
+            "  placement auto: the pool is the GPU budget; `hybridflow plan` shows the plans `run` chooses from"
+        )
     # Checked on the manifest as written: a cluster resolves no path against the manifest's directory.
     import yaml
 
@@ -105,6 +113,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
     spec = job.spec
+    if spec.placement == "auto":
+        resolved = _resolve_auto_placement(args.manifest, spec, in_cluster=False)
+        if resolved is None:
+            return EXIT_USER_ERROR
+        spec = resolved
     sources = {
         "actor": spec.models.actor,
         "reference": spec.models.reference_or_actor,
@@ -176,6 +189,30 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_auto_placement(manifest: str, spec: RLHFJobSpec, *, in_cluster: bool) -> RLHFJobSpec | None:
+    """``spec.placement: auto``: the spec with the best plan's pools, roles and sizes, or ``None`` on error.
+
+    Locally the planner costs simulated GPUs sharing this machine's cores; in a cluster it
+    costs the default GPU (docs/placement.md) and keeps everything on the budget pool, the one
+    KubeRay worker group the operator made for it (a split placement would need a worker group
+    per planned pool).
+    """
+    from hybridflow.planner import A100_80GB, PlannerInputError
+    from hybridflow.planner.job import local_device, resolve_auto_placement
+    from hybridflow.planner.report import describe_plan
+
+    try:
+        if in_cluster:
+            resolved, plan = resolve_auto_placement(spec, A100_80GB, kinds=("colocate",))
+        else:
+            resolved, plan = resolve_auto_placement(spec, local_device())
+    except PlannerInputError as err:
+        print(f"error: {manifest}: spec.placement auto: {err}", file=sys.stderr)
+        return None
+    print(f"placement auto: {describe_plan(plan)}")
+    return resolved
+
+
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -197,6 +234,11 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, SpecError) as err:
         print(f"error: {args.manifest}: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    if job.spec.placement == "auto":
+        resolved = _resolve_auto_placement(args.manifest, job.spec, in_cluster=True)
+        if resolved is None:
+            return EXIT_USER_ERROR
+        job = job.model_copy(update={"spec": resolved})
     namespace = job.metadata.namespace or os.environ.get("POD_NAMESPACE")
     if namespace is None and SERVICE_ACCOUNT_NAMESPACE.is_file():
         namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
@@ -245,6 +287,38 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """``hybridflow plan``: the best placements of the manifest's job on a GPU budget (docs/placement.md)."""
+    from hybridflow.planner import A100_80GB, ClusterShape, PlannerInputError, plan_job
+    from hybridflow.planner.job import budget_of, workload_from_spec
+    from hybridflow.planner.report import plan_table
+    from hybridflow.spec import SpecError, load_job_manifest
+
+    try:
+        job = load_job_manifest(args.manifest)
+        workload = workload_from_spec(job.spec)
+        if args.gpus is None:
+            _, cluster = budget_of(job.spec)
+        else:
+            cluster = ClusterShape(args.gpus, args.gpus_per_node or min(args.gpus, 8))
+    except (SpecError, PlannerInputError) as err:
+        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    device = A100_80GB
+    if args.profile:
+        from hybridflow.planner.calibrate import calibrate_device
+
+        device = calibrate_device(workload.actor, A100_80GB)
+    try:
+        plans = plan_job(workload, cluster, device)
+    except PlannerInputError as err:
+        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"hybridflow plan: {job.metadata.name} ({job.spec.algorithm.name})")
+    print(plan_table(plans, workload, cluster, device, top=args.top))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="HybridFlow RLHF on Ray.")
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
@@ -286,6 +360,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     summary.add_argument("--rows", type=int, default=10, help="rows of the learning-curve table")
     summary.set_defaults(handler=_report)
+    plan = commands.add_parser("plan", help="estimate and rank placements of a job on a GPU budget")
+    plan.add_argument(
+        "manifest", help="path to an RLHFJob YAML manifest (models are read from config.json only)"
+    )
+    plan.add_argument(
+        "--gpus", type=int, default=None, help="GPU budget; default: the manifest's single pool"
+    )
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: min(gpus, 8))")
+    plan.add_argument("--top", type=int, default=5, help="how many of the best plans to print")
+    plan.add_argument(
+        "--profile",
+        action="store_true",
+        help="measure the device constants with a short run of the actor's architecture on this machine",
+    )
+    plan.set_defaults(handler=_plan)
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")
     tiny.add_argument("--model-dir", default="outputs/tiny-model")

@@ -492,6 +492,14 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "2 * 1; pool 'generate' has 1 GPU",
     ),
+    "auto-placement-one-pool": (
+        _all(_set("placement", "auto"), _set("resourcePools", [_pool("default", 1), _pool("spare", 1)])),
+        "2 pools: 'default', 'spare'",
+    ),
+    "auto-placement-chooses-roles-and-sizes": (
+        _all(_set("placement", "auto"), _set("roles.reference", "default")),
+        "auto with roles.reference='default'",
+    ),
     "volume-mount-paths-unique": (
         _set("volumes", [{"claimName": "a", "mountPath": "/m"}, {"claimName": "b", "mountPath": "/m"}]),
         "repeated: '/m'",

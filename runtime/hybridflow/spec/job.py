@@ -27,6 +27,8 @@ from hybridflow.spec.models import ModelsSpec
 from hybridflow.spec.pods import PodsSpec
 from hybridflow.spec.resources import (
     DEFAULT_POOL_NAME,
+    PLACEMENT_DESCRIPTION,
+    PlacementMode,
     ResourcePoolSpec,
     RoleName,
     RolePlacementSpec,
@@ -81,6 +83,7 @@ class RLHFJobSpec(SpecModel):
         default=RolePlacementSpec(),
         description="Which pool each role runs on; roles left unset share the actor's pool.",
     )
+    placement: PlacementMode = Field(default="manual", description=PLACEMENT_DESCRIPTION)
     checkpoint: CheckpointSpec = Field(
         default=CheckpointSpec(),
         description="Checkpoint interval, retention and location; the job resumes from the newest one.",
@@ -266,9 +269,14 @@ def _training_fits_pool_rule(role: Literal["actor", "critic"]) -> CrossFieldRule
     The critic's rule applies only when the critic has a pool of its own; on the actor's pool
     the actor's rule already covers it.
     """
-    guard = "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    # Under placement auto the one pool is the budget, not the role's pool: the planner sizes the pools.
+    guard = "self.placement == 'auto' || " + (
+        "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    )
 
     def holds(spec: RLHFJobSpec) -> bool:
+        if spec.placement == "auto":
+            return True
         if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
             return True
         pools = _pools_named(spec, spec.roles.pool_of(role))
@@ -305,12 +313,17 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
     Skipped when the parallel sizes do not tile the pool: ``training-fits-*-pool`` reports that,
     and the data-parallel size is undefined until it is fixed.
     """
-    guard = "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    # Under placement auto the one pool is the budget, not the role's pool: the planner sizes the pools.
+    guard = "self.placement == 'auto' || " + (
+        "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
+    )
 
     def data_parallel_size(spec: RLHFJobSpec, pool: ResourcePoolSpec) -> int:
         return pool.world_size // _train_model_parallel(spec)
 
     def holds(spec: RLHFJobSpec) -> bool:
+        if spec.placement == "auto":
+            return True
         if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
             return True
         training = spec.training
@@ -349,6 +362,24 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
     )
 
 
+def _auto_placement_settings(spec: RLHFJobSpec) -> list[str]:
+    """The settings ``placement: auto`` would override, as ``field=value`` (empty: none set)."""
+    found = [
+        f"roles.{role}={getattr(spec.roles, role)!r}" for role in _ROLES[1:] if getattr(spec.roles, role)
+    ]
+    sizes = {
+        "training.tensorParallelSize": spec.training.tensor_parallel_size,
+        "training.pipelineParallelSize": spec.training.pipeline_parallel_size,
+        "rollout.tensorParallelSize": spec.rollout.tensor_parallel_size,
+        "rollout.pipelineParallelSize": spec.rollout.pipeline_parallel_size,
+    }
+    return found + [f"{name}={value}" for name, value in sizes.items() if value != 1]
+
+
+def _auto_placement_left_open(spec: RLHFJobSpec) -> bool:
+    return not _auto_placement_settings(spec)
+
+
 def _rollout_colocated(spec: RLHFJobSpec) -> bool:
     return spec.roles.pool_of("rollout") == spec.roles.actor
 
@@ -379,13 +410,16 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         node_path="spec",
         field_path=".resourcePools",
         cel=(
-            "self.resourcePools.all(p, p.name == self.roles.actor"
+            "self.placement == 'auto' || self.resourcePools.all(p, p.name == self.roles.actor"
             + "".join(f" || (has(self.roles.{role}) && p.name == self.roles.{role})" for role in _ROLES[1:])
             + ")"
         ),
         message="every pool must host at least one role in spec.roles; an unused pool holds GPUs idle",
-        holds=lambda spec: all(
-            any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools
+        holds=lambda spec: (
+            spec.placement == "auto"
+            or all(
+                any(spec.roles.pool_of(role) == pool.name for role in _ROLES) for pool in spec.resource_pools
+            )
         ),
         observed=lambda spec: (
             "unused: "
@@ -542,6 +576,33 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             f"{spec.rollout.tensor_parallel_size} * {spec.rollout.pipeline_parallel_size}; pool "
             f"{spec.roles.rollout!r} has {_gpus(_pools_named(spec, spec.roles.rollout)[0].world_size)}"
         ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="auto-placement-one-pool",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel="self.placement != 'auto' || size(self.resourcePools) == 1",
+        message="must hold exactly one pool, the GPU budget, when spec.placement is auto",
+        holds=lambda spec: spec.placement != "auto" or len(spec.resource_pools) == 1,
+        observed=lambda spec: f"{len(spec.resource_pools)} pools: {_pool_names(spec)}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="auto-placement-chooses-roles-and-sizes",
+        node_path="spec",
+        field_path=".placement",
+        cel=(
+            "self.placement != 'auto' || ("
+            + " && ".join(f"!has(self.roles.{role})" for role in _ROLES[1:])
+            + " && self.training.tensorParallelSize == 1 && self.training.pipelineParallelSize == 1"
+            " && self.rollout.tensorParallelSize == 1 && self.rollout.pipelineParallelSize == 1)"
+        ),
+        message=(
+            "auto chooses the roles' pools and the parallel sizes: leave spec.roles (other than actor), "
+            "training.tensorParallelSize/pipelineParallelSize and rollout.tensorParallelSize/"
+            "pipelineParallelSize unset"
+        ),
+        holds=lambda spec: spec.placement != "auto" or _auto_placement_left_open(spec),
+        observed=lambda spec: "auto with " + ", ".join(_auto_placement_settings(spec)),
     ),
     CrossFieldRule[RLHFJobSpec](
         name="volume-mount-paths-unique",

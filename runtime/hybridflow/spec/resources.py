@@ -138,3 +138,19 @@ class RolePlacementSpec(SpecModel):
         """The pool ``role`` runs on, after applying the colocate-with-the-actor default."""
         explicit: str | None = getattr(self, role)
         return explicit if explicit is not None else self.actor
+
+
+PlacementMode = Literal["manual", "auto"]
+"""``spec.placement``: ``manual`` runs the pools, roles and parallel sizes as written; ``auto``
+treats the single pool of ``spec.resourcePools`` as the GPU budget and node shape and lets the
+placement planner (``hybridflow plan``, ``docs/placement.md``) choose pools, roles and
+parallel sizes before the job starts."""
+
+PLACEMENT_DESCRIPTION = (
+    "How pools, roles and parallel sizes are chosen. 'manual' (default): as written in "
+    "spec.resourcePools, spec.roles, spec.training and spec.rollout. 'auto': the single pool of "
+    "spec.resourcePools is the GPU budget (nodes * gpusPerNode) and node shape; the placement "
+    "planner cuts it into pools, places the roles and sets training.tensorParallelSize, "
+    "training.pipelineParallelSize and rollout.tensorParallelSize from the best plan of its cost "
+    "model (see `hybridflow plan`). The chosen plan is printed in the job's log."
+)

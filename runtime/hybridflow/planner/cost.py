@@ -1,0 +1,323 @@
+"""The cost model: seconds and bytes per GPU of each phase of an RL step, for one model on one pool.
+
+Pure arithmetic over a :class:`~hybridflow.planner.shapes.ModelShape`, a parallel layout
+(:class:`~hybridflow.planner.parallel.ModelLayoutChoice`), the step's
+:class:`~hybridflow.planner.shapes.Workload` and the
+:class:`~hybridflow.planner.hardware.DeviceConstants`. ``N`` is the parameter count, ``T`` the
+tokens of the step (prompt + response of every sequence), ``b`` the bytes per parameter.
+
+Time
+  * forward (log-probs, values, scores): ``2*N*T`` FLOPs over ``n`` GPUs at ``efficiency(T/n)``
+    of peak, stretched by the pipeline bubble ``1 + (p-1)/m`` (``m`` micro-batches per DP rank),
+    plus Megatron's two TP all-reduces of the activations per layer and a fixed cost per call.
+  * training: ``6*N*T`` FLOPs per epoch (forward and backward), four TP all-reduces per layer,
+    and the gradient synchronisation over ``d`` ranks: ``2(d-1)/d`` of the shard's bytes for
+    Megatron's all-reduce, ``3(d-1)/d`` of them for FSDP (all-gather in forward and backward,
+    reduce-scatter of gradients).
+  * generation: each of the ``n/t_g`` replicas decodes its share of the sequences in waves that
+    fit its KV cache; a decoding step reads the whole generation shard (``b*N/t_g`` bytes) and
+    the KV cache of the wave at its average context, or computes ``2*N*batch/t_g`` FLOPs,
+    whichever is slower (a roofline), plus two TP all-reduce latencies per layer and a fixed
+    cost; prefill is a forward pass over the prompts.
+  * resharding (train -> generate): the bytes each rank receives in the 3D-HybridEngine
+    transition, :func:`hybridflow.resharding.plan.table2` (``(tp - t_g)/(t_g tp) M`` with
+    ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP the rollout
+    gathers the full weights, ``(d-1)/d`` of them.
+  * collective latency: every latency-bound collective (FSDP's per-layer all-gathers and
+    reduce-scatters, Megatron's per-layer TP all-reduces, per micro-batch) costs
+    ``collective_latency_seconds``; on CPUs with gloo this, not bandwidth, dominates.
+
+Memory per GPU (bytes)
+  * trained models: weights and gradients ``2b*N/(p t)``; Adam moments and (for 16-bit
+    weights) fp32 master weights, ``(8 + 4)*N/(p t d)`` with Megatron's distributed optimizer;
+    FSDP shards all of it ``n`` ways. Activations of one micro-batch with selective
+    recomputation and sequence parallelism, ``34*s*h*L/(p t)`` bytes at 16 bits (Korthikanti et
+    al., MLSys'23, Sec. 4), times the ``min(p, m)`` micro-batches 1F1B keeps in flight, plus the
+    fp32 logits of the micro-batch.
+  * scoring-only models: weights ``b*N/(p t)``, and the logits of one micro-batch.
+  * the actor while generating: its generation shard ``b*N/t_g`` (the training shard lies
+    inside it: no redundant copy) and the KV cache of the sequences decoded at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridflow.planner.hardware import DeviceConstants
+from hybridflow.planner.parallel import ModelLayoutChoice
+from hybridflow.planner.shapes import ModelShape, Workload
+from hybridflow.resharding.plan import table2
+
+__all__ = [
+    "ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER",
+    "GenerationEstimate",
+    "ModelMemory",
+    "forward_seconds",
+    "generation_estimate",
+    "model_memory",
+    "reshard_bytes",
+    "reshard_seconds",
+    "train_seconds",
+]
+
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34
+"""Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys'23),
+Sec. 4: ``s*b*h*34/t`` bytes per layer with sequence parallelism and selective recomputation,
+16-bit activations."""
+
+FP32_BYTES = 4
+ADAM_MOMENT_BYTES = 8
+"""Adam's two fp32 moments per parameter."""
+
+
+def _micro_batches(workload: Workload, layout: ModelLayoutChoice) -> int:
+    per_rank = math.ceil(workload.sequences / layout.dp)
+    return max(1, math.ceil(per_rank / workload.micro_batch_sequences))
+
+
+def _bubble(workload: Workload, layout: ModelLayoutChoice) -> float:
+    """1F1B pipeline bubble: ``(p-1)`` idle slots per ``m`` micro-batches."""
+    return 1.0 + (layout.pp - 1) / _micro_batches(workload, layout)
+
+
+def _tp_allreduce_seconds(
+    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants, per_layer: int
+) -> float:
+    """Megatron's activation all-reduces inside the TP group (ring: ``2(t-1)/t`` of the tensor each)."""
+    if layout.tp == 1:
+        return 0.0
+    tokens_per_rank = workload.tokens / layout.dp
+    tensor = tokens_per_rank * model.decoder.hidden_size * workload.param_bytes
+    layers = model.decoder.num_layers / layout.pp
+    ring = 2 * (layout.tp - 1) / layout.tp
+    return per_layer * layers * ring * tensor / device.intra_node_bytes_per_second
+
+
+def _compute_seconds(
+    flops: float, tokens: float, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants
+) -> float:
+    gpus = layout.world_size
+    return flops / (gpus * device.peak_flops * device.efficiency(tokens / gpus)) * _bubble(workload, layout)
+
+
+def _collectives_per_micro_batch(
+    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, passes: int
+) -> int:
+    """Latency-bound collectives of one micro-batch over ``passes`` (1: forward, 3: forward+backward).
+
+    FSDP gathers each layer's parameters (plus the root's) in the forward and again in the
+    backward, and reduce-scatters their gradients: ``L + 1`` collectives per pass. Megatron's TP
+    all-reduces twice per layer and pass.
+    """
+    layers = model.decoder.num_layers
+    if workload.backend == "fsdp":
+        return 0 if layout.dp == 1 else passes * (layers + 1)
+    return 0 if layout.tp == 1 else 2 * passes * layers // layout.pp
+
+
+def forward_seconds(
+    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants
+) -> float:
+    """One forward pass over every sequence of the step (log-probs, values or scores)."""
+    tokens = workload.tokens
+    compute = _compute_seconds(2 * model.params * tokens, tokens, layout, workload, device)
+    micro = _micro_batches(workload, layout)
+    calls = micro * device.call_overhead_seconds
+    latency = (
+        micro * _collectives_per_micro_batch(model, layout, workload, 1) * device.collective_latency_seconds
+    )
+    return compute + _tp_allreduce_seconds(model, layout, workload, device, per_layer=2) + calls + latency
+
+
+def _gradient_sync_seconds(
+    model: ModelShape,
+    layout: ModelLayoutChoice,
+    workload: Workload,
+    device: DeviceConstants,
+    gpus_per_node: int,
+) -> float:
+    if layout.dp == 1:
+        return 0.0
+    shard = model.params * workload.param_bytes / (layout.pp * layout.tp)
+    factor = 3 if workload.backend == "fsdp" else 2
+    bandwidth = (
+        device.intra_node_bytes_per_second
+        if layout.world_size <= gpus_per_node
+        else device.inter_node_bytes_per_second
+    )
+    return factor * (layout.dp - 1) / layout.dp * shard / bandwidth
+
+
+def train_seconds(
+    model: ModelShape,
+    layout: ModelLayoutChoice,
+    workload: Workload,
+    device: DeviceConstants,
+    gpus_per_node: int,
+) -> float:
+    """The optimizer passes over the step's sequences (``update_epochs`` of them)."""
+    tokens = workload.tokens
+    epochs = workload.update_epochs
+    compute = _compute_seconds(6 * model.params * tokens, tokens, layout, workload, device)
+    micro = _micro_batches(workload, layout)
+    calls = 3 * micro * device.call_overhead_seconds
+    latency = (
+        micro * _collectives_per_micro_batch(model, layout, workload, 3) * device.collective_latency_seconds
+    )
+    comm = (
+        _tp_allreduce_seconds(model, layout, workload, device, per_layer=4)
+        + _gradient_sync_seconds(model, layout, workload, device, gpus_per_node)
+        + latency
+    )
+    return epochs * (compute + calls + comm)
+
+
+def reshard_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:
+    """Bytes each rank receives going from training ``p-t-d`` to generation ``1-t_g`` (Table 2, HybridFlow).
+
+    Table 2's ``M`` is the TP-partitioned bytes (``ModelLayout.partitioned_bytes``); the
+    replicated RMSNorm weights move only when ``p > 1`` and are added as the plan does: each
+    rank receives the other stages' copies.
+    """
+    if workload.backend == "fsdp":
+        # The rollout gathers the full weights from the FSDP shards into its own engine.
+        return (layout.dp - 1) * model.params * workload.param_bytes // layout.dp
+    t_g = layout.generation_tp or 1
+    partitioned, _ = model.param_bytes(workload.param_bytes)
+    row = table2("hybridflow", p=layout.pp, t=layout.tp, d=layout.dp, p_g=1, t_g=t_g, model_bytes=partitioned)
+    return int(row.traffic) + model.replicated_bytes_from_other_stages(layout.pp, workload.param_bytes)
+
+
+def reshard_seconds(
+    model: ModelShape,
+    layout: ModelLayoutChoice,
+    workload: Workload,
+    device: DeviceConstants,
+    gpus_per_node: int,
+) -> float:
+    """The train -> generate all-gather inside each micro-DP group (generate -> train moves nothing)."""
+    received = reshard_bytes(model, layout, workload)
+    if received == 0:
+        return 0.0
+    if workload.backend == "fsdp":
+        gathers = model.decoder.num_layers + 1
+        return received / device.intra_node_bytes_per_second + gathers * device.collective_latency_seconds
+    # A micro-DP group spans the TP ranks of one replica (one node) and, with p > 1, its stages.
+    group_span = layout.tp if layout.pp == 1 else layout.tp * layout.dp * layout.pp
+    bandwidth = (
+        device.intra_node_bytes_per_second
+        if group_span <= gpus_per_node
+        else device.inter_node_bytes_per_second
+    )
+    return received / bandwidth
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes per GPU of one model: held all step (``static``), and on top of it while it trains or scores."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    train_activations: float
+    forward_activations: float
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.optimizer
+
+
+def _logits_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> float:
+    seq = workload.prompt_tokens + workload.response_tokens
+    return workload.micro_batch_sequences * seq * model.decoder.vocab_size * FP32_BYTES / layout.tp
+
+
+def model_memory(
+    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, *, trains: bool
+) -> ModelMemory:
+    """Per-GPU memory of ``model`` under ``layout`` (see the module docstring for the formulas)."""
+    b, n = workload.param_bytes, model.params
+    if workload.backend == "fsdp":
+        model_shards = layout.world_size
+        optimizer_shards = layout.world_size
+    else:
+        model_shards = layout.pp * layout.tp
+        optimizer_shards = layout.world_size
+    weights = b * n / model_shards
+    logits = _logits_bytes(model, layout, workload)
+    if not trains:
+        return ModelMemory(weights, 0.0, 0.0, 0.0, logits)
+    master = FP32_BYTES if b < FP32_BYTES else 0
+    optimizer = (ADAM_MOMENT_BYTES + master) * n / optimizer_shards
+    d = model.decoder
+    seq = workload.prompt_tokens + workload.response_tokens
+    per_micro = (
+        workload.micro_batch_sequences
+        * seq
+        * d.hidden_size
+        * (d.num_layers / layout.pp)
+        * ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER
+        / layout.tp
+        * b
+        / 2
+    )
+    in_flight = min(layout.pp, _micro_batches(workload, layout))
+    return ModelMemory(weights, b * n / model_shards, optimizer, per_micro * in_flight + logits, logits)
+
+
+@dataclass(frozen=True)
+class GenerationEstimate:
+    """The actor's generation on its pool: seconds, and the KV cache it holds per GPU at most."""
+
+    seconds: float
+    waves: int
+    sequences_per_wave: int
+    kv_bytes_per_gpu: float
+    weights_bytes_per_gpu: float
+
+
+def generation_estimate(
+    model: ModelShape,
+    layout: ModelLayoutChoice,
+    workload: Workload,
+    device: DeviceConstants,
+    *,
+    kv_budget_bytes_per_gpu: float,
+) -> GenerationEstimate | None:
+    """Decode every response on the actor's pool, or ``None`` if not one sequence's KV cache fits."""
+    t_g = layout.generation_tp or 1
+    replicas = layout.world_size // t_g
+    per_replica = math.ceil(workload.sequences / replicas)
+    seq = workload.prompt_tokens + workload.response_tokens
+    kv_per_sequence = model.kv_bytes_per_token(workload.param_bytes) * seq / t_g
+    weights = workload.param_bytes * model.params / t_g
+    fits = (
+        int((kv_budget_bytes_per_gpu - weights) // kv_per_sequence)
+        if kv_budget_bytes_per_gpu > weights
+        else 0
+    )
+    if fits < 1:
+        return None
+    waves = math.ceil(per_replica / fits)
+    batch = math.ceil(per_replica / waves)
+    # Each step reads the shard's weights and the KV cache of every sequence decoded at once, at
+    # its average context (the prompt plus half the response).
+    context = workload.prompt_tokens + workload.response_tokens / 2
+    kv_read = batch * model.kv_bytes_per_token(workload.param_bytes) * context / t_g
+    read = (weights + kv_read) / (
+        device.memory_bandwidth_bytes_per_second * device.decode_bandwidth_efficiency
+    )
+    # Roofline: a decoding step is bound by reading the shard or by its GEMMs at full efficiency
+    # (the saturating curve would count the small batch's memory-boundness twice).
+    compute = 2 * model.params * batch / (t_g * device.peak_flops * device.train_efficiency)
+    # Two TP all-reduces per layer per decoding step; their latency, not their bytes, dominates.
+    all_reduces = 2 * model.decoder.num_layers * device.collective_latency_seconds if t_g > 1 else 0.0
+    step = max(read, compute) + all_reduces + device.decode_step_overhead_seconds
+    prompt_tokens = batch * workload.prompt_tokens
+    prefill = (
+        2 * model.params * prompt_tokens / (t_g * device.peak_flops * device.efficiency(prompt_tokens))
+        + device.call_overhead_seconds
+    )
+    seconds = waves * (prefill + workload.response_tokens * step)
+    return GenerationEstimate(seconds, waves, batch, batch * kv_per_sequence, weights)

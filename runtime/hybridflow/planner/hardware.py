@@ -1,0 +1,144 @@
+"""The machines a plan runs on: the cluster's shape and the constants of one GPU and its links.
+
+Every constant is named, with its unit in the name and its source next to it. The defaults
+describe the HybridFlow paper's testbed (Sec. 8.1: machines of 8 NVIDIA A100-80GB GPUs joined
+by 600 GB/s NVLink, 200 Gbps between machines). ``hybridflow plan --profile`` replaces the
+compute and memory constants with figures measured on the current machine
+(:mod:`hybridflow.planner.calibrate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.planner.shapes import PlannerInputError
+
+__all__ = ["A100_80GB", "SIMULATED_CPU_GPU", "ClusterShape", "DeviceConstants"]
+
+
+@dataclass(frozen=True)
+class DeviceConstants:
+    """What one GPU and its links can do; the cost model reads nothing else about the hardware.
+
+    * ``peak_flops``: dense bf16 tensor-core FLOP/s.
+    * ``train_efficiency``: the fraction of peak a well-fed training or prefill kernel sustains
+      (model FLOPs utilisation at large per-GPU batches).
+    * ``tokens_for_half_efficiency``: tokens per GPU per forward at which the efficiency is half
+      of ``train_efficiency``: small per-GPU batches starve the GPU (the saturating curve
+      ``e(x) = train_efficiency * x / (x + tokens_for_half_efficiency)``).
+    * ``memory_bandwidth_bytes_per_second`` and ``decode_bandwidth_efficiency``: HBM bandwidth
+      and the fraction a decoding step attains; a decoding step reads every weight of its shard.
+    * ``memory_bytes``: HBM per GPU; ``memory_headroom``: fraction kept free (allocator
+      fragmentation, CUDA context, communication buffers).
+    * ``intra_node_bytes_per_second`` / ``inter_node_bytes_per_second``: per-GPU, one-direction
+      bandwidth of collectives inside a node and across nodes.
+    * ``call_overhead_seconds``: fixed cost of one forward call (kernel launches, Python, the
+      controller's dispatch); ``decode_step_overhead_seconds``: fixed cost of one decoding step;
+      ``collective_latency_seconds``: latency of one small all-reduce (TP inside a decoding step).
+    * ``compute_slots``: how many GPUs can compute at the same time. ``None`` on real GPUs (each
+      computes on its own). With simulated GPUs on a CPU the workers share the cores: at most
+      ``compute_slots`` of them make progress at once.
+    """
+
+    name: str
+    peak_flops: float
+    train_efficiency: float
+    tokens_for_half_efficiency: float
+    memory_bandwidth_bytes_per_second: float
+    decode_bandwidth_efficiency: float
+    memory_bytes: float
+    memory_headroom: float
+    intra_node_bytes_per_second: float
+    inter_node_bytes_per_second: float
+    call_overhead_seconds: float
+    decode_step_overhead_seconds: float
+    collective_latency_seconds: float
+    compute_slots: float | None = None
+
+    def efficiency(self, tokens_per_gpu: float) -> float:
+        """Sustained fraction of ``peak_flops`` for a pass of ``tokens_per_gpu`` tokens on each GPU."""
+        return self.train_efficiency * tokens_per_gpu / (tokens_per_gpu + self.tokens_for_half_efficiency)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.memory_headroom)
+
+
+A100_80GB = DeviceConstants(
+    name="A100-80GB (HybridFlow testbed)",
+    # NVIDIA A100 datasheet: 312 TFLOPS dense BF16, 2,039 GB/s HBM2e (80GB SXM), 80 GB.
+    peak_flops=312e12,
+    memory_bandwidth_bytes_per_second=2.039e12,
+    memory_bytes=80e9,
+    # Megatron-LM reaches 52% of peak at scale (Narayanan et al., SC'21, Table 1); RLHF training
+    # passes are shorter and less fused: 45%.
+    train_efficiency=0.45,
+    # Assumed: MFU halves at 1k tokens per GPU per pass (one 1k-token sequence); calibrate with --profile.
+    tokens_for_half_efficiency=1024.0,
+    # Decoding attains ~60% of HBM bandwidth in vLLM-class engines (assumed; calibrate with --profile).
+    decode_bandwidth_efficiency=0.6,
+    memory_headroom=0.1,
+    # NVLink 3: 600 GB/s bidirectional per GPU, 300 GB/s per direction; ring collectives reach ~80%.
+    intra_node_bytes_per_second=240e9,
+    # HybridFlow Sec. 8.1: 200 Gbps between machines = 25 GB/s per machine, shared by its 8 GPUs.
+    inter_node_bytes_per_second=25e9 / 8,
+    # Kernel-launch-bound overheads with CUDA graphs off (assumed).
+    call_overhead_seconds=0.01,
+    decode_step_overhead_seconds=0.002,
+    # NCCL all-reduce of a small tensor across 8 NVLink GPUs: ~20 us (nccl-tests, ring/tree latency).
+    collective_latency_seconds=20e-6,
+)
+"""The default device: the paper's A100 testbed."""
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The GPU budget: ``gpus`` in all, ``gpus_per_node`` per machine (pools are cut at node bounds)."""
+
+    gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise PlannerInputError(f"--gpus must be >= 1, got {self.gpus}")
+        if self.gpus_per_node < 1:
+            raise PlannerInputError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise PlannerInputError(
+                f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node {self.gpus_per_node}; "
+                "allowed: fewer GPUs than one node, or a multiple of gpus-per-node"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs of one node that the budget uses (all of them, or the whole budget if smaller)."""
+        return min(self.gpus, self.gpus_per_node)
+
+
+SIMULATED_CPU_GPU = DeviceConstants(
+    name="simulated GPU (one CPU thread)",
+    # `hybridflow plan --profile` on the 2-core development machine with the tiny model
+    # (hidden 64, 2 layers): ~8 GFLOP/s sustained by one thread, ~1.6 ms fixed per forward
+    # call, ~8 GB/s memory copy. Fixed here so that `placement: auto` picks the same plan on
+    # every (re)start of a job; --profile measures the current machine instead.
+    peak_flops=8e9,
+    train_efficiency=1.0,
+    tokens_for_half_efficiency=0.0,
+    memory_bandwidth_bytes_per_second=8e9,
+    decode_bandwidth_efficiency=1.0,
+    # A simulated GPU has no memory of its own; tiny models fit anywhere (assumed share of host RAM).
+    memory_bytes=8e9,
+    memory_headroom=0.1,
+    # gloo on one host (shared/notes/cpu-stack.md: 64 MiB all-reduce in ~60 ms).
+    intra_node_bytes_per_second=1.1e9,
+    inter_node_bytes_per_second=1.1e9,
+    call_overhead_seconds=0.0016,
+    decode_step_overhead_seconds=0.0016,
+    collective_latency_seconds=100e-6,
+    compute_slots=None,
+)
+"""The device of local runs without GPUs; set ``compute_slots`` to the core count when using it."""
