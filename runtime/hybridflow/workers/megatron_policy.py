@@ -181,6 +181,19 @@ class MegatronActorWorker(_MegatronPolicyModel):
         pieces = {name: shard.tensor for name, shard in mb.local_shards(self.model).items()}
         return TrainingShard.pack(blocks, pieces)
 
+    def training_shard_copy_bytes(self, shard: TrainingShard) -> int:
+        """Bytes of ``shard`` whose storage is not one of the model's parameter storages.
+
+        Measured from the tensors: a shard made of views of the live parameters would count 0;
+        today's packed copy (see :meth:`training_shard`) counts whole, as redundant memory.
+        """
+        live = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
+        return sum(
+            shard.buffer(kind).nbytes
+            for kind in ("partitioned", "replicated")
+            if shard.buffer(kind).numel() and shard.buffer(kind).untyped_storage().data_ptr() not in live
+        )
+
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights by HF name, a bucket at a time, for the plain rollout role (``t*p == 1``).
 
