@@ -5,6 +5,11 @@ controller calls ``sync_weights`` on every rank; each rank iterates the actor's 
 bucket by bucket (a collective over the actor's FSDP group, so all ranks must take part) and
 loads every bucket into its engine, so the engine generates with the policy being trained. Peak
 extra memory is one bucket.
+
+No second copy on a single rank: with one rank (``t_g = 1``, FSDP actor) and the torch engine,
+the engine generates from the actor's own module (:func:`shares_actor_module`); there is
+nothing to sync (``sync_weights`` moves and copies 0 bytes) and the engine is never put to
+sleep, since sleeping would move the trainer's parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ WEIGHT_BUCKET_BYTES = 64 << 20
 
 # Per-prompt fields the rollout repeats alongside each of a prompt's n responses.
 PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_info")
+
+
+def shares_actor_module(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
+    """Whether the engine generates from the colocated actor's module itself (no copy at all).
+
+    One rank, the FSDP backend (an HF module the torch engine can run) and the torch engine: the
+    actor's weights already form the whole generation model. Otherwise the engine holds its own.
+    """
+    return ctx.world_size == 1 and spec.training.backend == "fsdp" and spec.rollout.engine == "torch"
 
 
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
@@ -62,12 +76,25 @@ class RolloutWorker(Worker):
         )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.engine = build_engine(spec, ctx)
+        self.shared = shares_actor_module(spec, ctx)
+        # A shared engine is built on the first sync, when the colocated actor surely exists.
+        self._engine: RolloutEngine | None = None if self.shared else build_engine(spec, ctx)
         self.calls = 0
+
+    @property
+    def engine(self) -> RolloutEngine:
+        if self._engine is None:
+            self._engine = TorchRolloutEngine(self.ctx.colocated("actor").model)
+        return self._engine
 
     @register(BROADCAST)
     def sync_weights(self) -> int:
-        """Load the colocated actor's current weights into the engine; returns the bytes loaded."""
+        """Load the colocated actor's current weights into the engine; returns the bytes loaded.
+
+        0 when the engine runs the actor's own module (:func:`shares_actor_module`).
+        """
+        if self.shared:
+            return 0
         actor = self.ctx.colocated("actor")
         self.engine.wake_up()
         loaded = 0
@@ -83,7 +110,8 @@ class RolloutWorker(Worker):
         prompt_ids = prompt_token_ids(prompts)
         self.engine.wake_up()
         output = self.engine.generate(prompt_ids, params)
-        self.engine.sleep()
+        if not self.shared:
+            self.engine.sleep()
         return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
 
 
