@@ -1,10 +1,15 @@
-"""No second copy on a single rank: the torch engine generates from the FSDP actor's own module.
+"""The FSDP actor -> rollout engine sync, as the worker group hosts the two roles (no Ray).
 
-One spawned process (gloo world of 1, no Ray) hosts the actor and the rollout as the worker
-group would (``WorkerContext.colocated_roles``). Checked: ``sync_weights`` moves 0 bytes; the
-engine's parameters are the actor's (same tensors, no storage of its own); greedy output equals
-HF ``generate`` on the actor's weights before and after an optimizer step; the actor still trains
-after generating (FSDP2 unsharding under the engine's grad mode).
+Spawned gloo processes host the actor and the rollout the way a worker group does
+(``WorkerContext.colocated_roles``).
+
+* One rank: no second copy. The torch engine generates from the FSDP actor's own module:
+  ``sync_weights`` moves 0 bytes; the engine's module is the actor's; greedy output equals HF
+  ``generate`` on the actor's weights before and after an optimizer step; the actor still
+  trains after generating (FSDP2 unsharding under the engine's grad mode).
+* Two ranks: the engine holds its own copy, loaded bucket by bucket; the bytes the traffic
+  meter counted equal the all-gather's exact figure (each rank receives the other's rows of
+  every parameter), the engine got the whole model, and greedy output equals HF ``generate``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from spawned_ranks import run_spawned_ranks
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_rank(rank: int, port: int, model_dir: str, data_file: str, work_dir: str) -> None:
+def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, work_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -34,14 +39,14 @@ def run_rank(rank: int, port: int, model_dir: str, data_file: str, work_dir: str
     from hybridflow.workers.rollout import RolloutWorker
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     outcome: dict[str, Any] = {}
     try:
         doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
         doc["spec"]["models"] = {"actor": {"path": model_dir}}
         doc["spec"]["data"]["trainFiles"] = [data_file]
         doc["spec"]["rollout"]["maxResponseTokens"] = 8
-        doc["spec"]["resourcePools"][0]["gpusPerNode"] = 1
+        doc["spec"]["resourcePools"][0]["gpusPerNode"] = world
         spec = parse_job_manifest(doc, "test").spec
         roles: dict[str, Any] = {}
 
@@ -49,12 +54,12 @@ def run_rank(rank: int, port: int, model_dir: str, data_file: str, work_dir: str
             return WorkerContext(
                 role=role,
                 pool="default",
-                rank=0,
-                world_size=1,
-                local_rank=0,
-                local_world_size=1,
+                rank=rank,
+                world_size=world,
+                local_rank=rank,
+                local_world_size=world,
                 node_id="local",
-                mesh=DeviceMesh.data_parallel(1),
+                mesh=DeviceMesh.data_parallel(world),
                 device="cpu",
                 backend="gloo",
                 colocated_roles=roles,
@@ -98,7 +103,14 @@ def run_rank(rank: int, port: int, model_dir: str, data_file: str, work_dir: str
             ]
 
         outcome["synced_bytes"] = rollout.sync_weights()
+        outcome["stats"] = rollout.transition_stats()
         outcome["same_module"] = rollout.engine.model is actor.model
+        outcome["full_bytes"] = sum(v.numel() * v.element_size() for v in actor.model.state_dict().values())
+        outcome["expected_received"] = sum(
+            -(-v.shape[0] // world) * (world - 1) * (v.numel() // v.shape[0]) * v.element_size()
+            for v in actor.model.state_dict().values()
+            if hasattr(v, "full_tensor")
+        )
         outcome["greedy_before"] = [engine_greedy(), hf_greedy()]
         # One optimizer step on the shared module (after generating from it).
         torch.manual_seed(0)
@@ -143,7 +155,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_single_rank_torch_engine_generates_from_the_actor_module(tiny: Path, tmp_path: Path) -> None:
     outcomes = run_spawned_ranks(
         run_rank,
-        (str(tiny / "model"), str(tiny / "data" / "target_char.jsonl"), str(tmp_path)),
+        (1, str(tiny / "model"), str(tiny / "data" / "target_char.jsonl"), str(tmp_path)),
         world_size=1,
         work_dir=tmp_path,
         deadline_seconds=240,
@@ -157,3 +169,28 @@ def test_single_rank_torch_engine_generates_from_the_actor_module(tiny: Path, tm
     engine_after, hf_after = outcomes["greedy_after"][0]
     assert engine_after == hf_after
     assert engine_after != engine, "the optimizer step did not change the shared weights' output"
+
+
+def test_two_ranks_sync_a_metered_full_copy_into_the_engine(tiny: Path, tmp_path: Path) -> None:
+    outcomes = run_spawned_ranks(
+        run_rank,
+        (2, str(tiny / "model"), str(tiny / "data" / "target_char.jsonl"), str(tmp_path)),
+        world_size=2,
+        work_dir=tmp_path,
+        deadline_seconds=240,
+        what="the two-rank weight sync",
+    )
+    assert "error" not in outcomes, outcomes["error"]
+    for rank in (0, 1):
+        assert outcomes["same_module"][rank] is False
+        stats = outcomes["stats"][rank]
+        assert outcomes["synced_bytes"][rank] == outcomes["full_bytes"][rank]
+        assert stats["loaded_bytes"] == outcomes["full_bytes"][rank]
+        assert stats["bytes_received"] == outcomes["expected_received"][rank] > 0
+        assert stats["bytes_sent"] == stats["bytes_received"]
+        assert stats["redundant_bytes"] > 0  # the trainer's shard, kept aside while the engine has a copy
+        assert stats["peak_memory_bytes"] >= 0 and stats["to_generation_seconds"] > 0
+        engine, hf = outcomes["greedy_before"][rank]
+        assert engine == hf
+        engine_after, hf_after = outcomes["greedy_after"][rank]
+        assert engine_after == hf_after

