@@ -109,7 +109,9 @@ class TrafficMeter:
             raise ValueError(
                 f"all_gather_into_tensor: output has {_nbytes(output)} bytes, expected {size} x {_nbytes(input)}"
             )
-        dist.all_gather_into_tensor(output, input, group=group)
+        # torch 2.13 renamed the collective all_gather_single (the old name warns on every call).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=group)
         self._count(_nbytes(input) * (size - 1), _nbytes(output) - _nbytes(input))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
