@@ -25,6 +25,7 @@ from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, Worker, WorkerCont
 from hybridflow.engines.base import RolloutEngine, RolloutOutput, SamplingParams
 from hybridflow.engines.layout import response_tensors
 from hybridflow.engines.torch_engine import TorchRolloutEngine
+from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # the module imports vLLM only when one is built
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.spec import RLHFJobSpec
 
@@ -62,7 +63,6 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
         return TorchRolloutEngine(
             spec.models.actor.path, device=ctx.torch_device, dtype=engine_dtype(spec, ctx)
         )
-    from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # imported only where vLLM is installed
 
     rollout, device = spec.rollout, ctx.torch_device
     on_cuda = device.type == "cuda"
@@ -97,6 +97,7 @@ class RolloutWorker(Worker):
         self.calls = 0
         self.meter = TrafficMeter()
         self._stats: dict[str, float] = {}
+        self._synced = True  # whether the engine holds the actor's weights (vLLM's level-2 sleep drops them)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -124,6 +125,7 @@ class RolloutWorker(Worker):
             }
             return 0
         self.engine.wake_up()
+        self._synced = True
         loaded = 0
         wire_before = self.meter.total
         start = time.perf_counter()
@@ -156,9 +158,15 @@ class RolloutWorker(Worker):
         """``samples`` responses per prompt (meta ``samples``, ``greedy``), rows interleaved per prompt."""
         params = sampling_params(self.spec, prompts, stream=self.ctx.rank)
         prompt_ids = prompt_token_ids(prompts)
+        if not self._synced:  # a second generation since the last sync (the weights were released)
+            self.sync_weights()
         self.engine.wake_up()
         output = self.engine.generate(prompt_ids, params)
-        if not self.shared:
+        if isinstance(self.engine, VLLMRolloutEngine):
+            # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
+            self.engine.sleep(level=2)
+            self._synced = False
+        elif not self.shared:
             self.engine.sleep()
         return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
 
