@@ -65,7 +65,11 @@ def pytest_run(args: list[str], results: Path) -> tuple[int, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the suite's 500 fuzz cases (CI)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
+        help="the suite's 500 fuzz cases (CI)")
     args = parser.parse_args()
     began = time.monotonic()
     tally = fuzz(500 if args.quick else 2000)

@@ -98,7 +98,11 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="three candidates, fewer steps (CI)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
+        help="three candidates, fewer steps (CI)")
     args = parser.parse_args()
     candidates = QUICK if args.quick else FULL
     steps = 4 if args.quick else 8

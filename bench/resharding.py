@@ -1,20 +1,34 @@
-"""3D-HybridEngine transition figures on 8 gloo ranks (CPU), against the paper's Table 2.
+"""3D-HybridEngine transition figures on 8 gloo ranks (CPU), measured, next to the paper's Table 2.
 
-For each layout and each design (hybridflow, vanilla, allgather), 8 spawned ranks run the
-train -> generate transition of :mod:`hybridflow.resharding` on a tiny Qwen2 model's layout and
-report, per rank: bytes received, peak parameter memory, redundant parameter memory (measured
-from the tensors that exist, see :mod:`hybridflow.resharding.transfer`), and the transition's
-wall time (the slowest rank of each repeat, median over repeats), next to Table 2's formulas.
+For each layout, 8 spawned ranks run the train -> generate transition three ways and measure,
+per rank and per run, from the process (``hybridflow.resharding.meter``):
 
-``M`` in the formulas is the model's TP-partitioned weight bytes; the RMSNorm weights, which
-Megatron replicates on every TP rank, are reported apart (``*_replicated``), as
-``docs/hybrid-engine.md`` explains. Training buffers are filled with random values: the bytes
-and times do not depend on them, and tests/integration/test_resharding.py checks the contents.
+* ``hybridflow``: :class:`~hybridflow.resharding.transfer.Resharder` on the HybridFlow plan
+  (point-to-point exchange inside each micro-DP group, own shard reused in place);
+* ``vanilla``: the same code on the vanilla-grouping plan (the whole model gathered across the
+  ``t*p`` model-parallel group);
+* ``allgather``: DeepSpeed-Chat's design with the real collective: every rank holds a flat
+  ZeRO-3 partition of the whole model (``1/(tpd)`` of it) and calls
+  ``all_gather_into_tensor`` into a full-model buffer;
+* ``raw`` (reference for time only): a bare ``all_gather_into_tensor`` of the same bytes as the
+  HybridFlow exchange, inside each micro-DP group.
 
-Top-level fields: ``max_formula_error_bytes`` (largest |measured - formula| over every layout,
-design, rank and figure; target 0), ``traffic_ratio_allgather_over_hybridflow_t4d2_tg2``
-(Table 2 gives 3.5), ``redundant_bytes_hybridflow`` (largest redundant bytes of any HybridFlow
-rank, replicated included; target 0). The last line printed is one JSON object.
+Measured per run: ``wire_received``/``wire_sent`` (bytes handed to ``torch.distributed``,
+:class:`TrafficMeter`), ``peak_memory`` (``VmHWM`` after minus ``VmRSS`` before, high-water
+mark reset through ``/proc/self/clear_refs``: the transition's own peak, library temporaries
+and packing included), ``reused`` (training bytes the generation weights read in place, resident
+before, so ``peak_memory + reused`` is the counterpart of Table 2's peak), and seconds. Rank 0
+also reads the loopback interface's received-bytes counter around each run; the sum of the
+ranks' ``wire_received`` must agree with it within 5% (other traffic on the host adds to the
+counter, never to the meters).
+
+Formulas: Table 2 with ``M = ModelLayout.partitioned_bytes`` for hybridflow/vanilla (the
+RMSNorm weights Megatron replicates on every TP rank move only when ``p_g < p`` and are added
+from the plan, ``docs/hybrid-engine.md``) and with ``M`` = the whole model for the flat ZeRO-3
+all-gather. Weights travel in bf16 (the engine dtype on GPUs).
+
+``--quick`` (or ``HYBRIDFLOW_BENCH_QUICK=1``): a small model and one timed run, for CI; the
+JSON line has the same keys. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,22 +50,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.mesh import DeviceMesh
-from hybridflow.resharding import DESIGNS, DecoderSpec, ParamBytes, build_plan, decoder_layout, table2
-from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard, TransitionStats
+from hybridflow.resharding import DecoderSpec, build_plan, decoder_layout, table2
+from hybridflow.resharding.meter import PeakMemory, TrafficMeter, loopback_rx_bytes
+from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
 
 WORLD_SIZE = 8
-QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
-"""Quick mode (``make bench-smoke``): one repeat, to prove the bench runs and prints its JSON line."""
-REPEATS = 1 if QUICK else 5  # timed transitions per layout and design, after one warm-up
-# A tiny Qwen2 (the shapes build_tiny_model gives for these arguments): ~136 MB of fp32
-# weights, large enough that a transition moves tens of MB per rank.
-MODEL = {
-    "vocab_size": 384,
-    "hidden": 512,
-    "layers": 2 if QUICK else 8,
-    "heads": 8,
-    "kv_heads": 8,
-    "intermediate": 2048,
+DTYPE = torch.bfloat16
+# ~118M parameters (235 MB of bf16): hidden 1024, 6 layers, FFN 4096, vocab 8192.
+FULL = {
+    "model": {
+        "vocab_size": 8192,
+        "hidden": 1024,
+        "layers": 6,
+        "heads": 16,
+        "kv_heads": 8,
+        "intermediate": 4096,
+    },
+    "repeats": 3,
+}
+QUICK = {
+    "model": {"vocab_size": 512, "hidden": 256, "layers": 2, "heads": 8, "kv_heads": 8, "intermediate": 512},
+    "repeats": 1,
 }
 # (name, p, t, p_g, t_g); d = 8 / (p t)
 LAYOUTS = [
@@ -60,63 +79,129 @@ LAYOUTS = [
     ("p2t4-pg1tg2", 2, 4, 1, 2),
     ("t4d2-tg1", 1, 4, 1, 1),
 ]
+DESIGNS = ("hybridflow", "vanilla", "allgather", "raw")
+LOOPBACK_TOLERANCE = 0.05
 
 
-def _figures(bytes_: ParamBytes) -> dict[str, int]:
-    return {"partitioned": bytes_.partitioned, "replicated": bytes_.replicated}
+def _run_record(
+    seconds: float, wire_sent: int, wire_received: int, peak: int | None, reused: int, redundant: int
+) -> dict[str, Any]:
+    return {
+        "seconds": seconds,
+        "wire_sent": wire_sent,
+        "wire_received": wire_received,
+        "peak_memory": peak,
+        "reused": reused,
+        "redundant": redundant,
+    }
 
 
-def run_rank(rank: int, port: int, spec_json: str, out_path: str) -> None:
-    """One rank: every layout x design, warm-up then timed repeats; rank 0 writes everyone's records."""
+class Transitions:
+    """One rank's four ways of running one layout's transition; each ``run_*`` returns its record."""
+
+    def __init__(
+        self, rank: int, layout: Any, p: int, t: int, p_g: int, t_g: int, groups: SubgroupCache
+    ) -> None:
+        self.rank = rank
+        self.meter = TrafficMeter()
+        train = DeviceMesh.training(WORLD_SIZE, pp=p, tp=t)
+        generator = torch.Generator().manual_seed(rank)
+        self.setups: dict[str, tuple[Any, Resharder, TrainingShard]] = {}
+        for design in ("hybridflow", "vanilla"):
+            plan = build_plan(design, layout, train, pp=p_g, tp=t_g)
+            shard = TrainingShard.allocate(plan.rank(rank).training, DTYPE, "cpu")
+            for kind in ("partitioned", "replicated"):
+                shard.buffer(kind).copy_(torch.randn(shard.buffer(kind).numel(), generator=generator))
+            self.setups[design] = (plan, Resharder(plan, rank, groups, self.meter), shard)
+        # ZeRO-3: the whole model as one flat buffer, padded to a multiple of the world size.
+        total = (layout.partitioned_bytes + layout.replicated_bytes) // layout.itemsize
+        self.zero3_numel = -(-total // WORLD_SIZE)
+        self.zero3 = torch.randn(self.zero3_numel, generator=generator).to(DTYPE)
+        # Raw reference: the HybridFlow exchange's bytes as one collective in the micro-DP group
+        # (padded to the group's largest partitioned buffer so that every input has one size).
+        plan = self.setups["hybridflow"][0]
+        mine = plan.rank(rank)
+        self.micro_dp = groups.get(plan.groups) if len(mine.group) > 1 else None
+        size = max(plan.rank(r).training_numel("partitioned") for r in mine.group)
+        self.raw_input = torch.zeros(size, dtype=DTYPE)
+        self.raw_input[: mine.training_numel("partitioned")].copy_(
+            self.setups["hybridflow"][2].buffer("partitioned")
+        )
+        self.raw_group_size = len(mine.group)
+
+    def run_resharder(self, design: str) -> dict[str, Any]:
+        _, resharder, shard = self.setups[design]
+        generation, forward = resharder.to_generation(shard)
+        resharder.to_training(generation, shard)
+        return _run_record(
+            forward.seconds,
+            forward.wire_sent,
+            forward.wire_received,
+            forward.peak_memory,
+            forward.reused,
+            forward.redundant.total,
+        )
+
+    def _collective(
+        self, numel: int, input_: torch.Tensor, group: dist.ProcessGroup | None, *, kept_aside: int
+    ) -> dict[str, Any]:
+        """``all_gather_into_tensor`` into a fresh buffer; ``kept_aside``: bytes held but not read meanwhile."""
+        before = self.meter.total
+        with PeakMemory("cpu") as probe:
+            start = time.perf_counter()
+            output = torch.empty(numel, dtype=DTYPE)
+            self.meter.all_gather_into_tensor(output, input_, group)
+            seconds = time.perf_counter() - start
+        del output
+        wire = self.meter.total - before
+        return _run_record(seconds, wire.sent, wire.received, probe.bytes, 0, kept_aside)
+
+    def run(self, design: str) -> dict[str, Any]:
+        if design in self.setups:
+            return self.run_resharder(design)
+        if design == "allgather":
+            # The ZeRO-3 partition stays aside while the gathered copy is read: DS-Chat's redundancy.
+            return self._collective(
+                self.zero3_numel * WORLD_SIZE, self.zero3, None, kept_aside=self.zero3.nbytes
+            )
+        if self.raw_group_size == 1:
+            return _run_record(0.0, 0, 0, 0, 0, 0)
+        return self._collective(
+            self.raw_input.numel() * self.raw_group_size, self.raw_input, self.micro_dp, kept_aside=0
+        )
+
+
+def run_rank(rank: int, port: int, spec_json: str, repeats: int, out_path: str) -> None:
+    """One rank: every layout x design, a warm-up round then timed rounds; rank 0 writes all records."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=300),
+        timeout=datetime.timedelta(seconds=600),
     )
-    layout = decoder_layout(DecoderSpec(**json.loads(spec_json)))
+    layout = decoder_layout(DecoderSpec(**json.loads(spec_json)), itemsize=DTYPE.itemsize)
     groups = SubgroupCache()
-    generator = torch.Generator().manual_seed(rank)
     records: list[dict[str, Any]] = []
     for name, p, t, p_g, t_g in LAYOUTS:
-        train = DeviceMesh.training(WORLD_SIZE, pp=p, tp=t)
-        setups = {}
-        for design in DESIGNS:
-            plan = build_plan(design, layout, train, pp=p_g, tp=t_g)
-            shard = TrainingShard.allocate(plan.rank(rank).training, torch.float32, "cpu")
-            for kind in ("partitioned", "replicated"):
-                shard.buffer(kind).copy_(torch.randn(shard.buffer(kind).numel(), generator=generator))
-            setups[design] = (plan, Resharder(plan, rank, groups), shard)
-        # Designs alternate inside each round (after one warm-up round), so that the noise of
-        # a shared machine hits them alike.
-        runs: dict[str, list[tuple[TransitionStats, TransitionStats]]] = {design: [] for design in DESIGNS}
-        for _ in range(REPEATS + 1):
-            for design, (_, resharder, shard) in setups.items():
+        transitions = Transitions(rank, layout, p, t, p_g, t_g, groups)
+        # Designs alternate inside each round so that the noise of a shared machine hits them alike.
+        for round_ in range(repeats + 1):
+            for design in DESIGNS:
                 dist.barrier()
-                generation, forward = resharder.to_generation(shard)
-                backward = resharder.to_training(generation, shard)
-                runs[design].append((forward, backward))
-        for design, (plan, _, _) in setups.items():
-            timed = runs[design][1:]
-            forward, backward = timed[-1]
-            records.append(
-                {
-                    "layout": name,
-                    "design": design,
-                    "rank": rank,
-                    "seconds": [f.seconds for f, _ in timed],
-                    "to_training_seconds": [b.seconds for _, b in timed],
-                    "received": _figures(forward.received),
-                    "peak": _figures(forward.peak),
-                    "peak_total": _figures(forward.peak_total),
-                    "redundant": _figures(forward.redundant),
-                    "freed": _figures(backward.freed),
-                    "plan_received": _figures(plan.bytes_received(rank)),
-                }
-            )
-        del setups
+                lo_before = loopback_rx_bytes() if rank == 0 else None
+                dist.barrier()
+                record = transitions.run(design)
+                dist.barrier()
+                lo_after = loopback_rx_bytes() if rank == 0 else None
+                if round_ == 0:
+                    continue
+                record.update({"layout": name, "design": design, "rank": rank, "round": round_})
+                if lo_before is not None and lo_after is not None:
+                    record["loopback_rx"] = lo_after - lo_before
+                records.append(record)
+        del transitions
     everyone: list[Any] = [None] * WORLD_SIZE
     dist.all_gather_object(everyone, records)
     if rank == 0:
@@ -137,125 +222,201 @@ def exact(value: Fraction) -> int:
     return int(value)
 
 
-def summarise(records: list[dict[str, Any]], spec: DecoderSpec) -> dict[str, Any]:
-    layout = decoder_layout(spec)
-    m = layout.partitioned_bytes
+def formulas(layout: Any, p: int, t: int, p_g: int, t_g: int) -> dict[str, dict[str, Any]]:
+    """Per design: Table 2's traffic, peak and redundancy per rank.
+
+    hybridflow/vanilla: ``M`` = the partitioned bytes, plus per rank the replicated norms it
+    receives when ``p_g < p`` (``traffic_per_rank``); allgather: ``M`` = the padded flat model.
+    """
+    d = WORLD_SIZE // (p * t)
+    train = DeviceMesh.training(WORLD_SIZE, pp=p, tp=t)
+    out: dict[str, dict[str, Any]] = {}
+    for design in ("hybridflow", "vanilla"):
+        row = table2(design, p=p, t=t, d=d, p_g=p_g, t_g=t_g, model_bytes=layout.partitioned_bytes)
+        plan = build_plan(design, layout, train, pp=p_g, tp=t_g)
+        norms = [plan.bytes_received(r).replicated for r in range(WORLD_SIZE)]
+        out[design] = {
+            "traffic": exact(row.traffic),
+            "traffic_per_rank": [exact(row.traffic) + n for n in norms],
+            "replicated_norms_per_rank_max": max(norms),
+            "peak": exact(row.peak),
+            "redundant": exact(row.redundant),
+        }
+    flat_numel = -(-(layout.partitioned_bytes + layout.replicated_bytes) // layout.itemsize // WORLD_SIZE)
+    whole = layout.itemsize * WORLD_SIZE * flat_numel
+    row = table2("allgather", p=p, t=t, d=d, p_g=p_g, t_g=t_g, model_bytes=whole)
+    out["allgather"] = {
+        "traffic": exact(row.traffic),
+        "traffic_per_rank": [exact(row.traffic)] * WORLD_SIZE,
+        "peak": exact(row.peak),
+        "redundant": exact(row.redundant),
+    }
+    return out
+
+
+def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[str, Any]:
     out_layouts = []
-    max_error = 0
     for name, p, t, p_g, t_g in LAYOUTS:
-        d = WORLD_SIZE // (p * t)
+        expected = formulas(layout, p, t, p_g, t_g)
         designs: dict[str, Any] = {}
         for design in DESIGNS:
-            mine = sorted(
-                (r for r in records if r["layout"] == name and r["design"] == design), key=lambda r: r["rank"]
-            )
-            row = table2(design, p=p, t=t, d=d, p_g=p_g, t_g=t_g, model_bytes=m)
-            formula = {
-                "traffic": exact(row.traffic),
-                "peak": exact(row.peak),
-                "redundant": exact(row.redundant),
-            }
-            measured = {
-                "traffic": [r["received"]["partitioned"] for r in mine],
-                "peak": [r["peak"]["partitioned"] for r in mine],
-                "redundant": [r["redundant"]["partitioned"] for r in mine],
-            }
-            error = max(abs(v - formula[key]) for key, values in measured.items() for v in values)
-            max_error = max(max_error, error)
-            # The transition of a repeat ends when its slowest rank is done.
-            per_repeat = [max(r["seconds"][i] for r in mine) for i in range(REPEATS)]
-            designs[design] = {
-                "bytes_received_per_rank": max(measured["traffic"]),
-                "peak_param_bytes_per_rank": max(measured["peak"]),
-                "redundant_bytes_per_rank": max(measured["redundant"]),
-                "formula": formula,
-                "formula_error_bytes": error,
-                "replicated_bytes_received_max": max(r["received"]["replicated"] for r in mine),
-                "replicated_redundant_bytes_max": max(r["redundant"]["replicated"] for r in mine),
-                "peak_total_param_bytes_max": max(
-                    r["peak_total"]["partitioned"] + r["peak_total"]["replicated"] for r in mine
+            mine = [r for r in records if r["layout"] == name and r["design"] == design]
+            rounds = sorted({r["round"] for r in mine})
+            per_round = [[r for r in mine if r["round"] == k] for k in rounds]
+            seconds = [max(r["seconds"] for r in runs) for runs in per_round]
+            loopback = []
+            for runs in per_round:
+                lo = next((r["loopback_rx"] for r in runs if "loopback_rx" in r), None)
+                metered = sum(r["wire_received"] for r in runs)
+                if lo is not None and metered:
+                    loopback.append(
+                        {
+                            "loopback_rx_bytes": lo,
+                            "metered_received_bytes": metered,
+                            "relative_error": lo / metered - 1,
+                        }
+                    )
+            peaks = [r["peak_memory"] for r in mine if r["peak_memory"] is not None]
+            last = sorted((r for r in mine if r["round"] == rounds[-1]), key=lambda r: r["rank"])
+            figures: dict[str, Any] = {
+                "wire_received_bytes_by_rank": [r["wire_received"] for r in last],
+                "peak_memory_bytes_by_rank": [r["peak_memory"] for r in last],
+                "wire_received_bytes_per_rank_max": max(r["wire_received"] for r in mine),
+                "wire_sent_bytes_per_rank_max": max(r["wire_sent"] for r in mine),
+                "peak_memory_bytes_per_rank_max": max(peaks) if peaks else None,
+                "reused_training_bytes_per_rank_max": max(r["reused"] for r in mine),
+                "redundant_bytes_per_rank_max": max(r["redundant"] for r in mine),
+                "peak_param_bytes_per_rank_max": max(
+                    (r["peak_memory"] + r["reused"] for r in mine if r["peak_memory"] is not None),
+                    default=None,
                 ),
-                "measured_equals_plan": all(r["received"] == r["plan_received"] for r in mine),
-                "transition_seconds_median": statistics.median(per_repeat),
-                "transition_seconds_min": min(per_repeat),
-                "to_training_seconds_median": statistics.median(
-                    max(r["to_training_seconds"][i] for r in mine) for i in range(REPEATS)
-                ),
+                "transition_seconds_median": statistics.median(seconds),
+                "transition_seconds_min": min(seconds),
+                "loopback": loopback,
             }
+            if design in expected:
+                per_rank = expected[design].pop("traffic_per_rank")
+                figures["formula"] = {**expected[design], "traffic_by_rank": per_rank}
+                figures["traffic_error_bytes"] = max(
+                    abs(r["wire_received"] - per_rank[r["rank"]]) for r in mine
+                )
+            designs[design] = figures
         hybrid = designs["hybridflow"]["transition_seconds_median"]
         out_layouts.append(
             {
                 "name": name,
-                "train": {"p": p, "t": t, "d": d},
+                "train": {"p": p, "t": t, "d": WORLD_SIZE // (p * t)},
                 "generation": {"p_g": p_g, "t_g": t_g, "micro_dp": (p * t) // (p_g * t_g)},
                 "designs": designs,
-                "time_reduction_vs_vanilla": 1 - hybrid / designs["vanilla"]["transition_seconds_median"],
-                "time_reduction_vs_allgather": 1 - hybrid / designs["allgather"]["transition_seconds_median"],
+                "seconds_ratio_hybridflow_over_allgather": hybrid
+                / designs["allgather"]["transition_seconds_median"],
+                "seconds_ratio_hybridflow_over_vanilla": hybrid
+                / designs["vanilla"]["transition_seconds_median"],
             }
         )
-    t4d2 = next(entry for entry in out_layouts if entry["name"] == "t4d2-tg2")["designs"]
-    hybridflow_redundant = max(
-        r["redundant"]["partitioned"] + r["redundant"]["replicated"]
-        for r in records
-        if r["design"] == "hybridflow"
-    )
+    main = next(entry for entry in out_layouts if entry["name"] == "t4d2-tg2")["designs"]
+    loop_errors = [
+        abs(check["relative_error"])
+        for entry in out_layouts
+        for figures in entry["designs"].values()
+        for check in figures["loopback"]
+    ]
     return {
-        "bench": "resharding",
-        "world_size": WORLD_SIZE,
-        "backend": "gloo",
-        "device": "cpu",
-        "repeats": REPEATS,
-        "model": {
-            "arch": spec.arch,
-            **MODEL,
-            "weight_bytes": layout.total_bytes,
-            "M_partitioned_bytes": m,
-            "replicated_bytes": layout.replicated_bytes,
-        },
         "layouts": out_layouts,
-        "max_formula_error_bytes": max_error,
-        "traffic_ratio_allgather_over_hybridflow_t4d2_tg2": t4d2["allgather"]["bytes_received_per_rank"]
-        / t4d2["hybridflow"]["bytes_received_per_rank"],
-        "redundant_bytes_hybridflow": hybridflow_redundant,
+        "traffic_ratio_allgather_over_hybridflow_t4d2_tg2": main["allgather"][
+            "wire_received_bytes_per_rank_max"
+        ]
+        / main["hybridflow"]["wire_received_bytes_per_rank_max"],
+        "peak_ratio_allgather_over_hybridflow_t4d2_tg2": _ratio(
+            main["allgather"]["peak_param_bytes_per_rank_max"],
+            main["hybridflow"]["peak_param_bytes_per_rank_max"],
+        ),
+        "transition_seconds_ratio_hybridflow_over_allgather_t4d2_tg2": main["hybridflow"][
+            "transition_seconds_median"
+        ]
+        / main["allgather"]["transition_seconds_median"],
+        "hybridflow_seconds_over_raw_collective": main["hybridflow"]["transition_seconds_median"]
+        / main["raw"]["transition_seconds_median"],
+        "redundant_bytes_hybridflow": max(r["redundant"] for r in records if r["design"] == "hybridflow"),
+        "max_traffic_error_bytes": max(
+            figures.get("traffic_error_bytes", 0)
+            for entry in out_layouts
+            for figures in entry["designs"].values()
+        ),
+        "loopback_relative_error_median": statistics.median(loop_errors) if loop_errors else None,
+        "loopback_relative_error_max": max(loop_errors) if loop_errors else None,
+        "loopback_within_5_percent": bool(loop_errors)
+        and statistics.median(loop_errors) <= LOOPBACK_TOLERANCE,
     }
+
+
+def _ratio(numerator: int | None, denominator: int | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
 
 
 def main() -> None:
     from hybridflow.models.tiny import tiny_config
 
+    quick = "--quick" in sys.argv[1:] or os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
+    setting = QUICK if quick else FULL
+    model = setting["model"]
     config = tiny_config(
         "qwen2",
-        MODEL["vocab_size"],
-        MODEL["hidden"],
-        MODEL["layers"],
-        MODEL["heads"],
-        MODEL["kv_heads"],
-        MODEL["intermediate"],
+        model["vocab_size"],
+        model["hidden"],
+        model["layers"],
+        model["heads"],
+        model["kv_heads"],
+        model["intermediate"],
     )
     spec = DecoderSpec.from_hf_config(config)
+    layout = decoder_layout(spec, itemsize=DTYPE.itemsize)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "records.json")
         start = time.perf_counter()
         mp.start_processes(
             run_rank,
-            args=(free_port(), json.dumps(spec.__dict__), out_path),
+            args=(free_port(), json.dumps(spec.__dict__), setting["repeats"], out_path),
             nprocs=WORLD_SIZE,
             start_method="spawn",
         )
         records = json.loads(Path(out_path).read_text())
-    summary = summarise(records, spec)
-    summary["wall_seconds"] = time.perf_counter() - start
+    summary = {
+        "bench": "resharding",
+        "quick": quick,
+        "world_size": WORLD_SIZE,
+        "backend": "gloo",
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "repeats": setting["repeats"],
+        "model": {
+            "arch": spec.arch,
+            **model,
+            "parameters": (layout.partitioned_bytes + layout.replicated_bytes) // layout.itemsize,
+            "weight_bytes": layout.total_bytes,
+            "M_partitioned_bytes": layout.partitioned_bytes,
+            "replicated_bytes": layout.replicated_bytes,
+        },
+        **summarise(records, layout, setting["repeats"]),
+        "wall_seconds": time.perf_counter() - start,
+    }
     print(
-        f"{'layout':<13}{'design':<11}{'recv MB':>9}{'formula':>9}{'peak MB':>9}{'redund MB':>10}{'seconds':>9}",
+        f"{'layout':<13}{'design':<11}{'recv MB':>9}{'formula':>9}{'peak MB':>9}{'+reused':>9}{'seconds':>9}{'lo err':>8}",
         file=sys.stderr,
     )
     for entry in summary["layouts"]:
         for design, figures in entry["designs"].items():
+            formula = max(figures.get("formula", {}).get("traffic_by_rank", [0]))
+            peak = figures["peak_memory_bytes_per_rank_max"]
+            lo = [abs(c["relative_error"]) for c in figures["loopback"]]
             print(
                 f"{entry['name']:<13}{design:<11}"
-                f"{figures['bytes_received_per_rank'] / 1e6:>9.2f}{figures['formula']['traffic'] / 1e6:>9.2f}"
-                f"{figures['peak_param_bytes_per_rank'] / 1e6:>9.2f}{figures['redundant_bytes_per_rank'] / 1e6:>10.2f}"
-                f"{figures['transition_seconds_median']:>9.3f}",
+                f"{figures['wire_received_bytes_per_rank_max'] / 1e6:>9.2f}"
+                f"{(formula or 0) / 1e6:>9.2f}"
+                f"{(peak or 0) / 1e6:>9.2f}{(figures['peak_param_bytes_per_rank_max'] or 0) / 1e6:>9.2f}"
+                f"{figures['transition_seconds_median']:>9.3f}{(max(lo) if lo else float('nan')):>8.3f}",
                 file=sys.stderr,
             )
     print(json.dumps(summary))

@@ -167,7 +167,11 @@ def hybridflow_run(spec: RLHFJobSpec, warmup: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 measured steps after 1 warmup (CI)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
+        help="2 measured steps after 1 warmup (CI)")
     args = parser.parse_args()
     steps, warmup = (2, 1) if args.quick else (6, 2)
     workdir = Path(tempfile.mkdtemp(prefix="hybridflow-throughput-"))

@@ -53,8 +53,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-def expected_bytes_received(model_dir: Path) -> list[int]:
-    """What the plan says each rank receives for p1 t2 d2 -> t_g 1 (the pure planner, no processes)."""
+def expected_bytes_received(model_dir: Path, figure: str = "bytes_received") -> list[int]:
+    """What the plan says each rank receives (or holds for training) for p1 t2 d2 -> t_g 1 (pure, no processes)."""
     from transformers import AutoConfig
 
     from hybridflow.controller import DeviceMesh
@@ -66,7 +66,7 @@ def expected_bytes_received(model_dir: Path) -> list[int]:
         train,
         DeviceMesh.generation(train, pp=1, tp=1),
     )
-    return [plan.bytes_received(rank).total for rank in range(4)]
+    return [getattr(plan, figure)(rank).total for rank in range(4)]
 
 
 def test_grpo_steps_run_on_the_hybrid_engine_and_generation_matches_hf(scenario: dict[str, Any]) -> None:
@@ -79,15 +79,22 @@ def test_grpo_steps_run_on_the_hybrid_engine_and_generation_matches_hf(scenario:
     assert len(steps) == 2
     expected = expected_bytes_received(Path(scenario["work"]) / "model")
     assert min(expected) > 0
+    # The actor packs its megatron slices into a fresh training shard (megatron stores them fused):
+    # a copy of its training bytes held next to the live parameters, reported as redundant.
+    packed = expected_bytes_received(Path(scenario["work"]) / "model", "training_bytes")
     for metrics in steps:
         assert metrics["reshard/seconds"] > 0
         assert metrics["reshard/bytes_received_per_rank"] == max(expected)
-        assert metrics["reshard/redundant_bytes_per_rank"] == 0
+        assert metrics["reshard/bytes_sent_per_rank"] == max(expected)  # micro-DP pairs swap halves
+        assert metrics["reshard/redundant_bytes_per_rank"] == max(packed)
+        assert metrics["reshard/peak_memory_bytes_per_rank"] >= 0
+        assert [metrics[f"reshard/rank{rank}/bytes_received"] for rank in range(4)] == expected
         assert metrics["actor/grad_norm"] > 0
     # The last transition, rank by rank: the planned bytes, and to_training freed exactly them.
     transition = scenario["transition"]
     assert [int(stats["bytes_received"]) for stats in transition] == expected
     assert [int(stats["freed_bytes"]) for stats in transition] == expected
+    assert [int(stats["packed_copy_bytes"]) for stats in transition] == packed
     # The actor trained (so the comparison below is with the updated policy, not the initial one)
     # and greedy generation after resharding equals HF generate on the gathered full weights.
     assert scenario["max_weight_change"] > 0

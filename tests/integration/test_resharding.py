@@ -149,6 +149,13 @@ def run_case(
     wrong = [name for name, same in exact.items() if not same]
     assert not wrong, f"generation tensors differ from the full parameters' slices: {wrong[:3]}"
     assert stats.received == plan.bytes_received(rank), (stats.received, plan.bytes_received(rank))
+    # The traffic meter counted what was handed to torch.distributed: the plan's messages exactly.
+    itemsize = layout.itemsize
+    assert stats.wire_received == stats.received.total
+    assert stats.wire_sent == sum(m.numel for m in plan.rank(rank).sends) * itemsize
+    assert stats.peak_memory is not None and stats.peak_memory >= 0
+    reused = plan.training_bytes(rank).total if design == "hybridflow" else 0
+    assert stats.reused == reused, (stats.reused, reused)
     assert stats.peak == plan.peak_bytes(rank), (stats.peak, plan.peak_bytes(rank))
     assert stats.peak_total == plan.peak_total_bytes(rank)
     assert stats.held == plan.held_bytes(rank), (stats.held, plan.held_bytes(rank))
@@ -343,10 +350,8 @@ def run_nccl(rank: int, world: int, port: int, work_dir: str) -> None:
         plan = build_plan("hybridflow", layout, DeviceMesh.training(world, pp=1, tp=world), pp=1, tp=1)
         resharder = Resharder(plan, rank, groups)
         shard = TrainingShard.from_full(plan.rank(rank).training, full)
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
         generation, stats = resharder.to_generation(shard)
-        outcome["cuda_peak_delta"] = torch.cuda.max_memory_allocated() - before
+        outcome["cuda_peak_delta"] = stats.peak_memory  # PeakMemory on CUDA: max_memory_allocated - before
         outcome["plan_received"] = plan.bytes_received(rank).total
         outcome["received"] = stats.bytes_received
         outcome["exact"] = all(

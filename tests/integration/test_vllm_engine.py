@@ -282,6 +282,27 @@ def test_sleep_and_wake_up_follow_the_lifecycle(engine: Any) -> None:
     assert engine.generate(PROMPTS, GREEDY) == before  # weights survive sleep
 
 
+def test_sleep_level_2_refuses_generation_until_every_weight_is_reloaded(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    # Level 2 discards the weights on GPUs; the contract (no generation from discarded weights
+    # until a full reload) is kept on CPU too, where it is checked here.
+    first, _ = hf_models
+    before = engine.generate(PROMPTS, GREEDY)
+    with pytest.raises(ValueError, match="levels are 1 and 2"):
+        engine.sleep(level=3)
+    engine.sleep(level=2)
+    engine.wake_up()
+    with pytest.raises(EngineStateError, match="level=2"):
+        engine.generate(PROMPTS, GREEDY)
+    weights = list(first.state_dict().items())
+    engine.load_weights(weights[: len(weights) // 2])
+    with pytest.raises(EngineStateError):
+        engine.generate(PROMPTS, GREEDY)
+    engine.load_weights(weights[len(weights) // 2 :])
+    assert engine.generate(PROMPTS, GREEDY) == before
+
+
 def test_bad_prompts_are_rejected_with_the_row(engine: Any) -> None:
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], GREEDY)
@@ -340,4 +361,29 @@ def test_sleep_releases_gpu_memory_and_wake_up_restores_the_weights(model_dirs: 
         gpu.wake_up()
         free_woken, _ = torch.cuda.mem_get_info()
         assert free_woken < free_asleep - 0.1 * total
+        assert gpu.generate(PROMPTS, GREEDY) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's sleep mode)")
+def test_sleep_level_2_discards_weights_and_a_bf16_sync_restores_them(
+    model_dirs: tuple[Path, Path], hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+    with VLLMRolloutEngine(
+        model_dirs[0], max_model_len=384, device="cuda", dtype=torch.bfloat16, gpu_memory_utilization=0.2
+    ) as gpu:
+        before = gpu.generate(PROMPTS, GREEDY)
+        free_awake, total = torch.cuda.mem_get_info()
+        gpu.sleep(level=2)
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_awake > 0.1 * total
+        gpu.wake_up()
+        with pytest.raises(EngineStateError, match="level=2"):
+            gpu.generate(PROMPTS, GREEDY)
+        # The sync as the rollout does it on GPUs: weights cast to bf16 before they travel.
+        gpu.load_weights(
+            (name, tensor.to(torch.bfloat16)) for name, tensor in hf_models[0].state_dict().items()
+        )
         assert gpu.generate(PROMPTS, GREEDY) == before

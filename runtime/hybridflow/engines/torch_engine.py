@@ -155,6 +155,10 @@ class TorchRolloutEngine(RolloutEngine):
         if first_parameter is None:
             raise ValueError("the model has no parameters")
         self._model: nn.Module | None = module
+        # A shared module may be FSDP2-sharded: its hooks unshard parameters on every forward,
+        # which inference mode forbids (inference tensors have no version counter), so a shared
+        # module decodes under no_grad instead.
+        self._shared = isinstance(model, nn.Module)
         self._device = first_parameter.device
         config = getattr(module, "config", None)
         self._vocab_size: int | None = getattr(config, "vocab_size", None)
@@ -218,7 +222,7 @@ class TorchRolloutEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode():
+            with torch.no_grad() if self._shared else torch.inference_mode():
                 return self._decode(model, rows, params)
         finally:
             model.train(was_training)

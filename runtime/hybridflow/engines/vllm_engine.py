@@ -328,6 +328,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self._layer_members.setdefault(layer, set()).add(name)
         self._pending: dict[str, torch.Tensor] = {}
         self._sleep_mode = on_cuda
+        # vLLM layers whose weights sleep(level=2) discarded and no reload has restored yet.
+        self._discarded: set[str] = set()
         self._state: EngineState = "awake"
 
     # ------------------------------------------------------------------ introspection
@@ -393,6 +395,11 @@ class VLLMRolloutEngine(RolloutEngine):
         part of its parameters (a sync that never sent the rest).
         """
         llm = self._awake_llm("generate")
+        if self._discarded:
+            raise EngineStateError(
+                f"generate: sleep(level=2) discarded the weights and {len(self._discarded)} vLLM layers "
+                f"have not been reloaded since (e.g. {sorted(self._discarded)[0]}); load every weight first"
+            )
         if self._pending:
             missing = sorted(
                 {
@@ -509,19 +516,31 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         with _quiet_reload_warnings():
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(ready)})
+        self._discarded -= {self._layer_of[name] for name, _ in ready}
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
 
-    def sleep(self) -> None:
-        """On CUDA, ``LLM.sleep(level=1)``: weights to host memory, KV cache freed. On CPU, state only.
+    def sleep(self, *, level: int = 1) -> None:
+        """Release the engine's memory between generations. On CPU, state only (see the module docstring).
 
-        Level 1 keeps the weights, as the lifecycle requires (level 2 would discard them).
+        ``level=1`` (the :class:`RolloutEngine` lifecycle): on CUDA ``LLM.sleep(level=1)``,
+        weights offloaded to host memory and KV cache freed; they survive.
+        ``level=2``: on CUDA ``LLM.sleep(level=2)``, weights *and* KV cache discarded (nothing
+        kept in host memory either), for a caller that reloads every weight after
+        :meth:`wake_up` anyway, as the rollout's per-step sync does. Until every vLLM layer has
+        been reloaded, :meth:`generate` refuses (on CPU too, so the contract is the same
+        everywhere).
         """
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}): vLLM's sleep levels are 1 and 2")
         llm = self._live_llm("sleep")
         if self._state == "asleep":
             return
         if self._sleep_mode:
-            llm.sleep(level=1)
+            llm.sleep(level=level)
+        if level == 2:
+            self._discarded = set(self._layer_members)
+            self._pending = {}
         self._state = "asleep"
 
     def wake_up(self) -> None:

@@ -35,6 +35,7 @@ tests check that the two agree. They do not see temporaries inside the communica
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.resharding.layout import Block, ReshardingError
+from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.resharding.plan import (
     BUFFER_KINDS,
     BufferKind,
@@ -319,6 +321,15 @@ class TransitionStats:
       ``to_generation``; the training shard alone, for ``to_training``).
     * ``redundant``: held but not read by the generation engine (``to_generation`` only).
     * ``freed``: parameter memory released by the call (``to_training`` only).
+    * ``wire_sent`` / ``wire_received``: bytes this rank handed to ``torch.distributed`` in the
+      call, counted by the :class:`~hybridflow.resharding.meter.TrafficMeter` (not the plan).
+    * ``peak_memory``: the call's own peak memory measured from the process
+      (:class:`~hybridflow.resharding.meter.PeakMemory`: ``VmHWM`` minus the resident size
+      before on CPU, ``max_memory_allocated`` minus allocated on CUDA); ``None`` where the
+      process cannot be measured. It includes packing and library temporaries.
+    * ``reused``: training-shard bytes the generation weights read in place (resident before
+      the call, so not in ``peak_memory``); ``peak_memory + reused`` is the measured
+      counterpart of Table 2's peak.
     """
 
     design: Design
@@ -331,6 +342,10 @@ class TransitionStats:
     held: ParamBytes
     redundant: ParamBytes
     freed: ParamBytes
+    wire_sent: int = 0
+    wire_received: int = 0
+    peak_memory: int | None = None
+    reused: int = 0
 
     @property
     def bytes_received(self) -> int:
@@ -343,6 +358,8 @@ class TransitionStats:
             if isinstance(value, dict):
                 for kind, count in value.items():
                     flat[f"{name}_{kind}_bytes"] = count
+            elif value is None:
+                continue
             else:
                 flat[name] = value
         flat["bytes_received"] = self.bytes_received
@@ -356,12 +373,17 @@ class Resharder:
     """Runs one plan's transitions on one rank; see the module docstring for the protocol.
 
     Construction is collective over the world (it creates the exchange groups); use one
-    :class:`SubgroupCache` per process so that groups are created once.
+    :class:`SubgroupCache` per process so that groups are created once. Every exchange goes
+    through ``meter`` (the process's :class:`TrafficMeter`; a new one by default), so the
+    stats' wire bytes are what was handed to ``torch.distributed``.
     """
 
-    def __init__(self, plan: TransitionPlan, rank: int, groups: SubgroupCache) -> None:
+    def __init__(
+        self, plan: TransitionPlan, rank: int, groups: SubgroupCache, meter: TrafficMeter | None = None
+    ) -> None:
         self.plan = plan
         self.rank = rank
+        self.meter = meter if meter is not None else TrafficMeter()
         self._me = plan.rank(rank)
         self._group = groups.get(plan.groups) if any(len(group) > 1 for group in plan.groups) else None
         self._offsets = {r: _offsets(plan.rank(r).training) for r in self._me.group}
@@ -370,16 +392,57 @@ class Resharder:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def to_generation(self, shard: TrainingShard) -> tuple[GenerationShard, TransitionStats]:
-        """Train -> generate: exchange inside the exchange group (collective there), build the shard."""
-        me = self._me
-        if shard.blocks != me.training:
+    def to_generation(
+        self, shard: TrainingShard, *, measure_memory: bool = True
+    ) -> tuple[GenerationShard, TransitionStats]:
+        """Train -> generate: exchange inside the exchange group (collective there), build the shard.
+
+        ``measure_memory=False`` leaves ``peak_memory`` unmeasured (``None``), for a caller whose
+        own :class:`PeakMemory` window spans a larger transition (packing included): the probe
+        resets the process's high-water mark, so windows cannot nest.
+        """
+        if shard.blocks != self._me.training:
             raise ReshardingError(
                 f"rank {self.rank}: the training shard's blocks are not the plan's for this rank"
             )
         device = shard.device
         self._synchronize(device)
-        start = time.perf_counter()
+        wire_before = self.meter.total
+        probe = PeakMemory(device)
+        with probe if measure_memory else contextlib.nullcontext(probe):
+            start = time.perf_counter()
+            generation, received, peak, peak_total = self._exchange(shard)
+            seconds = time.perf_counter() - start
+        wire = self.meter.total - wire_before
+        own = {shard.buffer(k).untyped_storage().data_ptr() for k in BUFFER_KINDS if shard.buffer(k).numel()}
+        reused = sum(
+            piece.numel() * piece.element_size()
+            for _, piece in generation.tensors()
+            if piece.untyped_storage().data_ptr() in own
+        )
+        held = _storage_bytes([*generation.tensors(), *((k, shard.buffer(k)) for k in BUFFER_KINDS)])
+        stats = TransitionStats(
+            design=self.plan.design,
+            direction="to_generation",
+            rank=self.rank,
+            seconds=seconds,
+            received=received,
+            peak=peak,
+            peak_total=peak_total,
+            held=held,
+            redundant=held - generation.read_bytes(),
+            freed=ParamBytes(),
+            wire_sent=wire.sent,
+            wire_received=wire.received,
+            peak_memory=probe.bytes,
+            reused=reused,
+        )
+        return generation, stats
+
+    def _exchange(self, shard: TrainingShard) -> tuple[GenerationShard, ParamBytes, ParamBytes, ParamBytes]:
+        """The exchange itself: the generation shard, bytes received, peak and peak_total (from storages)."""
+        me = self._me
+        device = shard.device
         gathered: dict[tuple[int, BufferKind], torch.Tensor] = {}
         for kind in BUFFER_KINDS:
             own = shard.buffer(kind)
@@ -396,9 +459,12 @@ class Resharder:
             for m in me.receives
         ]
         if ops:
-            for work in dist.batch_isend_irecv(ops):
+            works = self.meter.batch_isend_irecv(ops)
+            for work in works:
                 work.wait()
-        del ops  # the ops reference the buffers; drop them so that unused ones can be freed below
+            # The ops and works reference the buffers; drop them so that unused ones are freed below.
+            del works, work
+        del ops
         self._synchronize(device)
         peak = _storage_bytes((kind, tensor) for (_, kind), tensor in gathered.items())
         peak_total = _storage_bytes(
@@ -419,22 +485,7 @@ class Resharder:
         for m in me.receives:
             size = gathered[(m.src, m.kind)].nbytes
             received += ParamBytes(size, 0) if m.kind == "partitioned" else ParamBytes(0, size)
-        del gathered  # buffers no generation block reads are freed here (the baselines' extra slices)
-        seconds = time.perf_counter() - start
-        held = _storage_bytes([*generation.tensors(), *((k, shard.buffer(k)) for k in BUFFER_KINDS)])
-        stats = TransitionStats(
-            design=self.plan.design,
-            direction="to_generation",
-            rank=self.rank,
-            seconds=seconds,
-            received=received,
-            peak=peak,
-            peak_total=peak_total,
-            held=held,
-            redundant=held - generation.read_bytes(),
-            freed=ParamBytes(),
-        )
-        return generation, stats
+        return generation, received, peak, peak_total  # unread gathered buffers are freed on return
 
     def to_training(self, generation: GenerationShard, shard: TrainingShard) -> TransitionStats:
         """Generate -> train: release the generation-only memory (local, no communication).

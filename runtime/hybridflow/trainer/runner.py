@@ -108,7 +108,6 @@ def run_training(
     state = AlgorithmState(spec)
     pools = resource_pools(spec, simulated=simulated)
     history: list[dict[str, float]] = []
-    hybrid = uses_hybrid_engine(spec)
     job_gpus = sum(pool.nodes * pool.gpus_per_node for pool in spec.resource_pools)
     actor_parameters = model_parameter_count(spec.models.actor.path)
     with deploy(
@@ -147,8 +146,7 @@ def run_training(
                     },
                 )
                 metrics = step_fn(workers, batch, scorer, state)
-                if hybrid:
-                    metrics.update(reshard_metrics(workers.rollout.transition_stats()))
+                metrics.update(reshard_metrics(workers.rollout.transition_stats()))
                 seconds = time.monotonic() - step_started
                 metrics["perf/step_seconds"] = seconds
                 # Everything after rollout and scoring: advantages, critic and actor updates.
@@ -209,21 +207,30 @@ def _check_parallel_layout(spec: RLHFJobSpec) -> None:
 
 
 def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Step metrics from the rollout ranks' ``transition_stats``: the slowest rank, the most received.
+    """Step metrics from the rollout ranks' ``transition_stats``: per rank, and the worst rank.
 
-    ``reshard/seconds`` is train -> generate plus generate -> train on the slowest rank (the
-    step waits for it); ``reshard/bytes_received_per_rank`` the largest amount any rank received.
+    ``reshard/seconds`` is train -> generate (packing included) plus generate -> train on the
+    slowest rank (the step waits for it); the ``*_per_rank`` figures are the largest of any
+    rank; ``reshard/rank<r>/<figure>`` are each rank's own (seconds, bytes sent and received,
+    peak memory, redundant bytes), as measured by the rollout (``workers/hybrid_rollout.py``).
     """
-    ranks = [stats for stats in per_rank if stats]
+    ranks = [(rank, stats) for rank, stats in enumerate(per_rank) if stats]
     if not ranks:
         return {}
-    return {
-        "reshard/seconds": max(
-            s.get("to_generation_seconds", 0.0) + s.get("to_training_seconds", 0.0) for s in ranks
-        ),
-        "reshard/bytes_received_per_rank": max(s.get("bytes_received", 0.0) for s in ranks),
-        "reshard/redundant_bytes_per_rank": max(s.get("redundant_bytes", 0.0) for s in ranks),
-    }
+    metrics: dict[str, float] = {}
+    for rank, s in ranks:
+        metrics[f"reshard/rank{rank}/seconds"] = s.get("to_generation_seconds", 0.0) + s.get(
+            "to_training_seconds", 0.0
+        )
+        for figure in ("bytes_sent", "bytes_received", "peak_memory_bytes", "redundant_bytes"):
+            if figure in s:
+                metrics[f"reshard/rank{rank}/{figure}"] = s[figure]
+    metrics["reshard/seconds"] = max(metrics[f"reshard/rank{rank}/seconds"] for rank, _ in ranks)
+    for figure in ("bytes_sent", "bytes_received", "peak_memory_bytes", "redundant_bytes"):
+        values = [s[figure] for _, s in ranks if figure in s]
+        if values:
+            metrics[f"reshard/{figure}_per_rank"] = max(values)
+    return metrics
 
 
 def _save(

@@ -19,8 +19,15 @@ Protocol, per RL step, every rank of the pool taking part in each call:
    :meth:`Resharder.to_training` releases the generation-only memory (received buffers), and the
    training shard is dropped. If no shard is live (a second generation in one step, a
    validation pass), it runs step 1 first.
-3. ``transition_stats`` (controller, after the step): the last transitions' seconds and bytes
-   received on this rank, which :mod:`hybridflow.trainer.runner` turns into ``reshard/*`` metrics.
+3. ``transition_stats`` (controller, after the step): this rank's figures of the last round,
+   measured from the process, which :mod:`hybridflow.trainer.runner` turns into ``reshard/*``
+   metrics: ``to_generation_seconds`` (packing the actor's shard included; ``packing_seconds``
+   apart), ``bytes_sent``/``bytes_received`` (handed to ``torch.distributed``, counted by the
+   resharder's :class:`~hybridflow.resharding.meter.TrafficMeter`), ``peak_memory_bytes``
+   (:class:`~hybridflow.resharding.meter.PeakMemory` over packing and exchange; absent where the
+   process cannot be measured), ``redundant_bytes`` (held while generating and not read, plus
+   any packed copy of parameters the trainer also keeps: the actor reports the bytes of its
+   shard that do not live in its parameters' storages), ``to_training_seconds``, ``freed_bytes``.
 
 Between 1 and 2 the actor must not train (the controller's step order guarantees it); the
 generation shard reads a snapshot of its weights.
@@ -28,6 +35,7 @@ generation shard reads a snapshot of its weights.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -35,6 +43,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, DeviceMesh, Worker, WorkerContext, register
 from hybridflow.engines.tp_engine import TensorParallelRolloutEngine
 from hybridflow.resharding import DecoderSpec, decoder_layout, hybridflow_plan
+from hybridflow.resharding.meter import PeakMemory
 from hybridflow.resharding.transfer import GenerationShard, Resharder, SubgroupCache, TrainingShard
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import pack_responses, prompt_token_ids, sampling_params
@@ -83,8 +92,13 @@ class HybridRolloutWorker(Worker):
         """Train -> generate (see the module docstring); returns the bytes this rank received."""
         self._release()
         actor = self.ctx.colocated("actor")
-        self._shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
-        self._generation, stats = self.resharder.to_generation(self._shard)
+        start = time.perf_counter()
+        with PeakMemory(self.ctx.torch_device) as probe:
+            self._shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
+            packing_seconds = time.perf_counter() - start
+            self._generation, stats = self.resharder.to_generation(self._shard, measure_memory=False)
+        seconds = time.perf_counter() - start
+        copied = actor.training_shard_copy_bytes(self._shard)
         if self.engine is None:
             self.engine = TensorParallelRolloutEngine(
                 self.decoder,
@@ -98,11 +112,16 @@ class HybridRolloutWorker(Worker):
         else:
             self.engine.set_weights(self._generation)
         self._stats = {
-            "to_generation_seconds": stats.seconds,
-            "bytes_received": float(stats.bytes_received),
+            "to_generation_seconds": seconds,
+            "packing_seconds": packing_seconds,
+            "bytes_sent": float(stats.wire_sent),
+            "bytes_received": float(stats.wire_received),
             "held_bytes": float(stats.held.total),
-            "redundant_bytes": float(stats.redundant.total),
+            "packed_copy_bytes": float(copied),
+            "redundant_bytes": float(stats.redundant.total + copied),
         }
+        if probe.bytes is not None:
+            self._stats["peak_memory_bytes"] = float(probe.bytes)
         return stats.bytes_received
 
     def _release(self) -> None:

@@ -201,12 +201,39 @@ class MegatronActorWorker(_MegatronPolicyModel):
         pieces = {name: shard.tensor for name, shard in mb.local_shards(self.model).items()}
         return TrainingShard.pack(blocks, pieces)
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def training_shard_copy_bytes(self, shard: TrainingShard) -> int:
+        """Bytes of ``shard`` whose storage is not one of the model's parameter storages.
+
+        Measured from the tensors: a shard made of views of the live parameters would count 0;
+        today's packed copy (see :meth:`training_shard`) counts whole, as redundant memory.
+        """
+        live = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
+        return sum(
+            shard.buffer(kind).nbytes
+            for kind in ("partitioned", "replicated")
+            if shard.buffer(kind).numel() and shard.buffer(kind).untyped_storage().data_ptr() not in live
+        )
+
+    def weight_buckets(
+        self, bucket_bytes: int, *, dtype: torch.dtype | None = None, meter: object | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights by HF name, a bucket at a time, for the plain rollout role (``t*p == 1``).
 
         Collective: every rank iterates in lockstep, as with the FSDP actor.
         """
-        return mb.iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes)
+        # ``meter`` is accepted for the rollout's one call shape: with t*p == 1 every rank holds
+        # the whole model (DDP), so the gather communicates nothing and there is nothing to count.
+        return mb.iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def local_parameter_bytes(self) -> int:
+        """Bytes of this rank's own parameters (the whole model under DDP with ``t*p == 1``)."""
+        storages = {
+            param.untyped_storage().data_ptr(): param.untyped_storage().nbytes()
+            for param in self.model.parameters()
+        }
+        return sum(
+            storages.values()
+        )  # megatron's DDP keeps parameters as views of flat buffers: each counts once
 
     @register(BROADCAST)
     def full_state_dict(self) -> dict[str, torch.Tensor]:

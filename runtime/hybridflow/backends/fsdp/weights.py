@@ -24,6 +24,10 @@ worker on every rank):
   checkpoint. A tied weight appears under each of its names (gathered once per name), which is
   what ``load_state_dict``-style consumers expect.
 * Tensors are fresh (never views of the live parameters) and lie on the parameters' device.
+* With a ``meter`` (:class:`~hybridflow.resharding.meter.TrafficMeter`), each ``Shard(0)``
+  parameter is gathered with an explicit ``all_gather_into_tensor`` of its local rows (padded
+  to equal chunks, as FSDP2 pads) through the meter, so the bytes handed to the wire are
+  counted; without one, ``DTensor.full_tensor()`` gathers it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from collections.abc import Iterator
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from hybridflow.resharding.meter import TrafficMeter
 
 __all__ = ["full_state_dict", "hf_name", "iter_full_weight_buckets"]
 
@@ -56,8 +63,36 @@ def _full_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
     return tensor.numel() * (dtype or tensor.dtype).itemsize
 
 
-def _gather(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _metered_gather(tensor: DTensor, dtype: torch.dtype | None, meter: TrafficMeter) -> torch.Tensor:
+    """The full tensor of a 1-D ``Shard(0)`` DTensor, gathered through ``meter``."""
+    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(
+            f"metered weight gather supports FSDP2's 1-D Shard(0) parameters, got placements "
+            f"{tuple(tensor.placements)} on a {tensor.device_mesh.ndim}-D mesh"
+        )
+    group = tensor.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    local = tensor.to_local()
+    if dtype is not None:
+        local = local.to(dtype)
+    rows = tensor.shape[0]
+    chunk = -(-rows // world)  # torch.chunk's sizes: full chunks first, the trailing ranks short
+    if local.shape[0] == chunk and local.is_contiguous():
+        padded = local
+    else:
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((chunk * world, *local.shape[1:]))
+    meter.all_gather_into_tensor(out, padded, group)
+    return out if chunk * world == rows else out[:rows]
+
+
+def _gather(
+    tensor: torch.Tensor, dtype: torch.dtype | None, meter: TrafficMeter | None = None
+) -> torch.Tensor:
     if isinstance(tensor, DTensor):
+        if meter is not None:
+            return _metered_gather(tensor, dtype, meter)
         # Cast the local shard before gathering: half the traffic when sending fp32 as bf16.
         local = tensor if dtype is None else cast(DTensor, tensor.to(dtype))
         return local.full_tensor()
@@ -65,7 +100,11 @@ def _gather(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def iter_full_weight_buckets(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    meter: TrafficMeter | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of ``(HF name, full tensor)`` of at most ``bucket_bytes`` each, in a fixed order.
 
@@ -88,7 +127,7 @@ def iter_full_weight_buckets(
         plan[-1].append((name, tensor.detach()))
         planned_bytes += size
     for planned in plan:
-        bucket = [(hf_name(name), _gather(tensor, dtype)) for name, tensor in planned]
+        bucket = [(hf_name(name), _gather(tensor, dtype, meter)) for name, tensor in planned]
         yield bucket
         bucket.clear()
 
