@@ -69,7 +69,8 @@ def main() -> int:
         "--quick",
         action="store_true",
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
-        help="the suite's 500 fuzz cases (CI)")
+        help="the suite's 500 fuzz cases (CI)",
+    )
     args = parser.parse_args()
     began = time.monotonic()
     tally = fuzz(500 if args.quick else 2000)

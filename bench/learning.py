@@ -101,7 +101,8 @@ def main() -> None:
         "--quick",
         action="store_true",
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
-        help=f"{QUICK_STEPS} steps each, no verdict (CI)")
+        help=f"{QUICK_STEPS} steps each, no verdict (CI)",
+    )
     parser.add_argument("--only", nargs="*", choices=sorted(ALGORITHMS), help="a subset of the algorithms")
     args = parser.parse_args()
     steps = QUICK_STEPS if args.quick else STEPS

@@ -102,7 +102,8 @@ def main() -> None:
         "--quick",
         action="store_true",
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
-        help="three candidates, fewer steps (CI)")
+        help="three candidates, fewer steps (CI)",
+    )
     args = parser.parse_args()
     candidates = QUICK if args.quick else FULL
     steps = 4 if args.quick else 8

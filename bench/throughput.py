@@ -171,7 +171,8 @@ def main() -> None:
         "--quick",
         action="store_true",
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
-        help="2 measured steps after 1 warmup (CI)")
+        help="2 measured steps after 1 warmup (CI)",
+    )
     args = parser.parse_args()
     steps, warmup = (2, 1) if args.quick else (6, 2)
     workdir = Path(tempfile.mkdtemp(prefix="hybridflow-throughput-"))

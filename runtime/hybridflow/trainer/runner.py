@@ -174,7 +174,9 @@ def run_training(
                 else:
                     on_step(progress_line(report))
                 if preempted:
-                    on_step(f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written")
+                    on_step(
+                        f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written"
+                    )
                     writer.close()
                     return RunSummary(start, step, resumed, history, preempted=True)
     writer.close()

@@ -33,8 +33,8 @@ from hybridflow.backends.fsdp import (
 )
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
-from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.resharding.meter import TrafficMeter
+from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import (
     dp_sum_over,
