@@ -248,7 +248,7 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
 
     from hybridflow.incluster import StatusPusher, TrainingMetricsExporter
     from hybridflow.metrics import progress_line
-    from hybridflow.trainer.report import StepReport
+    from hybridflow.metrics.step_report import StepReport
     from hybridflow.trainer.runner import run_training
 
     exporter = TrainingMetricsExporter(namespace, job.metadata.name)

@@ -23,9 +23,34 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 Path_ = tuple[str | int, ...]
 
 
+def as_in_a_cluster(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A laptop example as a cluster user would write it: files on a claim, checkpoints on another.
+
+    The laptop examples set ``maxRestarts > 0`` with relative paths and no checkpoint volume,
+    which admission rejects (a retry must resume from a claim); fuzzing only them would reach the
+    builders almost never. Their cluster forms keep every other field as the example has it.
+    """
+    document = copy.deepcopy(manifest)
+    spec = document["spec"]
+
+    def on_claim(path: str) -> str:
+        return path if path.startswith("/") else "/data/" + path.removeprefix("../")
+
+    for model in spec["models"].values():
+        model["path"] = on_claim(model["path"])
+    spec["data"]["trainFiles"] = [on_claim(path) for path in spec["data"]["trainFiles"]]
+    spec["volumes"] = [{"claimName": "data", "mountPath": "/data"}]
+    spec["checkpoint"]["volume"] = {"claimName": "checkpoints", "mountPath": "/checkpoints"}
+    spec["outputDir"] = "/checkpoints/outputs"
+    return document
+
+
 @cache
 def examples() -> tuple[dict[str, Any], ...]:
-    return tuple(yaml.safe_load(path.read_text()) for path in EXAMPLES)
+    """Every example as written, and the cluster form of each laptop one."""
+    written = [yaml.safe_load(path.read_text()) for path in EXAMPLES]
+    laptop = [m for m in written if not m["spec"]["outputDir"].startswith("/")]
+    return tuple(written + [as_in_a_cluster(m) for m in laptop])
 
 
 def _fields(schema: dict[str, Any], path: Path_ = ()) -> list[tuple[Path_, dict[str, Any]]]:

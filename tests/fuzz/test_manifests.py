@@ -3,10 +3,11 @@
 For each case (an example with up to four random edits, see ``manifests.py``):
 
 * admission (``admission.py``: defaulting, the committed CRD's schema, its CEL rules, the API
-  server's name rule) and the local spec (``parse_job_manifest``, what ``hybridflow validate``
-  and ``hybridflow run`` use) agree: both accept or both reject;
+  server's name rule) and the local check of a cluster manifest (``parse_job_manifest`` plus the
+  rules only a cluster has, ``in_cluster_problems``: what ``hybridflow validate --in-cluster``
+  runs) agree: both accept or both reject;
 * every rejection names a field (``spec.training.totalSteps: ...``), on both sides;
-* ``hybridflow validate`` exits 0 or 2, never with a traceback;
+* ``hybridflow validate --in-cluster`` exits 0 or 2, never with a traceback;
 * an accepted manifest builds: the operator's pure builders return every child, and the RayJob
   validates against the real KubeRay v1.7 CRD where ``../shared/kuberay`` is present.
 
@@ -32,7 +33,7 @@ from jsonschema import Draft4Validator
 from manifests import manifests
 
 from hybridflow.cli import main as hybridflow_main
-from hybridflow.spec import SpecError, parse_job_manifest
+from hybridflow.spec import SpecError, in_cluster_problems, parse_job_manifest
 from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
 
 pytestmark = pytest.mark.unit
@@ -59,11 +60,12 @@ def kuberay_validator() -> Draft4Validator | None:
 
 
 def local_errors(manifest: dict[str, Any]) -> list[str]:
+    """What ``hybridflow validate --in-cluster`` rejects: the spec, then the rules only a cluster has."""
     try:
-        parse_job_manifest(manifest, "fuzz")
+        job = parse_job_manifest(manifest, "fuzz")
     except SpecError as error:
         return list(error.problems)
-    return []
+    return in_cluster_problems(job.spec)
 
 
 def validate_cli(manifest: dict[str, Any]) -> tuple[int, str]:
@@ -71,7 +73,7 @@ def validate_cli(manifest: dict[str, Any]) -> tuple[int, str]:
     path.write_text(yaml.dump(manifest, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = hybridflow_main(["validate", str(path)])
+        code = hybridflow_main(["validate", "--in-cluster", str(path)])
     return code, err.getvalue()
 
 

@@ -93,6 +93,7 @@ VALUES_MATRIX: dict[str, dict[str, Any]] = {
         "tests": {"enabled": False},
         "serviceAccount": {"create": False, "name": "existing-sa"},
     },
+    "leader-elected": {"replicas": 2, "leaderElection": {"enabled": True}},
     "dashboards-elsewhere": {
         "dashboards": {"namespace": "monitoring", "annotations": {"grafana_folder": "HybridFlow"}},
         "image": {"repository": "registry.example/hf-operator", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -165,7 +166,7 @@ def test_operator_settings_reach_the_operator(tmp_path: Path) -> None:
     docs = render({"runtimeImage": "reg/runtime:9", "jobHead": {"cpu": "3", "memory": "12Gi"}}, tmp_path)
     (deployment,) = by_kind(docs, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = {item["name"]: item["value"] for item in container["env"] if "value" in item}
     config = OperatorConfig(env)
     assert (config.defaults.image, config.defaults.head_cpu, config.defaults.head_memory) == (
         "reg/runtime:9",
@@ -174,6 +175,12 @@ def test_operator_settings_reach_the_operator(tmp_path: Path) -> None:
     )
     assert config.metrics_port == container["ports"][0]["containerPort"] == 8080
     assert env["WATCH_NAMESPACES"] == NAMESPACE
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert config.health_port == ports["health"] == 8081
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert (config.retry_policy.base_seconds, config.retry_policy.max_seconds) == (10, 600)
+    assert config.leader_election is False
 
 
 def test_job_pod_monitor_selects_the_controller_pods_the_operator_builds(tmp_path: Path) -> None:
@@ -234,7 +241,8 @@ def test_helm_test_hook_scrapes_the_operator_service(tmp_path: Path) -> None:
         ({"metrics": {"port": 70000}}, "/metrics/port"),
         ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"jobHead": {"cpu": "two", "memory": "8Gi"}}, "'two' does not match pattern"),
-        ({"reconcileIntervalSeconds": 1}, "/reconcileIntervalSeconds"),
+        ({"retryBackoff": {"baseSeconds": -1}}, "/retryBackoff/baseSeconds"),
+        ({"replicas": 2}, "/leaderElection/enabled"),  # more than one replica needs leader election
         ({"dashbords": {"enabled": False}}, "additional properties 'dashbords' not allowed"),
     ],
 )
@@ -298,9 +306,12 @@ VERB_OF_PREFIX = {
 GROUP_OF_CLIENT = {
     "CoreV1Api": "",
     "RbacAuthorizationV1Api": "rbac.authorization.k8s.io",
+    "CoordinationV1Api": "coordination.k8s.io",
     "CustomObjectsApi": None,
 }
 Permission = tuple[str, str, str]  # (apiGroup, resource, verb)
+LEASES = ("coordination.k8s.io", "leases")
+"""Leader election's Lease lives in the release's namespace, granted there by a Role of its own."""
 
 
 def _constant(node: ast.expr, module: Any) -> str:
@@ -315,8 +326,68 @@ def _plural(snake: str) -> str:
     return snake.replace("_", "") + "s"
 
 
+def _client_permission(method: str, group: str | None, args: list[ast.expr], module: Any) -> Permission:
+    """The (group, resource, verb) of one client method, called or handed on as a reference."""
+    verb = VERB_OF_PREFIX[method.split("_")[0]]
+    status = method.endswith("_status")
+    base = method.removesuffix("_status")
+    if group is None:  # CustomObjectsApi(group, version, [namespace,] plural, ...)
+        plural_at = 2 if "_cluster_" in method else 3
+        assert len(args) > plural_at, f"{module.__name__}: {method} called without its plural"
+        group, plural = _constant(args[0], module), _constant(args[plural_at], module)
+    else:
+        resource = base.split("_", 1)[1].removesuffix("_for_all_namespaces").removeprefix("namespaced_")
+        plural = _plural(resource)
+    return group, plural + ("/status" if status else ""), verb
+
+
+def _kopf_watches(tree: ast.AST, module: Any) -> set[Permission]:
+    """list+watch of every ``kopf.on.event``, also those registered in a loop over a module constant
+    of rows naming ``group`` and ``plural`` (``kopf.on.event(version, plural)`` is the core group)."""
+    found: set[Permission] = set()
+    looped: set[int] = set()
+    for loop in ast.walk(tree):
+        if not (
+            isinstance(loop, ast.For)
+            and isinstance(loop.iter, ast.Name)
+            and isinstance(loop.target, ast.Tuple)
+        ):
+            continue
+        calls = [
+            node
+            for node in ast.walk(loop)
+            if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("kopf.on.")
+        ]
+        if not calls:
+            continue
+        names = [elt.id for elt in loop.target.elts if isinstance(elt, ast.Name)]
+        assert {"group", "plural"} <= set(names), f"{module.__name__}: a kopf loop must name group and plural"
+        for call in calls:
+            assert ast.unparse(call.func) == "kopf.on.event", f"{module.__name__}: {ast.unparse(call.func)}"
+            looped.add(id(call))
+        for row in getattr(module, loop.iter.id):
+            bound = dict(zip(names, row, strict=True))
+            found |= {(bound["group"], bound["plural"], "list"), (bound["group"], bound["plural"], "watch")}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func).startswith("kopf.on.")):
+            continue
+        if id(node) in looped or len(node.args) < 2:
+            continue  # startup/cleanup/login handlers take no resource
+        method = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+        assert method == "event", (
+            f"{module.__name__}: kopf.on.{method} also patches the object; add its verbs"
+        )
+        if len(node.args) >= 3:
+            group, plural = _constant(node.args[0], module), _constant(node.args[2], module)
+        else:
+            group, plural = "", _constant(node.args[1], module)
+        found |= {(group, plural, "list"), (group, plural, "watch")}
+    return found
+
+
 def permissions_the_code_uses() -> set[Permission]:
-    """Every Kubernetes client call and kopf watch in operator/, and the job Role it grants."""
+    """Every Kubernetes client call (or method handed on) and kopf watch in operator/, and the job
+    Role it grants."""
     found: set[Permission] = set()
     for path in sorted(OPERATOR_SOURCES.rglob("*.py")):
         module_name = "hybridflow_operator." + ".".join(
@@ -338,25 +409,27 @@ def permissions_the_code_uses() -> set[Permission]:
                     f"{path}: unknown client {node.value.func.attr}"
                 )
                 clients[node.targets[0].attr] = GROUP_OF_CLIENT[node.value.func.attr]
+        called: set[int] = set()
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
-            method, receiver = node.func.attr, node.func.value
+            receiver = node.func.value
             if isinstance(receiver, ast.Attribute) and receiver.attr in clients:
-                verb = VERB_OF_PREFIX[method.split("_")[0]]
-                status = method.endswith("_status")
-                base = method.removesuffix("_status")
-                if clients[receiver.attr] is None:  # CustomObjectsApi(group, version, namespace, plural, ...)
-                    group, plural = _constant(node.args[0], module), _constant(node.args[3], module)
-                else:
-                    group, plural = clients[receiver.attr] or "", _plural(base.split("_namespaced_")[-1])
-                found.add((group, plural + ("/status" if status else ""), verb))
-            elif ast.unparse(node.func).startswith("kopf.on.") and len(node.args) >= 3:
-                group, plural = _constant(node.args[0], module), _constant(node.args[2], module)
-                assert method == "event", (
-                    f"{path}: kopf.on.{method} also patches the object; add its verbs here"
+                called.add(id(node.func))
+                found.add(_client_permission(node.func.attr, clients[receiver.attr], node.args, module))
+        for node in ast.walk(tree):  # methods handed on uncalled (tables of listers)
+            if (
+                isinstance(node, ast.Attribute)
+                and id(node) not in called
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr in clients
+                and node.attr.split("_")[0] in VERB_OF_PREFIX
+            ):
+                assert clients[node.value.attr] is not None, (
+                    f"{path}: custom-object method {node.attr} uncalled"
                 )
-                found |= {(group, plural, "list"), (group, plural, "watch")}
+                found.add(_client_permission(node.attr, clients[node.value.attr], [], module))
+        found |= _kopf_watches(tree, module)
     from hybridflow_operator.builders.metadata import JobRef
     from hybridflow_operator.builders.rbac import build_role
 
@@ -382,28 +455,68 @@ def test_the_code_scan_finds_the_calls_it_should() -> None:
     assert (GROUP, f"{PLURAL}/status", "patch") in used
     assert ("ray.io", "rayjobs", "create") in used and ("ray.io", "rayjobs", "watch") in used
     assert ("", "configmaps", "get") in used and ("", "events", "create") in used
+    assert {(*LEASES, verb) for verb in ("get", "create", "update")} <= used
+    assert not {(*LEASES, verb) for verb in ("list", "watch", "patch", "delete")} & used
+    # The startup listing and the child watches (a loop over main.CHILD_KINDS).
+    assert ("", "configmaps", "watch") in used and ("rbac.authorization.k8s.io", "roles", "list") in used
+    assert ("", "serviceaccounts", "list") in used and ("ray.io", "rayjobs", "list") in used
     assert VERSION == "v1alpha1"
 
 
-@pytest.mark.parametrize("name", ["defaults", "namespaces-and-monitors", "cluster-wide"])
+def _split_leases(used: set[Permission]) -> tuple[set[Permission], set[Permission]]:
+    """(what the watched namespaces need, what leader election needs in the release's namespace)."""
+    leases = {p for p in used if p[:2] == LEASES}
+    return used - leases, leases
+
+
+@pytest.mark.parametrize("name", ["defaults", "namespaces-and-monitors", "cluster-wide", "leader-elected"])
 def test_rbac_grants_exactly_what_the_operator_uses(name: str, tmp_path: Path) -> None:
     docs = render(VALUES_MATRIX[name], tmp_path)
-    roles = by_kind(docs, "ClusterRole" if "cluster" in name else "Role")
+    leader_elected = VALUES_MATRIX[name].get("leaderElection", {}).get("enabled", False)
+    election_roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    roles = [
+        r for r in by_kind(docs, "ClusterRole" if "cluster" in name else "Role") if r not in election_roles
+    ]
     bindings = by_kind(docs, "ClusterRoleBinding" if "cluster" in name else "RoleBinding")
-    expected_namespaces = {"defaults": [NAMESPACE], "namespaces-and-monitors": ["team-a", "team-b"]}
+    expected_namespaces = {
+        "defaults": [NAMESPACE],
+        "leader-elected": [NAMESPACE],
+        "namespaces-and-monitors": ["team-a", "team-b"],
+    }
     if "cluster" in name:
         assert len(roles) == 1 and not by_kind(docs, "Role")
     else:
         assert sorted(r["metadata"]["namespace"] for r in roles) == expected_namespaces[name]
         assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
-    used = permissions_the_code_uses()
+    watched, leases = _split_leases(permissions_the_code_uses())
     for role in roles:
-        assert permissions_granted(role["rules"]) == used, role["metadata"]
+        assert permissions_granted(role["rules"]) == watched, role["metadata"]
+    if leader_elected:
+        (election,) = election_roles
+        assert election["metadata"]["namespace"] == NAMESPACE
+        assert permissions_granted(election["rules"]) == leases
+    else:
+        assert election_roles == []  # no Lease without leader election
     (account,) = by_kind(docs, "ServiceAccount")
-    for binding in bindings:
+    for binding in [*bindings, *by_kind(docs, "RoleBinding")]:
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
         ]
+
+
+def test_leader_election_rolls_replicas_and_reaches_the_operator(tmp_path: Path) -> None:
+    """With leader election: N replicas rolled without a gap, each told its Lease namespace and name."""
+    from hybridflow_operator.main import OperatorConfig
+
+    (deployment,) = by_kind(render(VALUES_MATRIX["leader-elected"], tmp_path), "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+    (container,) = spec["template"]["spec"]["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    config = OperatorConfig({name: item["value"] for name, item in env.items() if "value" in item})
+    assert config.leader_election is True
 
 
 def test_the_readme_cluster_example_is_a_job_the_operator_runs() -> None:

@@ -11,7 +11,7 @@ from jsonschema import Draft4Validator
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hybridflow.incluster import StatusPusher, TrainingMetricsExporter, progress_status
-from hybridflow.trainer.report import StepReport
+from hybridflow.metrics.step_report import StepReport
 
 pytestmark = pytest.mark.unit
 

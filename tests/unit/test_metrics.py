@@ -24,7 +24,7 @@ from hybridflow.metrics.catalogue import (
     find_definition,
 )
 from hybridflow.metrics.flops import decoder_parameter_count, peak_flops, throughput_metrics
-from hybridflow.trainer.report import StepReport
+from hybridflow.metrics.step_report import StepReport
 
 pytestmark = pytest.mark.unit
 

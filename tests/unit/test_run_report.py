@@ -11,7 +11,7 @@ import pytest
 from hybridflow.cli import main
 from hybridflow.metrics.progress import ProgressDisplay
 from hybridflow.metrics.run_report import ReportError, load_records, render_report
-from hybridflow.trainer.report import StepReport
+from hybridflow.metrics.step_report import StepReport
 
 pytestmark = pytest.mark.unit
 

@@ -10,12 +10,19 @@ import yaml
 
 from hybridflow.cli import EXIT_STALLED, STALLED_PREFIX
 from hybridflow.spec import parse_job_manifest
-from hybridflow_operator.status import STALLED_MARKER, ObservedRayJob, RLHFJobStatus, desired_status
+from hybridflow_operator.status import (
+    STALLED_MARKER,
+    ObservedRayJob,
+    RetryPolicy,
+    RLHFJobStatus,
+    desired_status,
+)
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+NO_BACKOFF = RetryPolicy(base_seconds=0, max_seconds=0)  # the next attempt starts in this very decision
 
 # What KubeRay v1.7 copies from Ray's job info when the entrypoint exits non-zero.
 KUBERAY_MESSAGE = (
@@ -35,6 +42,7 @@ def rayjob(deployment: str, ray: str, reason: str, message: str) -> ObservedRayJ
                 "jobStatus": ray,
                 "reason": reason,
                 "message": message,
+                "startTime": "2026-01-02T03:04:05Z",
             },
         }
     )
@@ -52,10 +60,17 @@ def test_a_stalled_attempt_is_retried_with_reason_stalled_and_a_warning_event(
 ) -> None:
     manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
     job = parse_job_manifest(manifest, "test")
-    first = desired_status(job, RLHFJobStatus(), None, now=T0, generation=1).status
-    running = desired_status(job, first, rayjob("Running", "RUNNING", "", ""), now=T0, generation=1).status
+    first = desired_status(job, RLHFJobStatus(), [], now=T0, generation=1).status
+    running = desired_status(
+        job, first, [rayjob("Running", "RUNNING", "", "")], now=T0, generation=1, retry_policy=NO_BACKOFF
+    ).status
     decision = desired_status(
-        job, running, rayjob(deployment, ray, reason, KUBERAY_MESSAGE), now=T0, generation=1
+        job,
+        running,
+        [rayjob(deployment, ray, reason, KUBERAY_MESSAGE)],
+        now=T0,
+        generation=1,
+        retry_policy=NO_BACKOFF,
     )
     assert decision.status.phase == "Retrying" and decision.start_attempt == 2
     assert decision.status.reason == "Stalled"
@@ -67,8 +82,13 @@ def test_a_stalled_attempt_is_retried_with_reason_stalled_and_a_warning_event(
 def test_a_deadline_is_not_renamed_a_stall() -> None:
     manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
     job = parse_job_manifest(manifest, "test")
-    first = desired_status(job, RLHFJobStatus(), None, now=T0, generation=1).status
+    first = desired_status(job, RLHFJobStatus(), [], now=T0, generation=1).status
     decision = desired_status(
-        job, first, rayjob("Failed", "FAILED", "DeadlineExceeded", KUBERAY_MESSAGE), now=T0, generation=1
+        job,
+        first,
+        [rayjob("Failed", "FAILED", "DeadlineExceeded", KUBERAY_MESSAGE)],
+        now=T0,
+        generation=1,
+        retry_policy=NO_BACKOFF,
     )
     assert decision.status.phase == "Failed" and decision.status.reason == "DeadlineExceeded"

@@ -55,14 +55,24 @@ permissions the job Role it creates grants, which it must hold itself): no more,
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "create"]
+  verbs: ["get", "list", "watch", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create"]
+  verbs: ["get", "list", "watch", "create"]
+{{- end -}}
+
+{{/*
+Leader election (hybridflow_operator.leader): read, create and renew (replace) one Lease in the
+release's namespace. Also derived from the code by the chart's tests.
+*/}}
+{{- define "hybridflow.leaderElectionRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "create", "update"]
 {{- end -}}

@@ -15,7 +15,7 @@ import math
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hybridflow.metrics.catalogue import TRAINING_METRICS, UNCATALOGUED, MetricDefinition, find_definition
-from hybridflow.trainer.report import StepReport
+from hybridflow.metrics.step_report import StepReport
 
 __all__ = ["TrainingMetricsExporter", "report_values"]
 

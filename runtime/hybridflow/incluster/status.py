@@ -20,8 +20,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from hybridflow.metrics.step_report import StepReport
 from hybridflow.spec import GROUP, PLURAL, VERSION
-from hybridflow.trainer.report import StepReport
 
 __all__ = ["StatusPusher", "progress_status"]
 

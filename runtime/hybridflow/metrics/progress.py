@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from hybridflow.metrics.writer import progress_line
 
 if TYPE_CHECKING:
-    from hybridflow.trainer.report import StepReport
+    from hybridflow.metrics.step_report import StepReport
 
 __all__ = ["ProgressDisplay"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybridflow.trainer.report import StepReport
+    from hybridflow.metrics.step_report import StepReport
 
 __all__ = ["MetricsWriter", "progress_line"]
 

@@ -17,6 +17,15 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 
+def _without_null_entries(value: Any) -> Any:
+    """A map's ``key: null`` entries dropped (the API server prunes them: no map value is nullable).
+
+    Only maps (``dict[...]`` fields): a section's unknown ``key: null`` stays an error."""
+    if isinstance(value, dict):
+        return {key: item for key, item in value.items() if item is not None}
+    return value
+
+
 class SpecModel(BaseModel):
     """Base of all spec sections: frozen, no unknown fields, camelCase aliases."""
 
@@ -34,13 +43,24 @@ class SpecModel(BaseModel):
         """``field: null`` is the field left out, as on the API server.
 
         The API server prunes nulls of non-nullable fields (the CRD has no nullable one) before
-        defaulting, so ``seed: null`` gets the default there; here too. An unknown key stays an
+        defaulting, so ``seed: null`` gets the default there; here too, and for the entries of a
+        map (``nodeSelector: {k: null}`` is ``nodeSelector: {}`` there). An unknown key stays an
         error even when null, as with the server's strict field validation.
         """
         if not isinstance(data, dict):
             return data
         known = {info.alias or name for name, info in cls.model_fields.items()} | set(cls.model_fields)
-        return {key: value for key, value in data.items() if value is not None or key not in known}
+        maps = {
+            key
+            for name, info in cls.model_fields.items()
+            if get_origin(info.annotation) is dict
+            for key in (name, info.alias or name)
+        }
+        return {
+            key: _without_null_entries(value) if key in maps else value
+            for key, value in data.items()
+            if value is not None or key not in known
+        }
 
     @field_validator("*", mode="before")
     @classmethod

@@ -21,6 +21,9 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MEMORY_QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 """A positive Kubernetes memory quantity such as ``80Gi`` or ``500M``."""
 
+DEVICE_COUNT_PATTERN = r"^[1-9][0-9]{0,5}$"
+"""A whole, positive count: Kubernetes takes extended resources (RDMA, EFA) only as integers."""
+
 PoolName = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, max_length=63)]
 
 RoleName = Literal["actor", "rollout", "reference", "critic", "reward", "cost"]
@@ -81,7 +84,7 @@ class ResourcePoolSpec(SpecModel):
         description="Kubernetes affinity for the pool's pods (a core/v1 Affinity object).",
     )
 
-    extra_resources: dict[str, str] = Field(
+    extra_resources: dict[str, Annotated[str, StringConstraints(pattern=DEVICE_COUNT_PATTERN)]] = Field(
         default_factory=dict,
         description=(
             "Extra extended resources each worker pod requests and limits, e.g. "

@@ -28,9 +28,9 @@ from hybridflow.controller import Batch, deploy
 from hybridflow.data import PromptDataset, PromptSampler
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
+from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.trainer.report import StepReport
 from hybridflow.trainer.roles import job_roles, resource_pools, uses_hybrid_engine
 
 __all__ = [
