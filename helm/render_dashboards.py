@@ -6,7 +6,9 @@
 The JSON is what ships (the chart turns each file into a ConfigMap for Grafana's sidecar); this
 script only keeps the five files uniform: the same template variables (data source, namespace,
 job), the same layout grid. tests/unit/test_dashboards.py parses every panel's PromQL and checks
-each metric and label against the metric catalogue, and that these files are up to date.
+each metric and label against the metric catalogue, and that these files are up to date. The
+step-breakdown panels have one query per phase of the catalogue's list, so a stacked chart keeps
+the step's order.
 
 Training metrics carry the job as the label ``rlhfjob`` (``job`` is Prometheus's scrape job);
 the dashboards' ``job`` variable selects it. The operator's metrics are selected by the scrape
@@ -22,7 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridflow.metrics.catalogue import CHECKPOINT_PHASE, OTHER_PHASE, STEP_PHASES
+
 DASHBOARD_DIR = Path(__file__).resolve().parent / "hybridflow" / "dashboards"
+# The phases that make up a step, in the order it runs them (the catalogue's one list).
+IN_STEP_PHASES = tuple(phase.name for phase in (*STEP_PHASES, OTHER_PHASE))
 JOB = 'namespace="$namespace", rlhfjob=~"$job"'
 OPERATOR = 'namespace="$namespace", job=~"$job"'
 
@@ -96,29 +102,49 @@ DASHBOARDS: tuple[Dashboard, ...] = (
             ),
             Panel(
                 "Step time by phase",
-                "Seconds each phase of the last step took, stacked.",
-                (series("hybridflow_phase_seconds", "{{rlhfjob}} {{phase}}"),),
+                "Seconds of each phase of the last step, stacked in the order a step runs them; they add "
+                "up to the step's seconds (other: the time outside the measured phases). A phase shows "
+                "only for jobs whose steps run it.",
+                tuple(
+                    series("hybridflow_phase_seconds", f"{{{{rlhfjob}}}} {phase}", f', phase="{phase}"')
+                    for phase in IN_STEP_PHASES
+                ),
                 unit="s",
                 stacked=True,
             ),
             Panel(
                 "Phase share of the step",
-                "Each phase's seconds over the step's seconds.",
-                (
+                "Each phase's seconds over the step's seconds, stacked in step order (adds up to 100%).",
+                tuple(
                     (
-                        f"hybridflow_phase_seconds{{{JOB}}} / ignoring(phase) group_left "
+                        f'hybridflow_phase_seconds{{{JOB}, phase="{phase}"}} / ignoring(phase) '
                         f"hybridflow_step_seconds{{{JOB}}}",
-                        "{{rlhfjob}} {{phase}}",
-                    ),
+                        f"{{{{rlhfjob}}}} {phase}",
+                    )
+                    for phase in IN_STEP_PHASES
                 ),
                 unit="percentunit",
                 stacked=True,
             ),
             Panel(
-                "Step seconds", "Wall time of a whole step.", (series("hybridflow_step_seconds"),), unit="s"
+                "Step seconds",
+                "Wall time of a whole step.",
+                (series("hybridflow_step_seconds"),),
+                unit="s",
+                width=8,
             ),
             Panel(
-                "Tokens per step", "Prompt + response tokens of a step.", (series("hybridflow_step_tokens"),)
+                "Checkpoint seconds",
+                "Time the last checkpoint save took (after its step, not part of the step's seconds).",
+                (series("hybridflow_phase_seconds", "{{rlhfjob}}", f', phase="{CHECKPOINT_PHASE.name}"'),),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Tokens per step",
+                "Prompt + response tokens of a step.",
+                (series("hybridflow_step_tokens"),),
+                width=8,
             ),
         ),
     ),

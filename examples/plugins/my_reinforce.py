@@ -1,19 +1,18 @@
 """REINFORCE with a batch-mean baseline, as a plugin: ``algorithm.name: my_reinforce:train_step``."""
 
-from hybridflow.algorithms.api import AlgorithmState, JobWorkers, RewardScorer
-from hybridflow.algorithms.common import average_worker_metrics
+from hybridflow.algorithms.api import AlgorithmState, JobWorkers, RewardScorer, StepTimer
+from hybridflow.algorithms.common import average_worker_metrics, rollout_and_score
 from hybridflow.controller import Batch
 
 
 def train_step(workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState) -> dict[str, float]:
-    workers.rollout.sync_weights()  # the rollout generates with the actor's current weights
-    batch = workers.rollout.generate_sequences(prompts)  # samplesPerPrompt responses per prompt
-    scores, metrics = scorer.scores(batch)  # one score per response: rule functions, reward model
-    mask = batch.tensors["response_mask"].float()
-    advantages = (scores - scores.mean())[:, None] * mask  # the same advantage on every token
-    # No old log-probs: one mini-batch and one epoch, so the actor's own forward supplies them.
-    updates = workers.actor.update_policy(batch.with_fields(advantages=advantages))
-    metrics.update(average_worker_metrics(updates))
-    metrics["reward/mean"] = float(scores.mean())
-    metrics["tokens/step"] = float(batch.tensors["attention_mask"].sum())
-    return metrics
+    timer = StepTimer()  # seconds per phase, reported as timing/<phase> (the rest as timing/other)
+    # Sync the weights, generate samplesPerPrompt responses per prompt and score them. kl.coef 0 and
+    # one mini-batch per step: no reference pass, and the actor's own forward gives the old log-probs.
+    batch, metrics = rollout_and_score(workers, prompts, scorer, state.spec, timer)
+    with timer.phase("advantages"):
+        scores, mask = batch.tensors["scores"], batch.tensors["response_mask"].float()
+        advantages = (scores - scores.mean())[:, None] * mask  # the same advantage on every token
+    with timer.phase("actor_update"):
+        updates = workers.actor.update_policy(batch.with_fields(advantages=advantages))
+    return metrics | average_worker_metrics(updates) | timer.metrics()

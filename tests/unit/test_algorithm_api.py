@@ -1,14 +1,26 @@
-"""The algorithm API: which work a step needs, plugin step functions, and the parallel reward scorer."""
+"""The algorithm API: which work a step needs, plugin step functions, the parallel reward scorer,
+and the step breakdown (``timing/<phase>``) each algorithm reports, on fake worker groups."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from hybridflow.algorithms.api import load_step_function, needs_old_log_probs, needs_reference
+from hybridflow.algorithms.api import (
+    AlgorithmState,
+    JobWorkers,
+    StepTimer,
+    load_step_function,
+    needs_old_log_probs,
+    needs_reference,
+)
+from hybridflow.algorithms.timing import unmeasured_seconds
 from hybridflow.controller import Batch
+from hybridflow.metrics.catalogue import CHECKPOINT_PHASE, OTHER_PHASE, PHASES, STEP_PHASES
 from hybridflow.rewards.scorer import RewardFunctionError, RewardScorer
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.roles import job_roles
@@ -16,13 +28,18 @@ from hybridflow.trainer.runner import ALGORITHM_STEPS, UnsupportedAlgorithmError
 
 pytestmark = pytest.mark.unit
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _spec(
-    algorithm: dict[str, Any] | None = None, rewards: list[dict[str, Any]] | None = None, **training: Any
+    algorithm: dict[str, Any] | None = None,
+    rewards: list[dict[str, Any]] | None = None,
+    models: dict[str, Any] | None = None,
+    **training: Any,
 ) -> RLHFJobSpec:
     return RLHFJobSpec.model_validate(
         {
-            "models": {"actor": {"path": "/models/actor"}},
+            "models": {"actor": {"path": "/models/actor"}, **(models or {})},
             "data": {"trainFiles": ["/data/prompts.jsonl"]},
             "algorithm": {"name": "grpo", "samplesPerPrompt": 4, **(algorithm or {})},
             "training": {"totalSteps": 10, "promptsPerStep": 4, "miniBatchSize": 16, **training},
@@ -97,3 +114,285 @@ def test_a_raising_reward_function_names_itself_and_the_sample() -> None:
     message = str(failure.value)
     assert "'user_rewards:fails_on_b' failed on sample p2-0" in message
     assert "'ab'" in message and "KeyError" in message and "no b allowed" in message
+
+
+# -- the step breakdown each algorithm reports ------------------------------------------------
+
+WORK_SECONDS = 0.005  # every fake worker call takes at least this long
+RESPONSE_TOKENS = 3
+
+
+class FakeFuture:
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
+
+
+class FakeMethod:
+    """``group.method(...)`` and ``group.method.submit(...)``; the work happens on the call (then sleeps)."""
+
+    def __init__(self, group: FakeGroup, name: str) -> None:
+        self._group, self._name = group, name
+
+    def __call__(self, *args: Any) -> Any:
+        self._group.calls.append(f"{self._group.role}.{self._name}")
+        time.sleep(WORK_SECONDS)
+        return getattr(self._group, f"_{self._name}")(*args)
+
+    def submit(self, *args: Any) -> FakeFuture:
+        return FakeFuture(self(*args))
+
+
+class FakeGroup:
+    """A worker group of two DP ranks whose methods return the fields the real workers would."""
+
+    def __init__(self, role: str, calls: list[str]) -> None:
+        self.role, self.calls = role, calls
+
+    def __getattr__(self, name: str) -> FakeMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return FakeMethod(self, name)
+
+    def _sync_weights(self) -> None:
+        return None
+
+    def _generate_sequences(self, prompts: Batch) -> Batch:
+        samples = int(prompts.meta["samples"])
+        rows = len(prompts) * samples
+        return Batch.from_dict(
+            {
+                "uid": [f"p{row // samples}" for row in range(rows)],
+                "response_mask": torch.ones(rows, RESPONSE_TOKENS),
+                "attention_mask": torch.ones(rows, 2 + RESPONSE_TOKENS),
+            }
+        )
+
+    def _rows(self, batch: Batch, name: str, *shape: int) -> Batch:
+        generator = torch.Generator().manual_seed(len(self.calls))
+        return Batch.from_dict({name: torch.randn(len(batch), *shape, generator=generator) * 0.1})
+
+    def _compute_log_probs(self, batch: Batch) -> Batch:
+        return self._rows(batch, "old_log_probs", RESPONSE_TOKENS)
+
+    def _compute_ref_log_probs(self, batch: Batch) -> Batch:
+        return self._rows(batch, "ref_log_probs", RESPONSE_TOKENS)
+
+    def _compute_values(self, batch: Batch) -> Batch:
+        return self._rows(batch, "values", RESPONSE_TOKENS)
+
+    def _compute_costs(self, batch: Batch) -> Batch:
+        return self._rows(batch, "cost_scores")
+
+    def _update_policy(self, batch: Batch) -> list[dict[str, float]]:
+        assert "advantages" in batch.tensors
+        return [{"actor/policy_loss": 0.1}, {"actor/policy_loss": 0.3}]
+
+    def _update_critic(self, batch: Batch) -> list[dict[str, float]]:
+        assert "returns" in batch.tensors
+        return [{f"{self.role}/value_loss": 0.2}] * 2
+
+
+class FakeScorer:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def scores(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        self.calls.append("scorer.scores")
+        time.sleep(WORK_SECONDS)
+        return torch.arange(len(batch), dtype=torch.float32) % 3, {"reward/target_char": 1.0}
+
+
+def fake_workers(spec: RLHFJobSpec, calls: list[str]) -> JobWorkers:
+    """The roles the trainer would deploy for ``spec`` (``job_roles``), as fakes."""
+    roles = set(job_roles(spec))
+    groups = {role: FakeGroup(role, calls) for role in roles}
+    return JobWorkers(
+        **{role: groups.get(role) for role in ("reference", "critic", "reward", "cost", "cost_critic")},
+        actor=groups["actor"],
+        rollout=groups["rollout"],
+    )
+
+
+WITH_CRITIC = {"critic": {"path": "/models/critic"}}
+SAFE = {"critic": {"path": "/models/critic"}, "cost": {"path": "/models/cost"}}
+ROLLOUT = ("weight_sync", "generate")
+# (algorithm spec, training overrides, models, the phases in the order the step ran them,
+#  the worker calls besides sync/generate/scores).
+STEP_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], tuple[str, ...], set[str]]] = {
+    "grpo, no KL, on-policy": (
+        {"kl": {"coef": 0.0}},
+        {},
+        {},
+        (*ROLLOUT, "reward", "advantages", "actor_update"),
+        {"actor.update_policy"},
+    ),
+    "grpo, KL loss, off-policy": (
+        {"ppoEpochs": 2},
+        {},
+        {},
+        (*ROLLOUT, "old_log_probs", "ref_log_probs", "reward", "advantages", "actor_update"),
+        {"actor.compute_log_probs", "reference.compute_ref_log_probs", "actor.update_policy"},
+    ),
+    "rloo, KL reward": (
+        {"name": "rloo", "kl": {"mode": "reward", "coef": 0.05}},
+        {},
+        {},
+        (*ROLLOUT, "old_log_probs", "ref_log_probs", "reward", "advantages", "actor_update"),
+        {"actor.compute_log_probs", "reference.compute_ref_log_probs", "actor.update_policy"},
+    ),
+    "reinforce++, KL loss, on-policy": (
+        {"name": "reinforce++"},
+        {},
+        {},
+        (*ROLLOUT, "ref_log_probs", "reward", "advantages", "actor_update"),
+        {"reference.compute_ref_log_probs", "actor.update_policy"},
+    ),
+    "remax, no KL": (
+        {"name": "remax", "kl": {"coef": 0.0}},
+        {},
+        {},
+        (*ROLLOUT, "reward", "advantages", "actor_update"),
+        {"actor.update_policy"},
+    ),
+    "ppo, KL reward": (
+        {"name": "ppo", "kl": {"mode": "reward", "coef": 0.05}},
+        {},
+        WITH_CRITIC,
+        (
+            *ROLLOUT,
+            "old_log_probs",
+            "ref_log_probs",
+            "reward",
+            "values",
+            "advantages",
+            "critic_update",
+            "actor_update",
+        ),
+        {
+            "actor.compute_log_probs",
+            "reference.compute_ref_log_probs",
+            "critic.compute_values",
+            "critic.update_critic",
+            "actor.update_policy",
+        },
+    ),
+    "ppo, no KL, on-policy": (
+        {"name": "ppo", "kl": {"coef": 0.0}},
+        {},
+        WITH_CRITIC,
+        (*ROLLOUT, "reward", "values", "advantages", "critic_update", "actor_update"),
+        {"critic.compute_values", "critic.update_critic", "actor.update_policy"},
+    ),
+    "safe-rlhf, KL reward, off-policy": (
+        {"name": "safe-rlhf", "kl": {"mode": "reward", "coef": 0.05}, "costLimit": 0.1},
+        {"miniBatchSize": 8},
+        SAFE,
+        (
+            *ROLLOUT,
+            "old_log_probs",
+            "ref_log_probs",
+            "reward",
+            "cost",
+            "values",
+            "cost_values",
+            "advantages",
+            "critic_update",
+            "cost_critic_update",
+            "actor_update",
+        ),
+        {
+            "actor.compute_log_probs",
+            "reference.compute_ref_log_probs",
+            "cost.compute_costs",
+            "critic.compute_values",
+            "cost_critic.compute_values",
+            "critic.update_critic",
+            "cost_critic.update_critic",
+            "actor.update_policy",
+        },
+    ),
+    "the README's plugin": (
+        {"name": "my_reinforce:train_step", "kl": {"coef": 0.0}},
+        {},
+        {},
+        (*ROLLOUT, "reward", "advantages", "actor_update"),
+        {"actor.update_policy"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_a_step_reports_exactly_the_phases_it_ran(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    algorithm, training, models, phases, worker_calls = STEP_CASES[case]
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "plugins"))
+    spec = _spec(algorithm, models=models, **training)
+    calls: list[str] = []
+    workers = fake_workers(spec, calls)
+    prompts = Batch.from_dict({"prompt": [f"q{i}" for i in range(4)]}, meta={"samples": 4, "seed": 1})
+
+    started = time.monotonic()
+    step = step_function(spec.algorithm.name)
+    metrics = step(workers, prompts, FakeScorer(calls), AlgorithmState(spec))
+    elapsed = time.monotonic() - started
+
+    timing = {key.removeprefix("timing/"): v for key, v in metrics.items() if key.startswith("timing/")}
+    assert tuple(timing) == phases
+    assert (
+        set(calls) - {"rollout.sync_weights", "rollout.generate_sequences", "scorer.scores"} == worker_calls
+    )
+    # Every worker call (and the scoring) was inside the phase named for it, which holds its time.
+    for phase in set(phases) - {"advantages"}:
+        assert timing[phase] >= WORK_SECONDS, phase
+    assert {PHASE_OF_CALL[call] for call in calls} == set(phases) - {"advantages"}
+    # Disjoint intervals inside the step: the rest is `other`, and together they are the step.
+    assert sum(timing.values()) <= elapsed
+    other = unmeasured_seconds(metrics, elapsed)
+    assert other + sum(timing.values()) == pytest.approx(elapsed)
+    assert "actor/policy_loss" in metrics and "reward/mean" in metrics
+
+
+PHASE_OF_CALL = {
+    "rollout.sync_weights": "weight_sync",
+    "rollout.generate_sequences": "generate",
+    "scorer.scores": "reward",
+    "actor.compute_log_probs": "old_log_probs",
+    "reference.compute_ref_log_probs": "ref_log_probs",
+    "critic.compute_values": "values",
+    "cost.compute_costs": "cost",
+    "cost_critic.compute_values": "cost_values",
+    "critic.update_critic": "critic_update",
+    "cost_critic.update_critic": "cost_critic_update",
+    "actor.update_policy": "actor_update",
+}
+
+
+def test_the_step_timer_takes_only_catalogued_phases_and_no_nesting() -> None:
+    timer = StepTimer()
+    unknown = r"timing phase 'update': not one of the catalogue's step phases"
+    with pytest.raises(ValueError, match=unknown), timer.phase("update"):
+        pass
+    # `other` is the trainer's remainder, not a phase a step may time.
+    with pytest.raises(ValueError, match="'other'"), timer.phase("other"):
+        pass
+    with (
+        timer.phase("generate"),
+        pytest.raises(RuntimeError, match="phases do not nest"),
+        timer.phase("reward"),
+    ):
+        pass
+    with timer.phase("generate"):
+        time.sleep(WORK_SECONDS)
+    assert list(timer.metrics()) == ["timing/generate"]  # a phase entered twice adds up
+    assert timer.metrics()["timing/generate"] >= WORK_SECONDS
+    names = [phase.name for phase in PHASES]
+    assert names == [*(phase.name for phase in STEP_PHASES), OTHER_PHASE.name, CHECKPOINT_PHASE.name]
+    assert len(set(names)) == len(names)
+
+
+def test_other_is_the_step_less_its_phases() -> None:
+    metrics = {"timing/generate": 1.5, "timing/actor_update": 0.25, "timing/other": 9.0, "reward/mean": 4.0}
+    assert unmeasured_seconds(metrics, 2.0) == 0.25
+    assert unmeasured_seconds({"timing/generate": 3.0}, 2.0) == 0.0  # overlapping figures of its own

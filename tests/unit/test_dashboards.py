@@ -19,7 +19,13 @@ from typing import Any
 import promql_parser
 import pytest
 
-from hybridflow.metrics.catalogue import TRAINING_METRICS, UNCATALOGUED
+from hybridflow.metrics.catalogue import (
+    CHECKPOINT_PHASE,
+    OTHER_PHASE,
+    STEP_PHASES,
+    TRAINING_METRICS,
+    UNCATALOGUED,
+)
 from hybridflow_operator.metrics import OPERATOR_METRICS
 
 pytestmark = pytest.mark.unit
@@ -141,6 +147,27 @@ def test_every_metric_is_on_a_dashboard() -> None:
                 shown |= check_query(target["expr"], path.name)
     for definition in (*TRAINING_METRICS, *OPERATOR_METRICS):
         assert set(definition.exposed_names) & shown, f"{definition.name} is on no dashboard"
+
+
+def test_the_step_breakdown_shows_every_phase_of_the_catalogue_in_step_order() -> None:
+    panels = {
+        panel["title"]: panel for panel in load(ROOT / "helm/hybridflow/dashboards/throughput.json")["panels"]
+    }
+
+    def phases(title: str) -> list[str]:
+        found = []
+        for target in panels[title]["targets"]:
+            (phase,) = re.findall(r'hybridflow_phase_seconds\{[^}]*phase="([a-z_]+)"', target["expr"])
+            assert target["legendFormat"] == f"{{{{rlhfjob}}}} {phase}", title
+            found.append(phase)
+        return found
+
+    in_step = [phase.name for phase in (*STEP_PHASES, OTHER_PHASE)]
+    assert phases("Step time by phase") == in_step
+    assert phases("Phase share of the step") == in_step
+    assert panels["Step time by phase"]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    (checkpoint,) = panels["Checkpoint seconds"]["targets"]
+    assert f'phase="{CHECKPOINT_PHASE.name}"' in checkpoint["expr"]
 
 
 def test_a_wrong_metric_or_label_is_caught() -> None:

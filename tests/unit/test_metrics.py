@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hybridflow.incluster import TrainingMetricsExporter
 from hybridflow.metrics.catalogue import (
     JOB_LABELS,
+    PHASES,
     TRAINING_METRICS,
     UNCATALOGUED,
     MetricDefinition,
@@ -109,6 +110,28 @@ def test_scraped_metrics_carry_every_catalogued_metric_with_its_labels() -> None
     assert other.labels["name"] == "actor/some_new_figure" and other.value == 7.5
 
 
+def test_every_step_phase_is_scraped_as_its_own_phase_label() -> None:
+    registry = CollectorRegistry()
+    exporter = TrainingMetricsExporter("team-a", "ppo-qwen", registry=registry)
+    timing = {f"timing/{phase.name}": 0.5 + i for i, phase in enumerate(PHASES)}
+    exporter(StepReport(3, 10, {"perf/step_seconds": 99.0, **timing}, 12.0, 3))
+    port = free_port()
+    exporter.serve(port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    scraped = {
+        sample.labels["phase"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "hybridflow_phase_seconds"
+    }
+    assert scraped == {key.removeprefix("timing/"): value for key, value in timing.items()}
+    for phase in PHASES:
+        found = find_definition(f"timing/{phase.name}")
+        assert found is not None and found[0].name == "hybridflow_phase_seconds", phase.name
+    assert UNCATALOGUED.name not in {f.name for f in text_string_to_metric_families(text) if f.samples}
+
+
 def test_per_gpu_throughput_and_mfu_from_the_step_figures() -> None:
     step = {
         "tokens/step": 40_000.0,
@@ -167,6 +190,13 @@ def test_observability_doc_lists_every_metric_with_its_unit() -> None:
         assert f"| {definition.unit} |" in rows[definition.name], definition.name
         if definition.key is not None:
             assert f"`{definition.key}`" in rows[definition.name], definition.name
+
+
+def test_observability_doc_lists_every_step_phase() -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([a-z_]+)` \| `timing/([a-z_]+)` \| (.+) \|$", doc, flags=re.MULTILINE)
+    assert [(name, key) for name, key, _ in rows] == [(phase.name, phase.name) for phase in PHASES]
+    assert [meaning for _, _, meaning in rows] == [phase.help for phase in PHASES]
 
 
 def test_operator_metrics_are_the_listed_ones_and_forget_deleted_jobs() -> None:

@@ -3,8 +3,10 @@
 A step function is ``train_step(workers, prompts, scorer, state) -> metrics``: plain sequential
 code over :class:`JobWorkers` (``workers.rollout.generate_sequences(prompts)``,
 ``workers.actor.update_policy(batch)``, ...), scoring with
-:class:`~hybridflow.rewards.scorer.RewardScorer` and keeping what must survive a restart in
-:class:`~hybridflow.algorithms.state.AlgorithmState`. The built-ins (``ppo.py``, ``grpo.py``...)
+:class:`~hybridflow.rewards.scorer.RewardScorer`, keeping what must survive a restart in
+:class:`~hybridflow.algorithms.state.AlgorithmState`, and timing its phases with a
+:class:`~hybridflow.algorithms.timing.StepTimer` (``timing/<phase>``; the trainer adds the rest
+of the step as ``timing/other``). The built-ins (``ppo.py``, ``grpo.py``...)
 and user plugins (``spec.algorithm.name: "package.module:train_step"``) are written against
 this module alone; the trainer, which deploys the roles and runs the loop, sits above it.
 
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.algorithms.timing import StepTimer
 from hybridflow.controller import Batch, Deployment, WorkerGroup
 from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.spec import RLHFJobSpec
@@ -35,6 +38,7 @@ __all__ = [
     "JobWorkers",
     "RewardScorer",
     "StepFunction",
+    "StepTimer",
     "load_step_function",
     "needs_old_log_probs",
     "needs_reference",

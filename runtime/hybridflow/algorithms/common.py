@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 
 from hybridflow.algorithms.api import JobWorkers, RewardScorer, needs_old_log_probs
 from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.algorithms.timing import StepTimer
 from hybridflow.controller import Batch
 from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
@@ -24,40 +24,33 @@ __all__ = [
 
 
 def rollout_and_score(
-    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, spec: RLHFJobSpec
+    workers: JobWorkers, prompts: Batch, scorer: RewardScorer, spec: RLHFJobSpec, timer: StepTimer
 ) -> tuple[Batch, dict[str, float]]:
     """Generate ``samples_per_prompt`` responses per prompt and add scores and the log-probs needed.
 
     ``old_log_probs`` only when :func:`~hybridflow.algorithms.api.needs_old_log_probs` (else the
     actor's update takes its own), ``ref_log_probs`` only when the job has a reference (a KL
     term). The actor and reference passes are submitted before scoring, so the reward
-    functions run in the controller's process pool while the workers compute. The returned
-    metrics include ``timing/*`` seconds per phase (weight sync, generation, reward and
-    log-probs together), the breakdown dashboards show.
+    functions run in the controller's process pool while the workers compute. ``timer``
+    records ``weight_sync``, ``generate``, ``reward`` and, when they run, ``old_log_probs`` and
+    ``ref_log_probs`` (only the wait they add after scoring: see
+    :mod:`~hybridflow.algorithms.timing`); the caller returns ``timer.metrics()``.
     """
-    clock = time.monotonic()
-    timing: dict[str, float] = {}
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.monotonic()
-        timing[f"timing/{phase}"] = now - clock
-        clock = now
-
-    workers.rollout.sync_weights()
-    lap("weight_sync")
-    batch = workers.rollout.generate_sequences(prompts)
-    lap("generate")
-    old = workers.actor.compute_log_probs.submit(batch) if needs_old_log_probs(spec) else None
-    ref = workers.reference.compute_ref_log_probs.submit(batch) if workers.reference is not None else None
-    scores, metrics = scorer.scores(batch)
-    lap("reward")
+    with timer.phase("weight_sync"):
+        workers.rollout.sync_weights()
+    with timer.phase("generate"):
+        batch = workers.rollout.generate_sequences(prompts)
+    old = ref = None
+    if needs_old_log_probs(spec):
+        old = timer.submit("old_log_probs", workers.actor.compute_log_probs, batch)
+    if workers.reference is not None:
+        ref = timer.submit("ref_log_probs", workers.reference.compute_ref_log_probs, batch)
+    with timer.phase("reward"):
+        scores, metrics = scorer.scores(batch)
     for future in (old, ref):
         if future is not None:
             batch = batch.union(future.result())
     batch = batch.with_fields(scores=scores)
-    lap("log_probs")
-    metrics.update(timing)
     mask = batch.tensors["response_mask"].float()
     metrics.update(
         {

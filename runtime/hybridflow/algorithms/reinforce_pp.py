@@ -7,7 +7,7 @@ whole batch and used as advantages with PPO's clipped loss (Hu, 2025).
 
 from __future__ import annotations
 
-from hybridflow.algorithms.api import JobWorkers, RewardScorer
+from hybridflow.algorithms.api import JobWorkers, RewardScorer, StepTimer
 from hybridflow.algorithms.common import (
     average_worker_metrics,
     kl_penalized_token_rewards,
@@ -21,12 +21,12 @@ from hybridflow.rlmath import core
 def train_step(
     workers: JobWorkers, prompts: Batch, scorer: RewardScorer, state: AlgorithmState
 ) -> dict[str, float]:
-    spec, algo = state.spec, state.spec.algorithm
-    batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
-    mask = batch.tensors["response_mask"].float()
-    token_rewards = kl_penalized_token_rewards(batch, batch.tensors["scores"], state, metrics)
-    advantages, _ = core.reinforce_plus_plus_advantages(token_rewards, mask, algo.gamma)
-    metrics.update(
-        average_worker_metrics(workers.actor.update_policy(batch.with_fields(advantages=advantages)))
-    )
-    return metrics
+    timer = StepTimer()
+    batch, metrics = rollout_and_score(workers, prompts, scorer, state.spec, timer)
+    with timer.phase("advantages"):
+        mask = batch.tensors["response_mask"].float()
+        token_rewards = kl_penalized_token_rewards(batch, batch.tensors["scores"], state, metrics)
+        advantages, _ = core.reinforce_plus_plus_advantages(token_rewards, mask, state.spec.algorithm.gamma)
+    with timer.phase("actor_update"):
+        updates = workers.actor.update_policy(batch.with_fields(advantages=advantages))
+    return metrics | average_worker_metrics(updates) | timer.metrics()

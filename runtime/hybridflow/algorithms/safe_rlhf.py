@@ -19,7 +19,7 @@ How the paper's method maps onto this step (section 3 and Algorithm 1 of the pap
 
 from __future__ import annotations
 
-from hybridflow.algorithms.api import JobWorkers, RewardScorer
+from hybridflow.algorithms.api import JobWorkers, RewardScorer, StepTimer
 from hybridflow.algorithms.common import average_worker_metrics, kl_penalized_token_rewards, rollout_and_score
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.controller import Batch
@@ -32,39 +32,41 @@ def train_step(
     spec, algo = state.spec, state.spec.algorithm
     assert workers.critic is not None and workers.cost is not None and workers.cost_critic is not None
     assert state.lagrange is not None
-    batch, metrics = rollout_and_score(workers, prompts, scorer, spec)
-    costs = workers.cost.compute_costs.submit(batch)
-    values = workers.critic.compute_values.submit(batch)
-    cost_values = workers.cost_critic.compute_values.submit(batch)
+    timer = StepTimer()
+    batch, metrics = rollout_and_score(workers, prompts, scorer, spec, timer)
+    costs = timer.submit("cost", workers.cost.compute_costs, batch)
+    values = timer.submit("values", workers.critic.compute_values, batch)
+    cost_values = timer.submit("cost_values", workers.cost_critic.compute_values, batch)
     batch = batch.union(costs.result()).union(values.result())
     batch = batch.with_fields(cost_values=cost_values.result().tensors["values"])
-    mask = batch.tensors["response_mask"].float()
 
-    token_rewards = kl_penalized_token_rewards(batch, batch.tensors["scores"], state, metrics)
-    reward_advantages, returns = core.compute_gae_advantages(
-        token_rewards, batch.tensors["values"], mask, algo.gamma, algo.gae_lambda
-    )
-    cost_scores = batch.tensors["cost_scores"]
-    cost_advantages, cost_returns = core.compute_gae_advantages(
-        core.place_outcome_score(cost_scores, mask),
-        batch.tensors["cost_values"],
-        mask,
-        algo.gamma,
-        algo.gae_lambda,
-    )
-    episode_cost = float(cost_scores.mean())
-    state.lagrange.update(episode_cost)  # lambda first, then the policy with the new lambda
-    lagrange_lambda = state.lagrange.value
-    advantages = core.combine_reward_cost_advantages(
-        core.masked_whiten(reward_advantages, mask),
-        core.masked_whiten(cost_advantages, mask),
-        lagrange_lambda,
-    )
-    batch = batch.with_fields(advantages=advantages, returns=returns)
-    cost_batch = batch.with_fields(values=batch.tensors["cost_values"], returns=cost_returns)
-    critic_update = workers.critic.update_critic.submit(batch)
-    cost_critic_update = workers.cost_critic.update_critic.submit(cost_batch)
-    actor_update = workers.actor.update_policy.submit(batch)
+    with timer.phase("advantages"):
+        mask = batch.tensors["response_mask"].float()
+        token_rewards = kl_penalized_token_rewards(batch, batch.tensors["scores"], state, metrics)
+        reward_advantages, returns = core.compute_gae_advantages(
+            token_rewards, batch.tensors["values"], mask, algo.gamma, algo.gae_lambda
+        )
+        cost_scores = batch.tensors["cost_scores"]
+        cost_advantages, cost_returns = core.compute_gae_advantages(
+            core.place_outcome_score(cost_scores, mask),
+            batch.tensors["cost_values"],
+            mask,
+            algo.gamma,
+            algo.gae_lambda,
+        )
+        episode_cost = float(cost_scores.mean())
+        state.lagrange.update(episode_cost)  # lambda first, then the policy with the new lambda
+        lagrange_lambda = state.lagrange.value
+        advantages = core.combine_reward_cost_advantages(
+            core.masked_whiten(reward_advantages, mask),
+            core.masked_whiten(cost_advantages, mask),
+            lagrange_lambda,
+        )
+        batch = batch.with_fields(advantages=advantages, returns=returns)
+        cost_batch = batch.with_fields(values=batch.tensors["cost_values"], returns=cost_returns)
+    critic_update = timer.submit("critic_update", workers.critic.update_critic, batch)
+    cost_critic_update = timer.submit("cost_critic_update", workers.cost_critic.update_critic, cost_batch)
+    actor_update = timer.submit("actor_update", workers.actor.update_policy, batch)
     metrics.update(average_worker_metrics(critic_update.result()))
     metrics.update(average_worker_metrics(cost_critic_update.result()))
     metrics.update(average_worker_metrics(actor_update.result()))
@@ -72,4 +74,4 @@ def train_step(
         core.explained_variance(batch.tensors["values"], returns, mask)
     )
     metrics.update({"cost/mean": episode_cost, "cost/lambda": lagrange_lambda, "cost/limit": algo.cost_limit})
-    return metrics
+    return metrics | timer.metrics()

@@ -7,12 +7,15 @@ exports it as, with which unit and labels. Docs (``docs/observability.md``) and 
 PromQL are checked against it by tests, so there is no second list of names.
 
 Keys with ``{placeholders}`` (``timing/{phase}``) match any value there and turn it into a label
-(``hybridflow_phase_seconds{phase="generate"}``): the trainer can add a phase, a role or a
-reward function without a change here. Every exported metric also carries the job's labels
-``namespace`` and ``rlhfjob`` (not ``job``: Prometheus sets ``job`` to the scrape job, and a
-clash would rename ours to ``exported_job``); never a step or a rank, which would make one
-series per step. A numeric key no entry matches is still exported, as
-``hybridflow_training_metric{name="<key>"}``, and still written to JSONL and TensorBoard.
+(``hybridflow_phase_seconds{phase="generate"}``): a role or a reward function needs no change
+here. The phases are the exception: a step may time only the ones :data:`STEP_PHASES` lists
+(the docs and the step-breakdown panels are checked against :data:`PHASES`).
+
+Every exported metric also carries the job's labels ``namespace`` and ``rlhfjob`` (not ``job``:
+Prometheus sets ``job`` to the scrape job, and a clash would rename ours to ``exported_job``);
+never a step or a rank, which would make one series per step. A numeric key no entry matches
+is still exported, as ``hybridflow_training_metric{name="<key>"}``, and still written to JSONL
+and TensorBoard.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "CHECKPOINT_PHASE",
     "JOB_LABELS",
+    "OTHER_PHASE",
+    "PHASES",
+    "STEP_PHASES",
     "TRAINING_METRICS",
     "UNCATALOGUED",
     "MetricDefinition",
     "MetricKind",
+    "StepPhase",
     "find_definition",
 ]
 
@@ -105,6 +113,54 @@ class MetricDefinition:
         return self.key.format(**labels)
 
 
+@dataclass(frozen=True)
+class StepPhase:
+    """One value of ``hybridflow_phase_seconds``'s ``phase`` label, reported as ``timing/<name>``."""
+
+    name: str
+    help: str
+
+
+# What a step function times (hybridflow.algorithms.timing.StepTimer accepts these names only),
+# in the order a step runs them. Each phase appears in a step only when the step ran it.
+STEP_PHASES: tuple[StepPhase, ...] = (
+    StepPhase("weight_sync", "The actor's weights into the rollout engine (train -> generate reshard)."),
+    StepPhase("generate", "Sampling the responses (and ReMax's greedy responses)."),
+    StepPhase(
+        "reward",
+        "Scoring the responses: rule functions in the controller's process pool and/or the reward "
+        "model (and ReMax's greedy responses).",
+    ),
+    StepPhase("cost", "The cost model's scores (Safe-RLHF)."),
+    StepPhase(
+        "old_log_probs",
+        "The actor's separate log-prob pass (off-policy updates or a KL reward penalty only).",
+    ),
+    StepPhase("ref_log_probs", "The reference model's log-probs (kl.coef > 0 only)."),
+    StepPhase("values", "The critic's values (PPO, Safe-RLHF)."),
+    StepPhase("cost_values", "The cost critic's values (Safe-RLHF)."),
+    StepPhase(
+        "advantages",
+        "Advantages and returns in the controller: KL penalty, GAE or the outcome baseline, "
+        "whitening (Safe-RLHF: and the Lagrange multiplier's update).",
+    ),
+    StepPhase("critic_update", "The critic's value update (PPO, Safe-RLHF)."),
+    StepPhase("cost_critic_update", "The cost critic's value update (Safe-RLHF)."),
+    StepPhase("actor_update", "The actor's policy update."),
+)
+# What the trainer adds: the rest of the step, so the phases add up to hybridflow_step_seconds.
+OTHER_PHASE = StepPhase(
+    "other",
+    "The step's wall time outside the phases above: prompt sampling, bookkeeping between phases, "
+    "the rollout's transition stats.",
+)
+# After the step proper, on checkpoint steps only; not part of hybridflow_step_seconds.
+CHECKPOINT_PHASE = StepPhase(
+    "checkpoint", "Saving the checkpoint, on checkpoint steps; after the step, not part of its seconds."
+)
+PHASES: tuple[StepPhase, ...] = (*STEP_PHASES, OTHER_PHASE, CHECKPOINT_PHASE)
+
+
 def _gauge(name: str, unit: str, key: str, help: str, group: str, *labels: str) -> MetricDefinition:
     return MetricDefinition(name, "gauge", unit, help, key=key, labels=tuple(labels), group=group)
 
@@ -156,10 +212,9 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "hybridflow_phase_seconds",
         "seconds",
         "timing/{phase}",
-        "Wall time of one phase of the step (weight_sync, generate, reward, log_probs, values, "
-        "advantages, actor_update, critic_update, checkpoint, ...; `update` is what the step spent "
-        "outside the measured phases; `checkpoint`, on checkpoint steps, comes after the step and "
-        "is not part of hybridflow_step_seconds).",
+        f"Wall time of one phase of the step, by `phase` ({', '.join(p.name for p in PHASES)}; a "
+        "step has those it ran). All but `checkpoint` add up to hybridflow_step_seconds; `other` is "
+        "the step's time outside the measured phases.",
         "throughput",
         "phase",
     ),

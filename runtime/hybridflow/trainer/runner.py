@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
 from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
 from hybridflow.algorithms.state import AlgorithmState
+from hybridflow.algorithms.timing import unmeasured_seconds
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.controller import Batch, deploy
 from hybridflow.data import PromptDataset, PromptSampler
@@ -149,9 +150,8 @@ def run_training(
                 metrics.update(reshard_metrics(workers.rollout.transition_stats()))
                 seconds = time.monotonic() - step_started
                 metrics["perf/step_seconds"] = seconds
-                # Everything after rollout and scoring: advantages, critic and actor updates.
-                measured = sum(v for k, v in metrics.items() if k.startswith("timing/"))
-                metrics["timing/update"] = max(0.0, seconds - measured)
+                # The step's time outside the phases step_fn timed (hybridflow.algorithms.timing).
+                metrics["timing/other"] = unmeasured_seconds(metrics, seconds)
                 metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
                 metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
                 if step % spec.checkpoint.interval_steps == 0 or step == total:
