@@ -146,6 +146,23 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 (series("hybridflow_step_tokens"),),
                 width=8,
             ),
+            Panel(
+                "Idle fraction per pool",
+                "Fraction of each step each pool's workers spent outside worker calls (an overlapped "
+                "job's pools idle less).",
+                (series("hybridflow_pool_idle_fraction", "{{rlhfjob}} {{pool}}"),),
+                unit="percentunit",
+            ),
+            Panel(
+                "Sample staleness",
+                "Mean and largest number of actor updates between the policy that generated a step's "
+                "samples and the one trained on them, and the samples per staleness value.",
+                (
+                    series("hybridflow_sample_staleness_mean", "{{rlhfjob}} mean"),
+                    series("hybridflow_sample_staleness_max", "{{rlhfjob}} max"),
+                    series("hybridflow_samples_by_staleness", "{{rlhfjob}} samples {{updates}} behind"),
+                ),
+            ),
         ),
     ),
     Dashboard(
@@ -213,6 +230,17 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                     series("hybridflow_cost_mean", "{{rlhfjob}} cost"),
                     series("hybridflow_cost_limit", "{{rlhfjob}} limit"),
                     series("hybridflow_cost_lagrange_multiplier", "{{rlhfjob}} lambda"),
+                ),
+            ),
+            Panel(
+                "Rollout vs trainer",
+                "KL and mean absolute log-prob gap between the rollout's log-probs and the trainer's "
+                "before the update, and the truncated importance weights that correct for them.",
+                (
+                    series("hybridflow_rollout_trainer_kl", "{{rlhfjob}} KL"),
+                    series("hybridflow_rollout_trainer_log_prob_gap", "{{rlhfjob}} |log-prob gap|"),
+                    series("hybridflow_importance_weight_mean", "{{rlhfjob}} IS weight mean"),
+                    series("hybridflow_importance_weight_truncated_fraction", "{{rlhfjob}} IS truncated"),
                 ),
             ),
         ),

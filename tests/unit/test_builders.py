@@ -84,14 +84,12 @@ def multi_pool_manifest() -> dict[str, Any]:
             },
             "data": {"trainFiles": ["/data/prompts.parquet"]},
             "algorithm": {"name": "ppo"},
-            "rollout": {"engine": "vllm", "tensorParallelSize": 2},
+            "rollout": {"engine": "vllm", "maxStaleness": 1},
             "training": {
                 "backend": "megatron",
                 "totalSteps": 500,
                 "promptsPerStep": 64,
                 "miniBatchSize": 32,
-                "tensorParallelSize": 4,
-                "pipelineParallelSize": 2,
             },
             "resourcePools": [
                 {

@@ -30,7 +30,13 @@ from hybridflow.metrics.step_report import StepReport
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE_LABELS = {"phase": "generate", "role": "actor", "source": "target_char"}
+SAMPLE_LABELS = {
+    "phase": "generate",
+    "role": "actor",
+    "source": "target_char",
+    "pool": "rollout",
+    "updates": "1",
+}
 
 
 def every_catalogued_key() -> dict[str, float]:

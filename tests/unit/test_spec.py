@@ -71,15 +71,13 @@ def full_manifest() -> Manifest:
                 "gaeLambda": 0.95,
                 "kl": {"mode": "reward", "estimator": "k1", "controller": "adaptive", "targetKl": 6.0},
             },
-            "rollout": {"engine": "vllm", "tensorParallelSize": 2, "gpuMemoryUtilization": 0.9},
+            "rollout": {"engine": "vllm", "gpuMemoryUtilization": 0.9, "maxStaleness": 1},
             "training": {
                 "backend": "megatron",
                 "totalSteps": 500,
                 "promptsPerStep": 64,
                 "miniBatchSize": 32,
                 "microBatchSizePerGpu": 2,
-                "tensorParallelSize": 4,
-                "pipelineParallelSize": 2,
                 "warmupSteps": 10,
                 "lrSchedule": "cosine",
             },
@@ -159,6 +157,7 @@ def test_minimal_manifest_loads_with_defaults() -> None:
 def test_full_manifest_loads() -> None:
     spec = parse_job_manifest(full_manifest(), "test").spec
     assert spec.pool("rollout").name == "generate"
+    assert spec.rollout.max_staleness == 1 and spec.rollout.importance_sampling_on
     assert spec.pool("reward").name == "critic"
     assert spec.resource_pools[0].tolerations[0]["operator"] == "Exists"
     assert spec.checkpoint_dir == "/checkpoints/checkpoints"
@@ -484,13 +483,21 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         _set("rollout.pipelineParallelSize", 2),
         "2 with training.pipelineParallelSize 1",
     ),
-    "rollout-fits-own-pool": (
+    "rollout-own-pool-holds-whole-model": (
         _all(
-            _set("resourcePools", [_pool("default", 1), _pool("generate", 1)]),
+            _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
             _set("roles.rollout", "generate"),
             _set("rollout.tensorParallelSize", 2),
         ),
-        "2 * 1; pool 'generate' has 1 GPU",
+        "rollout 2 * 1, training 1 * 1 with roles.rollout 'generate'",
+    ),
+    "staleness-needs-own-rollout-pool": (
+        _set("rollout.maxStaleness", 1),
+        "1 with roles.rollout None and roles.actor 'default'",
+    ),
+    "importance-sampling-needs-temperature-one": (
+        _all(_set("rollout.temperature", 0.7), _set("rollout.importanceSampling", {"mode": "on"})),
+        "'on' with maxStaleness 0 and temperature 0.7",
     ),
     "auto-placement-one-pool": (
         _all(_set("placement", "auto"), _set("resourcePools", [_pool("default", 1), _pool("spare", 1)])),

@@ -27,6 +27,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridflow.algorithms.prefetch import PrefetchedRollout
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import StepTimer
 from hybridflow.controller import Batch, Deployment, WorkerGroup
@@ -50,7 +51,8 @@ class JobWorkers:
     """The worker groups a step talks to; reference, critics, reward and cost models only when the job has them."""
 
     actor: WorkerGroup
-    rollout: WorkerGroup
+    rollout: WorkerGroup | PrefetchedRollout
+    """The rollout's group; in an overlapped job, its prefetching stand-in (``algorithms/prefetch.py``)."""
     reference: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     reward: WorkerGroup | None = None

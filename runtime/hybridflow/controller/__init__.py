@@ -6,6 +6,7 @@ objects; each group is an SPMD program across the GPUs of its :class:`ResourcePo
 """
 
 from hybridflow.controller.batch import Batch, BatchError
+from hybridflow.controller.bridge import Bridge, BridgeSpec
 from hybridflow.controller.deployment import Deployment, RoleSpec, deploy
 from hybridflow.controller.errors import (
     CallTimeoutError,
@@ -42,6 +43,8 @@ __all__ = [
     "RANK_ZERO",
     "Batch",
     "BatchError",
+    "Bridge",
+    "BridgeSpec",
     "CallArgs",
     "CallTimeoutError",
     "ControllerError",

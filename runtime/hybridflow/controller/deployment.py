@@ -7,6 +7,10 @@ same process per GPU hosts all of them (actor + rollout + reference, say) and ru
 after another, while the controller still addresses each role as its own :class:`WorkerGroup`.
 Roles on different pools live in different processes and run in parallel.
 
+Bridges (``bridges=[BridgeSpec("weights", "actor", "rollout")]``) are collective groups across
+two pools, built after every role (``bridge.py``): the only way data moves between pools without
+the controller.
+
 Any failure while deploying (an unknown pool, a pool that cannot be placed in time, a role whose
 constructor raises) tears down what was started and raises an error naming the role or pool.
 """
@@ -22,6 +26,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridflow.controller.bridge import BridgeSpec, bridge_members
 from hybridflow.controller.errors import RoleMappingError
 from hybridflow.controller.resource_pool import PoolPlacement, ResourcePool, place_pool
 from hybridflow.controller.worker import Worker, WorkerHost
@@ -62,6 +67,19 @@ class Deployment:
 
     def colocated(self, role_a: str, role_b: str) -> bool:
         return self[role_a].pool == self[role_b].pool
+
+    def busy_reports(self) -> dict[str, list[tuple[float, float]]]:
+        """Per pool, each rank's (busy seconds, wall seconds) since the previous call (``WorkerHost.busy_report``).
+
+        Queued behind the calls already submitted to each host, so the interval of a host ends
+        after its pending work: call it where the pools meet (the end of a step).
+        """
+        refs = {pool: [host.busy_report.remote() for host in hosts] for pool, hosts in self._hosts.items()}
+        reports: dict[str, list[tuple[float, float]]] = {}
+        for pool, pool_refs in refs.items():
+            answers: list[tuple[float, float]] = ray.get(pool_refs)
+            reports[pool] = [(float(busy), float(wall)) for busy, wall in answers]
+        return reports
 
     def shutdown(self) -> None:
         for hosts in self._hosts.values():
@@ -131,6 +149,7 @@ def deploy(
     collective_timeout_seconds: float = 1800.0,
     stall_timeout_seconds: float | None = None,
     backend: str | None = None,
+    bridges: Sequence[BridgeSpec] = (),
 ) -> Deployment:
     """Start the roles on their pools and return their worker groups (see the module docstring).
 
@@ -144,6 +163,15 @@ def deploy(
             "Ray is not initialised: call ray.init() (or hybridflow's local cluster) first"
         )
     meshes = _validate(pools, roles)
+    for bridge in bridges:
+        for role in (bridge.source_role, bridge.target_role):
+            if role not in roles:
+                raise RoleMappingError(f"bridge {bridge.name!r} names role {role!r}, which is not deployed")
+        if roles[bridge.source_role].pool == roles[bridge.target_role].pool:
+            raise RoleMappingError(
+                f"bridge {bridge.name!r}: roles {bridge.source_role!r} and {bridge.target_role!r} share pool "
+                f"{roles[bridge.source_role].pool!r}; a bridge joins two different pools"
+            )
     used = [p for p in pools if any(spec.pool == p.name for spec in roles.values())]
     placements: list[PoolPlacement] = []
     hosts: dict[str, list[ActorHandle]] = {}
@@ -166,6 +194,7 @@ def deploy(
                 for rank, (pg, index) in enumerate(placement.bundles)
             ]
         groups: dict[str, WorkerGroup] = {}
+        backends: dict[str, str] = {}
         for placement in placements:
             pool = placement.pool
             pool_hosts = hosts[pool.name]
@@ -187,6 +216,7 @@ def deploy(
                 if setup("probing devices", [pool_hosts[0].device.remote()])[0].startswith("cuda")
                 else "gloo"
             )
+            backends[pool.name] = chosen
             address, port = setup(
                 "opening the rendezvous", [pool_hosts[0].open_rendezvous.remote(setup_timeout_seconds)]
             )[0]
@@ -219,7 +249,50 @@ def deploy(
                     rank_placements,
                     stall_timeout_seconds=stall_timeout_seconds,
                 )
+        for bridge in bridges:
+            _build_bridge(bridge, roles, hosts, backends, setup_timeout_seconds, collective_timeout_seconds)
         return Deployment(groups, hosts, placements)
     except BaseException:
         Deployment({}, hosts, placements).shutdown()
         raise
+
+
+def _build_bridge(
+    bridge: BridgeSpec,
+    roles: Mapping[str, RoleSpec],
+    hosts: Mapping[str, list[ActorHandle]],
+    backends: Mapping[str, str],
+    setup_timeout_seconds: float,
+    collective_timeout_seconds: float,
+) -> None:
+    """Steps 1-2 of ``bridge.py``'s protocol: rank 0 of the source pool opens, every member joins."""
+    source_pool, target_pool = roles[bridge.source_role].pool, roles[bridge.target_role].pool
+    members = bridge_members(len(hosts[target_pool]))
+    world = len(members)
+    host_of = {
+        m.bridge_rank: hosts[source_pool if m.side == "source" else target_pool][m.pool_rank] for m in members
+    }
+    where = {
+        m.bridge_rank: f"pool {source_pool if m.side == 'source' else target_pool!r}, rank {m.pool_rank}"
+        for m in members
+    }
+    what = f"bridge {bridge.name!r} ({source_pool!r} -> {target_pool!r})"
+    address, port = wait_for_ranks(
+        {0: host_of[0].open_bridge.remote(bridge.name, world, setup_timeout_seconds)},
+        what=f"opening {what}",
+        where=where,
+        timeout_seconds=setup_timeout_seconds,
+    )[0]
+    # One backend for the whole group: nccl only when both pools run on CUDA.
+    backend = "nccl" if backends[source_pool] == backends[target_pool] == "nccl" else "gloo"
+    wait_for_ranks(
+        {
+            rank: host.join_bridge.remote(
+                bridge.name, address, port, rank, world, backend, collective_timeout_seconds
+            )
+            for rank, host in host_of.items()
+        },
+        what=f"joining {what} over {backend}",
+        where=where,
+        timeout_seconds=setup_timeout_seconds,
+    )

@@ -14,12 +14,19 @@ Protocol between the controller (``worker_group.py``) and a host, in call order:
 5. Controller calls arrive as ``execute(role, method, keep_result, *args, **kwargs)``. Ray runs
    one call at a time per actor, so colocated roles take turns on the GPU. ``keep_result=False``
    (ranks whose output the protocol does not collect) returns None instead of shipping data back.
+6. Optionally, bridges to another pool (``bridge.py``): ``open_bridge`` on the source pool's
+   rank 0, then ``join_bridge`` on every member; roles find them in ``ctx.bridges``.
+
+Every host counts the seconds it spends inside ``execute`` (its pool's work, whichever role);
+``busy_report`` returns them with the wall time since the previous report, from which the
+trainer derives each pool's idle fraction per step.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller.batch import Batch
+from hybridflow.controller.bridge import Bridge, new_process_group
 from hybridflow.mesh import DeviceMesh, MeshCoord
 
 __all__ = ["Worker", "WorkerContext", "WorkerHost"]
@@ -49,6 +57,8 @@ class WorkerContext:
     device: str
     backend: str
     colocated_roles: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    bridges: Mapping[str, Bridge] = field(default_factory=dict, repr=False, compare=False)
+    """The bridges to other pools this rank is a member of, by name (see ``bridge.py``)."""
 
     @property
     def coord(self) -> MeshCoord:
@@ -102,7 +112,11 @@ class WorkerHost:
         self.local_rank = 0
         self.local_world_size = 1
         self.roles: dict[str, Any] = {}
+        self.bridges: dict[str, Bridge] = {}
         self._store: dist.TCPStore | None = None
+        self._bridge_stores: dict[str, dist.TCPStore] = {}
+        self._busy_seconds = 0.0
+        self._reported_at = time.monotonic()
         torch.set_num_threads(max(1, cpu_threads))
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
 
@@ -144,6 +158,40 @@ class WorkerHost:
         )
         return socket.gethostname()
 
+    def open_bridge(self, name: str, world_size: int, timeout_seconds: float) -> tuple[str, int]:
+        """The source pool's rank 0 only: serve bridge ``name``'s store on a free port."""
+        address = _node_ip()
+        self._bridge_stores[name] = dist.TCPStore(
+            address,
+            0,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_seconds),
+            wait_for_workers=False,
+        )
+        return address, int(self._bridge_stores[name].port)
+
+    def join_bridge(
+        self,
+        name: str,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_seconds: float,
+    ) -> None:
+        """Join bridge ``name`` as bridge rank ``rank``; returns when every member has joined."""
+        timeout = timedelta(seconds=timeout_seconds)
+        store = self._bridge_stores.get(name)
+        if store is None:
+            store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+            self._bridge_stores[name] = store
+        group = new_process_group(
+            dist.PrefixStore(f"bridge/{name}", store), rank, world_size, backend, timeout
+        )
+        self.bridges[name] = Bridge(name, group, rank, world_size)
+
     def add_role(
         self, role: str, worker_cls: type, mesh: DeviceMesh, backend: str, kwargs: dict[str, Any]
     ) -> None:
@@ -159,15 +207,27 @@ class WorkerHost:
             device=self.device(),
             backend=backend,
             colocated_roles=self.roles,
+            bridges=self.bridges,
         )
         self.roles[role] = worker_cls(ctx, **kwargs)
 
     def execute(self, role: str, method: str, keep_result: bool, *args: Any, **kwargs: Any) -> Any:
-        result = getattr(self.roles[role], method)(*args, **kwargs)
+        started = time.monotonic()
+        try:
+            result = getattr(self.roles[role], method)(*args, **kwargs)
+        finally:
+            self._busy_seconds += time.monotonic() - started
         if not keep_result:
             return None
         # Only the controller reads a result, so it may arrive there without a copy.
         return result.single_reader() if isinstance(result, Batch) else result
+
+    def busy_report(self) -> tuple[float, float]:
+        """(seconds inside ``execute``, wall seconds) since the previous report; starts a new interval."""
+        now = time.monotonic()
+        report = (self._busy_seconds, now - self._reported_at)
+        self._busy_seconds, self._reported_at = 0.0, now
+        return report
 
     def shutdown(self) -> None:
         if dist.is_initialized():

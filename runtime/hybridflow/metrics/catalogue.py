@@ -124,8 +124,16 @@ class StepPhase:
 # What a step function times (hybridflow.algorithms.timing.StepTimer accepts these names only),
 # in the order a step runs them. Each phase appears in a step only when the step ran it.
 STEP_PHASES: tuple[StepPhase, ...] = (
-    StepPhase("weight_sync", "The actor's weights into the rollout engine (train -> generate reshard)."),
-    StepPhase("generate", "Sampling the responses (and ReMax's greedy responses)."),
+    StepPhase(
+        "weight_sync",
+        "The actor's weights into the rollout engine (train -> generate reshard; with the rollout on "
+        "its own pool, the push to it after the update).",
+    ),
+    StepPhase(
+        "generate",
+        "Sampling the responses (and ReMax's greedy responses); overlapped, the wait for responses "
+        "generated ahead.",
+    ),
     StepPhase(
         "reward",
         "Scoring the responses: rule functions in the controller's process pool and/or the reward "
@@ -278,6 +286,69 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "reshard/redundant_bytes_per_rank",
         "Most bytes any rank held twice (training and generation copies); 0 for HybridFlow's layout.",
         "resharding",
+    ),
+    # Overlap: staleness, the rollout-vs-trainer gap, idle pools.
+    _gauge(
+        "hybridflow_pool_idle_fraction",
+        "ratio",
+        "pool/{pool}/idle_fraction",
+        "Fraction of the step the pool's workers spent outside worker calls (mean over its ranks), "
+        "measured in the worker processes.",
+        "overlap",
+        "pool",
+    ),
+    _gauge(
+        "hybridflow_sample_staleness_mean",
+        "updates",
+        "staleness/mean",
+        "Mean number of actor updates between the policy that generated the step's samples and the "
+        "policy trained on them (0 when synchronous; at most spec.rollout.maxStaleness).",
+        "overlap",
+    ),
+    _gauge(
+        "hybridflow_sample_staleness_max",
+        "updates",
+        "staleness/max",
+        "Largest staleness of the step's samples.",
+        "overlap",
+    ),
+    _gauge(
+        "hybridflow_samples_by_staleness",
+        "samples",
+        "staleness/samples/{updates}",
+        "Samples of the step generated `updates` actor updates before the policy trained on them (the "
+        "staleness histogram: one series per value from 0 to maxStaleness).",
+        "overlap",
+        "updates",
+    ),
+    _gauge(
+        "hybridflow_rollout_trainer_kl",
+        "nats/token",
+        "off_policy/kl",
+        "KL(rollout policy || trainer policy before the update) per token (k3 estimate over the "
+        "responses): staleness plus engine-vs-trainer numerics.",
+        "overlap",
+    ),
+    _gauge(
+        "hybridflow_rollout_trainer_log_prob_gap",
+        "nats/token",
+        "off_policy/abs_log_prob_diff",
+        "Token-mean |trainer log-prob - rollout log-prob| of the sampled tokens.",
+        "overlap",
+    ),
+    _gauge(
+        "hybridflow_importance_weight_mean",
+        "ratio",
+        "off_policy/is_weight_mean",
+        "Mean truncated importance weight of the response tokens (spec.rollout.importanceSampling).",
+        "overlap",
+    ),
+    _gauge(
+        "hybridflow_importance_weight_truncated_fraction",
+        "ratio",
+        "off_policy/is_truncated_fraction",
+        "Fraction of response tokens whose importance ratio exceeded importanceSampling.maxWeight.",
+        "overlap",
     ),
     # Learning.
     _gauge(

@@ -349,6 +349,7 @@ def policy_loss_clipped(
     *,
     aggregation: LossAggregation = "token-mean",
     normalizer: LossNormalizer | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (Schulman et al., 2017), reduced over the valid tokens by ``aggregation``.
 
@@ -368,13 +369,21 @@ def policy_loss_clipped(
     ``old_logprob - logprob`` (k1 estimate of KL(old || new)) and ``metrics["approx_kl_k3"]``
     its k3 estimate ``mean(ratio - 1 - log ratio)`` (never negative, lower variance: the one
     an early stop at ``targetKl`` reads); all detached scalars.
+
+    ``token_weights`` (detached, e.g. :func:`truncated_importance_weights`) multiply each
+    token's loss before the reduction: the decoupled objective of off-policy PPO, where
+    ``old_logprob`` is the proximal policy (the trainer's before the update) and the weights
+    correct from the behaviour policy that sampled the tokens to it.
     """
     valid = _valid(response_mask)
     log_ratio = torch.clamp(logprob - old_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped_loss = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = aggregate(torch.maximum(unclipped_loss, clipped_loss), valid, aggregation, normalizer)
+    per_token = torch.maximum(unclipped_loss, clipped_loss)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
+    loss = aggregate(per_token, valid, aggregation, normalizer)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped_loss > unclipped_loss).to(logprob.dtype), valid),
@@ -383,6 +392,46 @@ def policy_loss_clipped(
             "approx_kl_k3": masked_mean(ratio - 1.0 - log_ratio, valid),
         }
     return loss, metrics
+
+
+def truncated_importance_weights(
+    proximal_logprob: torch.Tensor,
+    behaviour_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    max_weight: float,
+) -> torch.Tensor:
+    """Per-token ``min(exp(proximal - behaviour), max_weight)``, detached; 0 at masked positions.
+
+    ``behaviour_logprob`` is the log-probability under the policy that sampled the token (the
+    rollout engine's, possibly several updates old), ``proximal_logprob`` the trainer's before
+    its update. Truncating the ratio from above (truncated IS: Espeholt et al., 2018; Yao et
+    al., 2025 for the rollout-trainer mismatch) bounds the variance a very stale or very
+    unlikely token adds; the weights carry no gradient.
+    """
+    valid = _valid(response_mask)
+    with torch.no_grad():
+        log_ratio = torch.clamp(proximal_logprob - behaviour_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        weights = torch.clamp(torch.exp(log_ratio), max=max_weight)
+        return torch.where(valid, weights, torch.zeros_like(weights))
+
+
+def behaviour_gap(
+    trainer_logprob: torch.Tensor, behaviour_logprob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the rollout's log-probs are from the trainer's, over the valid tokens (detached scalars).
+
+    ``kl``: the k3 estimate of KL(behaviour || trainer) from the behaviour policy's own samples,
+    ``mean(r - 1 - log r)`` with ``r = exp(trainer - behaviour)`` (never negative; 0 when the
+    two agree); ``abs_log_prob_diff``: the token-mean of ``|trainer - behaviour|``. Both grow
+    with staleness and with numeric differences between the engine and the trainer.
+    """
+    valid = _valid(response_mask)
+    with torch.no_grad():
+        log_ratio = torch.clamp(trainer_logprob - behaviour_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return {
+            "kl": masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, valid),
+            "abs_log_prob_diff": masked_mean(log_ratio.abs(), valid),
+        }
 
 
 def value_loss_clipped(

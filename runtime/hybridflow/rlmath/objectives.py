@@ -29,6 +29,8 @@ def actor_objective(
     response_mask: torch.Tensor,
     ref_log_probs: torch.Tensor | None,
     normalizer: LossNormalizer | None = None,
+    behaviour_log_probs: torch.Tensor | None = None,
+    max_importance_weight: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """(loss, metrics) of one micro-batch; ``ref_log_probs`` None means no KL loss term.
 
@@ -36,9 +38,30 @@ def actor_objective(
     share (backward on every share gives the mini-batch's gradient). None: the batch is the
     whole mini-batch. Metrics are this micro-batch's own means, detached: 0-d tensors for the
     loss parts, floats for the clip and KL statistics.
+
+    ``behaviour_log_probs`` (the rollout engine's, ``rollout_log_probs``) add the gap metrics
+    ``off_policy/kl`` and ``off_policy/abs_log_prob_diff`` against ``old_log_probs`` (the
+    trainer's before the update); with ``max_importance_weight`` too, each token's policy loss
+    is weighted by :func:`~hybridflow.rlmath.core.truncated_importance_weights` (the weight
+    mean and the fraction truncated are reported).
     """
     mode = algo.loss_aggregation
     mask = response_mask.float()
+    weights = None
+    off_policy: dict[str, torch.Tensor | float] = {}
+    if behaviour_log_probs is not None:
+        gap = core.behaviour_gap(old_log_probs, behaviour_log_probs, mask)
+        off_policy = {"off_policy/kl": gap["kl"], "off_policy/abs_log_prob_diff": gap["abs_log_prob_diff"]}
+        if max_importance_weight is not None:
+            weights = core.truncated_importance_weights(
+                old_log_probs, behaviour_log_probs, mask, max_importance_weight
+            )
+            off_policy["off_policy/is_weight_mean"] = core.masked_mean(weights, mask)
+            off_policy["off_policy/is_truncated_fraction"] = float(
+                core.masked_mean((weights >= max_importance_weight).float(), mask)
+            )
+    elif max_importance_weight is not None:
+        raise ValueError("importance sampling needs the rollout's log-probs (behaviour_log_probs)")
     policy_loss, stats = core.policy_loss_clipped(
         log_probs,
         old_log_probs,
@@ -48,18 +71,26 @@ def actor_objective(
         algo.clip_ratio_high,
         aggregation=mode,
         normalizer=normalizer,
+        token_weights=weights,
     )
     if entropy is None:
         raise ValueError("the actor objective needs the per-token entropy (with_entropy=True)")
     loss = policy_loss - algo.entropy_coef * aggregate(entropy, mask, mode, normalizer)
     metrics: dict[str, torch.Tensor | float] = {
         "actor/policy_loss": core.policy_loss_clipped(
-            log_probs.detach(), old_log_probs, advantages, mask, algo.clip_ratio_low, algo.clip_ratio_high
+            log_probs.detach(),
+            old_log_probs,
+            advantages,
+            mask,
+            algo.clip_ratio_low,
+            algo.clip_ratio_high,
+            token_weights=weights,
         )[0],
         "actor/entropy": core.masked_mean(entropy.detach(), mask),
         "actor/clipfrac": float(stats["clipfrac"]),
         "actor/approx_kl": float(stats["approx_kl"]),
         "actor/approx_kl_k3": float(stats["approx_kl_k3"]),
+        **off_policy,
     }
     if ref_log_probs is not None:
         per_token_kl = core.kl_penalty(log_probs, ref_log_probs, algo.kl.estimator)

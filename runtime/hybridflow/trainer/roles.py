@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 
 from hybridflow.algorithms.api import JobWorkers, needs_reference
-from hybridflow.controller import DeviceMesh, ResourcePool, RoleSpec, Worker
+from hybridflow.controller import BridgeSpec, DeviceMesh, ResourcePool, RoleSpec, Worker
 from hybridflow.spec import RLHFJobSpec, RoleName
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
 from hybridflow.workers.value import CostCriticWorker, CostModelWorker, CriticWorker, RewardModelWorker
+from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
 
-__all__ = ["JobWorkers", "job_roles", "resource_pools", "uses_hybrid_engine"]
+__all__ = ["JobWorkers", "job_bridges", "job_roles", "resource_pools", "uses_hybrid_engine"]
 
 
 def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
@@ -59,7 +60,9 @@ def _pool_size(spec: RLHFJobSpec, role: RoleName) -> int:
 def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     """Which worker class runs each role, on which pool, with which mesh.
 
-    The rollout always shares the actor's pool. The reference is deployed only when a KL term
+    The rollout shares the actor's pool unless ``spec.roles.rollout`` names another; there it
+    generates with the whole model on every rank (the spec allows no other layout) and receives
+    the weights over the bridge of :func:`job_bridges`. The reference is deployed only when a KL term
     reads it (``kl.coef > 0``). With ``spec.training.backend: megatron`` the
     actor, reference and critic train/score under ``DeviceMesh.training(pp, tp)`` of their pools, and
     (``t*p > 1``) the rollout generates under the HybridFlow generation mesh derived from the
@@ -95,7 +98,7 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     actor_pool = spec.pool("actor").name
     roles = {
         "actor": RoleSpec(actor_cls, actor_pool, mesh=actor_mesh, kwargs=kwargs),
-        "rollout": RoleSpec(rollout_cls, actor_pool, mesh=rollout_mesh, kwargs=kwargs),
+        "rollout": RoleSpec(rollout_cls, spec.pool("rollout").name, mesh=rollout_mesh, kwargs=kwargs),
     }
     if needs_reference(spec):
         roles["reference"] = RoleSpec(
@@ -112,3 +115,10 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
             # second value model, data parallel over the critic's pool).
             roles["cost_critic"] = RoleSpec(CostCriticWorker, spec.pool("critic").name, kwargs=kwargs)
     return roles
+
+
+def job_bridges(spec: RLHFJobSpec) -> tuple[BridgeSpec, ...]:
+    """The collective groups across pools the job needs: actor -> rollout when the rollout has its own pool."""
+    if not spec.rollout_has_own_pool:
+        return ()
+    return (BridgeSpec(WEIGHTS_BRIDGE, "actor", "rollout"),)

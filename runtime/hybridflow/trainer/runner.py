@@ -8,6 +8,12 @@ progress line) -> a checkpoint every ``checkpoint.intervalSteps`` and at the las
 Resuming restores the actor/critic shards, the data position and the KL controller; rollout
 sampling is seeded by the step number, so a resumed run continues exactly where an
 uninterrupted one would be.
+
+A job whose rollout has a pool of its own runs its steps through a
+:class:`~hybridflow.trainer.overlap.RolloutPipeline`: generations up to
+``spec.rollout.maxStaleness`` steps ahead, the weights pushed to the rollout pool after each
+update, and the generations in flight saved with each checkpoint (``overlap.py`` has the
+protocol). Every step also reports each pool's idle fraction, measured in its processes.
 """
 
 from __future__ import annotations
@@ -32,7 +38,14 @@ from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.trainer.roles import job_roles, resource_pools, uses_hybrid_engine
+from hybridflow.trainer.overlap import (
+    IN_FLIGHT_FILE,
+    RolloutPipeline,
+    load_in_flight,
+    pool_idle_fractions,
+    save_in_flight,
+)
+from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools, uses_hybrid_engine
 
 __all__ = [
     "ALGORITHM_STEPS",
@@ -116,8 +129,30 @@ def run_training(
         job_roles(spec),
         placement_timeout_seconds=60 if simulated else 900,
         stall_timeout_seconds=spec.stall_timeout_seconds,
+        bridges=job_bridges(spec),
     ) as deployment:
         workers = JobWorkers.of(deployment)
+        total = spec.training.total_steps
+        pipeline = (
+            RolloutPipeline(workers, max_staleness=spec.rollout.max_staleness, total_steps=total)
+            if spec.rollout_has_own_pool
+            else None
+        )
+        # Prompts drawn for later steps and saved with the checkpoint (an overlapped run's), by step.
+        saved_prompts: dict[int, Batch] = {}
+
+        def prompts_for(step: int) -> Batch:
+            if step in saved_prompts:
+                return saved_prompts.pop(step)
+            prompts = sampler.next_batch(spec.training.prompts_per_step)
+            return Batch.from_dict(
+                prompts.to_batch_fields(),
+                meta={
+                    "samples": spec.algorithm.samples_per_prompt,
+                    "seed": spec.training.seed * 100_003 + step,
+                },
+            )
+
         with RewardScorer(spec, workers.reward) as scorer:
             start, resumed, last_checkpoint = 1, None, None
             found = checkpoints.latest()
@@ -132,22 +167,32 @@ def run_training(
                 state.load_state_dict(saved["algorithm"])
                 start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
                 writer.truncate_after(int(saved["step"]))
+                in_flight = load_in_flight(directory / IN_FLIGHT_FILE)
+                if pipeline is not None:
+                    pipeline.restore(in_flight)
+                else:  # saved by an overlapped run: its prompts are drawn already; generate them now
+                    saved_prompts.update({step: prompts for step, (prompts, _) in in_flight.items()})
                 on_step(f"resumed from {directory} (step {saved['step']})")
-            total = spec.training.total_steps
+            if pipeline is not None:
+                # The rollout starts from the actor's weights (the checkpoint's when resuming).
+                pipeline.push(version=start - 1)
             last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
+            deployment.busy_reports()  # the first step's idle fractions start here
             began = time.monotonic()
             for step in range(start, last + 1):
                 step_started = time.monotonic()
-                prompts = sampler.next_batch(spec.training.prompts_per_step)
-                batch = Batch.from_dict(
-                    prompts.to_batch_fields(),
-                    meta={
-                        "samples": spec.algorithm.samples_per_prompt,
-                        "seed": spec.training.seed * 100_003 + step,
-                    },
-                )
-                metrics = step_fn(workers, batch, scorer, state)
+                if pipeline is None:
+                    metrics = step_fn(workers, prompts_for(step), scorer, state)
+                else:
+                    pipeline.fill(step, prompts_for)
+                    metrics = step_fn(pipeline.workers, pipeline.serve(step), scorer, state)
+                    metrics.update(pipeline.view.staleness_metrics())
+                    # The push after the update: part of the step, and of its weight sync phase.
+                    metrics["timing/weight_sync"] = metrics.get("timing/weight_sync", 0.0) + pipeline.push(
+                        version=step
+                    )
                 metrics.update(reshard_metrics(workers.rollout.transition_stats()))
+                metrics.update(pool_idle_fractions(deployment.busy_reports()))
                 seconds = time.monotonic() - step_started
                 metrics["perf/step_seconds"] = seconds
                 # The step's time outside the phases step_fn timed (hybridflow.algorithms.timing).
@@ -156,13 +201,13 @@ def run_training(
                 metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
                 if step % spec.checkpoint.interval_steps == 0 or step == total:
                     saving = time.monotonic()
-                    _save(checkpoints, workers, step, sampler, state)
+                    _save(checkpoints, workers, step, sampler, state, pipeline)
                     last_checkpoint = step
                     # After the step proper: not part of perf/step_seconds or tokens/s.
                     metrics["timing/checkpoint"] = time.monotonic() - saving
                 preempted = should_stop is not None and should_stop()
                 if preempted and last_checkpoint != step:
-                    _save(checkpoints, workers, step, sampler, state)
+                    _save(checkpoints, workers, step, sampler, state, pipeline)
                     last_checkpoint = step
                 history.append({"step": float(step), **metrics})
                 writer.write(step, metrics)
@@ -241,8 +286,11 @@ def _save(
     step: int,
     sampler: PromptSampler,
     state: AlgorithmState,
+    pipeline: RolloutPipeline | None,
 ) -> None:
     staging = checkpoints.begin(step)
+    if pipeline is not None:
+        save_in_flight(staging / IN_FLIGHT_FILE, pipeline.in_flight())
     workers.actor.save_checkpoint(str(staging / "actor"))
     if workers.critic is not None:
         workers.critic.save_checkpoint(str(staging / "critic"))

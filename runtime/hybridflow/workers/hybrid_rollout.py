@@ -47,6 +47,7 @@ from hybridflow.resharding.meter import PeakMemory
 from hybridflow.resharding.transfer import GenerationShard, Resharder, SubgroupCache, TrainingShard
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import pack_responses, prompt_token_ids, sampling_params
+from hybridflow.workers.weight_push import wants_rollout_log_probs
 
 __all__ = ["HybridRolloutWorker", "eos_token_ids"]
 
@@ -140,13 +141,25 @@ class HybridRolloutWorker(Worker):
             self.sync_weights()
         assert self.engine is not None
         # One sampling stream per replica: only its output rank samples, the others follow.
-        params = sampling_params(self.spec, prompts, stream=self.ctx.coord.dp)
+        params = sampling_params(
+            self.spec, prompts, stream=self.ctx.coord.dp, return_logprobs=wants_rollout_log_probs(self.spec)
+        )
         prompt_ids = prompt_token_ids(prompts)
         self.engine.wake_up()
         output = self.engine.generate(prompt_ids, params)
         self.engine.sleep()
         self._release()
-        return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
+        version = int(self.ctx.colocated("actor").policy_version)
+        return pack_responses(
+            self.spec,
+            self.tokenizer,
+            self.pad_id,
+            prompts,
+            prompt_ids,
+            output,
+            params.n,
+            policy_version=version,
+        )
 
     @register(BROADCAST)
     def transition_stats(self) -> dict[str, float]:

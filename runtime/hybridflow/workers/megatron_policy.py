@@ -37,8 +37,15 @@ from hybridflow.resharding.transfer import TrainingShard
 from hybridflow.rlmath.aggregation import LossNormalizer
 from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers, kl_exceeded, local_mini_batches
+from hybridflow.workers.mini_batches import (
+    dp_sum_over,
+    global_normalizers,
+    importance_weight_cap,
+    kl_exceeded,
+    local_mini_batches,
+)
 from hybridflow.workers.policy import seed_everything
+from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, send_pushed_weights
 
 __all__ = ["MODEL_FIELDS", "MegatronActorWorker", "MegatronReferenceWorker", "parameter_dtype"]
 
@@ -134,6 +141,10 @@ class MegatronActorWorker(_MegatronPolicyModel):
             wanted.append("old_log_probs")
         if use_kl_loss:
             wanted.append("ref_log_probs")
+        max_weight = importance_weight_cap(self.spec)
+        with_behaviour = "rollout_log_probs" in batch.tensors
+        if with_behaviour:
+            wanted.append("rollout_log_probs")
         dp_size = self.ctx.mesh.dp_size
         dp_sum = dp_sum_over(parallel_state.get_data_parallel_group(), device)
         minis = local_mini_batches(batch, self.local_mini_batch, on_policy=on_policy, epochs=algo.ppo_epochs)
@@ -163,6 +174,8 @@ class MegatronActorWorker(_MegatronPolicyModel):
                         response_mask=micro["response_mask"],
                         ref_log_probs=micro["ref_log_probs"] if use_kl_loss else None,
                         normalizer=normalizer,
+                        behaviour_log_probs=micro["rollout_log_probs"] if with_behaviour else None,
+                        max_importance_weight=max_weight,
                     )
 
                 for metrics in mb.forward_backward(
@@ -224,6 +237,21 @@ class MegatronActorWorker(_MegatronPolicyModel):
         # ``meter`` is accepted for the rollout's one call shape: with t*p == 1 every rank holds
         # the whole model (DDP), so the gather communicates nothing and there is nothing to count.
         return mb.iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    @property
+    def policy_version(self) -> int:
+        """Updates made so far (``update_policy`` steps the LR schedule once each; checkpoints keep it)."""
+        return int(self.scheduler.last_epoch)
+
+    @register(BROADCAST)
+    def push_weights(self) -> dict[str, float]:
+        """Send the current weights to the rollout's pool over the ``weights`` bridge (``t*p == 1``).
+
+        As the FSDP actor's (``workers/weight_push.py``); the spec allows a rollout on its own
+        pool only with ``t*p == 1``, where every rank holds the whole model.
+        """
+        buckets = self.weight_buckets(WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx))
+        return send_pushed_weights(self.ctx, buckets)
 
     def local_parameter_bytes(self) -> int:
         """Bytes of this rank's own parameters (the whole model under DDP with ``t*p == 1``)."""

@@ -28,6 +28,7 @@ __all__ = [
     "DPSum",
     "dp_sum_over",
     "global_normalizers",
+    "importance_weight_cap",
     "kl_exceeded",
     "local_mini_batches",
     "token_budget_micro_batches",
@@ -49,6 +50,16 @@ def dp_sum_over(group: dist.ProcessGroup | None, device: torch.device) -> DPSum:
         return reduced.cpu()
 
     return dp_sum
+
+
+def importance_weight_cap(spec: RLHFJobSpec) -> float | None:
+    """The truncation of the per-token importance weights when the correction is on, else None.
+
+    On: ``spec.rollout.importanceSampling`` (by default whenever ``maxStaleness > 0``); the
+    batch must then carry the rollout's log-probs, which the rollout returns in that case.
+    """
+    rollout = spec.rollout
+    return rollout.importance_sampling.max_weight if rollout.importance_sampling_on else None
 
 
 def local_mini_batches(

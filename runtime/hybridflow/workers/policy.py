@@ -7,7 +7,15 @@ DP rank, and both compute per-token log-probs of the response tokens. The actor 
 each) made of micro-batches (gradient accumulation), then steps the LR schedule once per RL step.
 
 The actor exposes :meth:`ActorWorker.weight_buckets` to the colocated rollout role (not to the
-controller): a collective iteration over the full weights, bucket by bucket.
+controller): a collective iteration over the full weights, bucket by bucket. To a rollout on a
+pool of its own it pushes the same buckets with ``push_weights`` (``workers/weight_push.py``).
+Its ``policy_version`` is the number of updates it has made (the LR schedule's step count, so
+a checkpoint restores it): what the rollout stamps on every sample.
+
+With ``rollout_log_probs`` in the batch the update reports the rollout-vs-trainer gap, and with
+``spec.rollout.importanceSampling`` on it weights each token's loss by the truncated ratio of
+the trainer's log-prob before the update (the proximal policy: ``old_log_probs``, or on-policy
+the update's own first forward, the same weights) to the rollout's (the behaviour policy).
 """
 
 from __future__ import annotations
@@ -39,10 +47,12 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import (
     dp_sum_over,
     global_normalizers,
+    importance_weight_cap,
     kl_exceeded,
     local_mini_batches,
     update_micro_batches,
 )
+from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, send_pushed_weights
 
 __all__ = ["ActorWorker", "ReferenceWorker", "seed_everything"]
 
@@ -148,6 +158,7 @@ class ActorWorker(_PolicyModel):
         algo = self.spec.algorithm
         use_kl_loss = algo.kl.mode == "loss" and "ref_log_probs" in batch.tensors
         on_policy = "old_log_probs" not in batch.tensors
+        max_weight = importance_weight_cap(self.spec)
         self.model.train()
         totals: dict[str, list[float]] = {}
         device = self.ctx.torch_device
@@ -173,6 +184,12 @@ class ActorWorker(_PolicyModel):
                         response_mask=micro.tensors["response_mask"].to(device),
                         ref_log_probs=micro.tensors["ref_log_probs"].to(device) if use_kl_loss else None,
                         normalizer=normalizer,
+                        behaviour_log_probs=(
+                            micro.tensors["rollout_log_probs"].to(device)
+                            if "rollout_log_probs" in micro.tensors
+                            else None
+                        ),
+                        max_importance_weight=max_weight,
                     )
                     loss.backward()
                     for name, value in stats.items():
@@ -199,6 +216,20 @@ class ActorWorker(_PolicyModel):
         Collective: every rank iterates in lockstep. ``meter`` counts the gathers' bytes.
         """
         return iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, meter=meter)
+
+    @property
+    def policy_version(self) -> int:
+        """Updates made so far (``update_policy`` steps the LR schedule once each; checkpoints keep it)."""
+        return int(self.scheduler.last_epoch)
+
+    @register(BROADCAST)
+    def push_weights(self) -> dict[str, float]:
+        """Send the current weights to the rollout's pool over the ``weights`` bridge (collective).
+
+        The rollout's ``receive_weights`` must be submitted with it (``workers/weight_push.py``).
+        """
+        buckets = self.weight_buckets(WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx))
+        return send_pushed_weights(self.ctx, buckets)
 
     def local_parameter_bytes(self) -> int:
         """Bytes of this rank's own parameter shards (what it keeps aside while an engine holds a full copy)."""

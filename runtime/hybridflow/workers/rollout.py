@@ -10,6 +10,16 @@ No second copy on a single rank: with one rank (``t_g = 1``, FSDP actor) and the
 the engine generates from the actor's own module (:func:`shares_actor_module`); there is
 nothing to sync (``sync_weights`` moves and copies 0 bytes) and the engine is never put to
 sleep, since sleeping would move the trainer's parameters.
+
+On a pool of its own (``spec.roles.rollout``) the rollout has no actor in its process: the
+controller pushes the weights to it with ``receive_weights(version)`` after every update
+(:mod:`hybridflow.workers.weight_push`), and ``sync_weights`` is never called. The engine then
+stays awake (no trainer shares its GPU).
+
+Every sample carries ``policy_version``, the number of actor updates behind the weights that
+generated it (the colocated actor's count, or the version last pushed), and, when
+:func:`~hybridflow.workers.weight_push.wants_rollout_log_probs`, the engine's
+``rollout_log_probs``.
 """
 
 from __future__ import annotations
@@ -28,10 +38,14 @@ from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # the module imports vLLM only when one is built
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.weight_push import (
+    WEIGHT_BUCKET_BYTES,
+    engine_dtype,
+    receive_pushed_weights,
+    wants_rollout_log_probs,
+)
 
 __all__ = ["RolloutWorker", "pack_responses", "prompt_token_ids", "sampling_params"]
-
-WEIGHT_BUCKET_BYTES = 64 << 20
 
 # Per-prompt fields the rollout repeats alongside each of a prompt's n responses.
 PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_info")
@@ -40,22 +54,16 @@ PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_inf
 def shares_actor_module(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
     """Whether the engine generates from the colocated actor's module itself (no copy at all).
 
-    One rank, the FSDP backend (an HF module the torch engine can run) and the torch engine: the
-    actor's weights already form the whole generation model. Otherwise the engine holds its own.
+    One rank, the FSDP backend (an HF module the torch engine can run) and the torch engine, on
+    the actor's pool: the actor's weights already form the whole generation model. Otherwise the
+    engine holds its own.
     """
-    return ctx.world_size == 1 and spec.training.backend == "fsdp" and spec.rollout.engine == "torch"
-
-
-def engine_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
-    """The dtype the engine serves in, and so the dtype weights travel in.
-
-    float32 for the torch engine and on CPU (as the torch engine generates there); bf16 for vLLM
-    on GPUs when training in bf16.
-    """
-    on_cuda = ctx.torch_device.type == "cuda"
-    if spec.rollout.engine == "vllm" and on_cuda and spec.training.precision == "bf16":
-        return torch.bfloat16
-    return torch.float32
+    return (
+        not spec.rollout_has_own_pool
+        and ctx.world_size == 1
+        and spec.training.backend == "fsdp"
+        and spec.rollout.engine == "torch"
+    )
 
 
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
@@ -92,6 +100,8 @@ class RolloutWorker(Worker):
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.shared = shares_actor_module(spec, ctx)
+        self.standalone = spec.rollout_has_own_pool
+        self.policy_version = 0  # of a standalone rollout: the version last pushed (0: the initial weights)
         # A shared engine is built on the first sync, when the colocated actor surely exists.
         self._engine: RolloutEngine | None = None if self.shared else build_engine(spec, ctx)
         self.calls = 0
@@ -149,6 +159,39 @@ class RolloutWorker(Worker):
         return loaded
 
     @register(BROADCAST)
+    def receive_weights(self, version: int) -> int:
+        """Load the weights the actor pushes (policy ``version``) into the engine; returns the bytes loaded.
+
+        Standalone rollouts only; the controller submits ``actor.push_weights(version)`` at the
+        same time (:mod:`hybridflow.workers.weight_push`). The figures are what
+        :meth:`transition_stats` reports: ``bytes_received`` counts what arrived over the bridge.
+        """
+        self.engine.wake_up()
+        loaded = 0
+        start = time.perf_counter()
+        with PeakMemory(self.ctx.torch_device) as probe:
+            for bucket in receive_pushed_weights(self.ctx):
+                self.engine.load_weights(bucket)
+                loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        self.policy_version = version
+        self._synced = True
+        self._stats = {
+            "to_generation_seconds": time.perf_counter() - start,
+            "bytes_sent": 0.0,
+            "bytes_received": float(loaded),
+            "loaded_bytes": float(loaded),
+            "redundant_bytes": 0.0,  # no trainer state on this pool: the engine's copy is the only one
+        }
+        if probe.bytes is not None:
+            self._stats["peak_memory_bytes"] = float(probe.bytes)
+        return loaded
+
+    def _current_policy_version(self) -> int:
+        if self.standalone:
+            return self.policy_version
+        return int(self.ctx.colocated("actor").policy_version)
+
+    @register(BROADCAST)
     def transition_stats(self) -> dict[str, float]:
         """This rank's figures of the last sync (see :meth:`sync_weights`); empty before the first."""
         return dict(self._stats)
@@ -156,22 +199,38 @@ class RolloutWorker(Worker):
     @register(DP_SPLIT)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """``samples`` responses per prompt (meta ``samples``, ``greedy``), rows interleaved per prompt."""
-        params = sampling_params(self.spec, prompts, stream=self.ctx.rank)
+        params = sampling_params(
+            self.spec, prompts, stream=self.ctx.rank, return_logprobs=wants_rollout_log_probs(self.spec)
+        )
         prompt_ids = prompt_token_ids(prompts)
         if not self._synced:  # a second generation since the last sync (the weights were released)
             self.sync_weights()
         self.engine.wake_up()
         output = self.engine.generate(prompt_ids, params)
-        if isinstance(self.engine, VLLMRolloutEngine):
+        version = self._current_policy_version()
+        if self.standalone:
+            pass  # nothing else needs this pool's memory: stay awake with the weights loaded
+        elif isinstance(self.engine, VLLMRolloutEngine):
             # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
             self.engine.sleep(level=2)
             self._synced = False
         elif not self.shared:
             self.engine.sleep()
-        return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
+        return pack_responses(
+            self.spec,
+            self.tokenizer,
+            self.pad_id,
+            prompts,
+            prompt_ids,
+            output,
+            params.n,
+            policy_version=version,
+        )
 
 
-def sampling_params(spec: RLHFJobSpec, prompts: Batch, *, stream: int) -> SamplingParams:
+def sampling_params(
+    spec: RLHFJobSpec, prompts: Batch, *, stream: int, return_logprobs: bool = False
+) -> SamplingParams:
     """The call's sampling parameters; ``stream`` separates the seeds of ranks that sample independently."""
     rollout = spec.rollout
     samples = int(prompts.meta.get("samples", spec.algorithm.samples_per_prompt))
@@ -184,6 +243,7 @@ def sampling_params(spec: RLHFJobSpec, prompts: Batch, *, stream: int) -> Sampli
         top_k=rollout.top_k,
         n=samples,
         seed=None if seed is None else int(seed) * 1000 + stream,
+        return_logprobs=return_logprobs,
     )
 
 
@@ -199,8 +259,13 @@ def pack_responses(
     prompt_ids: list[list[int]],
     output: RolloutOutput,
     samples: int,
+    *,
+    policy_version: int,
 ) -> Batch:
-    """The training layout of a rollout (:func:`response_tensors`) plus each prompt's fields, repeated per sample."""
+    """The training layout of a rollout (:func:`response_tensors`) plus each prompt's fields, repeated per sample.
+
+    ``policy_version`` (the actor updates behind the weights that generated it) goes on every row.
+    """
     tensors = response_tensors(
         prompt_ids,
         output,
@@ -214,6 +279,7 @@ def pack_responses(
     return Batch.from_dict(
         {
             **{k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)},
+            "policy_version": torch.full((len(output),), policy_version, dtype=torch.int64),
             **per_prompt,
             "response_text": texts,
         },
