@@ -12,8 +12,21 @@ machine weighs on each alike); its step time is the mean over the two runs of th
 Figures: ``step_seconds_colocated_sync`` and ``step_seconds_split_sync`` (2 GPUs: both roles on
 both GPUs, or one GPU each), their ratio, each candidate's predicted and measured seconds, and
 ``planner_rank_agreement``, Kendall's tau between the predicted and the measured step times
-(target >= 0.8). Overlapped generation and training is not implemented: ``step_seconds_split_overlap``
-is null. ``--quick`` runs three candidates with fewer steps. The last line printed is one JSON object.
+(target >= 0.8).
+
+Overlap: examples/grpo-tiny-overlap.yaml (actor and reference on one simulated GPU, the rollout
+on another) runs synchronously (``rollout.maxStaleness: 0``: generate, then score and update)
+and overlapped (``maxStaleness: 1``: the next step generates while the actor updates), each for
+the learning budget (``OVERLAP_STEPS``), sync, overlap, overlap, sync in the full run (one each
+with ``--quick``). ``step_seconds_split_overlap`` is the overlapped run's median step time (after
+the first step), ``step_seconds_rollout_split_sync`` the synchronous one's on the same pools,
+``overlap_over_rollout_split_sync`` their ratio (target <= 0.75) and ``overlap_over_split_sync``
+the ratio to ``step_seconds_split_sync``. ``overlap_reward_gain`` is the overlapped run's mean
+reward over its last ``window`` steps minus over its first (target >= 0.3 over the full budget;
+the runs are seeded, so a repeat learns the same), ``sync_reward_gain`` the synchronous run's,
+for comparison. ``overlap_idle_fraction`` and ``sync_idle_fraction`` are the mean idle fraction
+per pool. ``--quick`` runs three candidates with fewer steps. The last line printed is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -47,6 +60,9 @@ from hybridflow.trainer.runner import run_training
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_POOL = "bench"
 TARGET_TAU = 0.8
+TARGET_OVERLAP_RATIO = 0.75
+TARGET_GAIN = 0.3
+OVERLAP_STEPS, QUICK_OVERLAP_STEPS = 30, 8
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,20 @@ def budget_spec(workdir: Path, model: Path, data: Path, gpus: int, steps: int) -
             "roles": RolePlacementSpec(actor=BUDGET_POOL),
             "placement": "auto",
             "output_dir": str(workdir / f"budget-{gpus}"),
+        }
+    )
+
+
+def overlap_spec(workdir: Path, model: Path, data: Path, steps: int, max_staleness: int) -> RLHFJobSpec:
+    """examples/grpo-tiny-overlap.yaml (actor | rollout on 1 + 1 GPUs) with ``rollout.maxStaleness``."""
+    spec = load_job_manifest(ROOT / "examples" / "grpo-tiny-overlap.yaml").spec
+    return spec.model_copy(
+        update={
+            "models": spec.models.model_validate({"actor": {"path": str(model)}}),
+            "data": spec.data.model_copy(update={"train_files": (str(data),)}),
+            "training": spec.training.model_copy(update={"total_steps": steps}),
+            "rollout": spec.rollout.model_copy(update={"max_staleness": max_staleness}),
+            "output_dir": str(workdir / f"staleness-{max_staleness}"),
         }
     )
 
@@ -127,8 +157,10 @@ def main() -> None:
         plan = next(p for p in plans if p.pools[p.pool_index_of("actor")].gpus == candidate.actor_gpus)
         chosen.append((candidate, plan, apply_plan(spec, plan)))
 
+    overlap_steps = QUICK_OVERLAP_STEPS if args.quick else OVERLAP_STEPS
+    overlap_specs = {s: overlap_spec(workdir / "overlap", model, data, overlap_steps, s) for s in (0, 1)}
     capacity: dict[str, float] = {}
-    for _, _, spec in chosen:
+    for spec in [*(spec for _, _, spec in chosen), *overlap_specs.values()]:
         for pool in spec.resource_pools:
             key = node_pool_resource(pool.name)
             capacity[key] = max(capacity.get(key, 0.0), float(pool.world_size))
@@ -154,6 +186,26 @@ def main() -> None:
             seconds[index].append(statistics.median(m["perf/step_seconds"] for m in summary.metrics[1:]))
             print(
                 json.dumps({"label": candidate.label, "round": round_index, "seconds": seconds[index][-1]}),
+                file=sys.stderr,
+            )
+        # The overlap pair: synchronous and overlapped on the same two pools, forwards then backwards.
+        overlap_order = [0, 1] if args.quick else [0, 1, 1, 0]
+        overlap_runs: dict[int, list[list[dict[str, float]]]] = {0: [], 1: []}
+        for round_index, staleness in enumerate(overlap_order):
+            spec = overlap_specs[staleness]
+            out = Path(spec.output_dir) / f"round-{round_index}"
+            summary = run_training(
+                spec.model_copy(update={"output_dir": str(out)}), on_step=lambda line: None
+            )
+            overlap_runs[staleness].append(summary.metrics)
+            print(
+                json.dumps(
+                    {
+                        "label": f"rollout-split-staleness-{staleness}",
+                        "round": round_index,
+                        "seconds": statistics.median(m["perf/step_seconds"] for m in summary.metrics[1:]),
+                    }
+                ),
                 file=sys.stderr,
             )
     finally:
@@ -182,13 +234,52 @@ def main() -> None:
         "step_seconds_colocated_sync": measured["colocate-2"],
         "step_seconds_split_sync": measured["split-1-1"],
         "split_over_colocated_ratio": round(float(measured["split-1-1"]) / float(measured["colocate-2"]), 3),
-        "step_seconds_split_overlap": None,
-        "overlap": "not implemented",
+        **overlap_figures(overlap_runs, float(measured["split-1-1"]), window=2 if args.quick else 5),
         "candidates": rows,
         "planner_rank_agreement": round(tau, 3),
         "target_rank_agreement": TARGET_TAU,
     }
     print(json.dumps(figures))
+
+
+def overlap_figures(
+    runs: dict[int, list[list[dict[str, float]]]], split_sync_seconds: float, *, window: int
+) -> dict[str, object]:
+    """The overlap figures of the module docstring from the synchronous (0) and overlapped (1) runs."""
+
+    def step_seconds(staleness: int) -> float:
+        return statistics.mean(
+            statistics.median(m["perf/step_seconds"] for m in metrics[1:]) for metrics in runs[staleness]
+        )
+
+    def reward_gain(staleness: int) -> float:
+        rewards = [m["reward/mean"] for m in runs[staleness][0]]
+        return statistics.mean(rewards[-window:]) - statistics.mean(rewards[:window])
+
+    def idle(staleness: int) -> dict[str, float]:
+        metrics = runs[staleness][0][1:]
+        pools = sorted({k for m in metrics for k in m if k.startswith("pool/")})
+        return {k.split("/")[1]: round(statistics.mean(m[k] for m in metrics), 3) for k in pools}
+
+    overlap, sync = step_seconds(1), step_seconds(0)
+    staleness = [m.get("staleness/mean", 0.0) for m in runs[1][0]]
+    return {
+        "step_seconds_split_overlap": round(overlap, 4),
+        "step_seconds_rollout_split_sync": round(sync, 4),
+        "overlap_over_rollout_split_sync": round(overlap / sync, 3),
+        "overlap_over_split_sync": round(overlap / split_sync_seconds, 3),
+        "target_overlap_ratio": TARGET_OVERLAP_RATIO,
+        "overlap_steps_per_run": len(runs[1][0]),
+        "overlap_reward_gain": round(reward_gain(1), 4),
+        "sync_reward_gain": round(reward_gain(0), 4),
+        "target_reward_gain": TARGET_GAIN,
+        "overlap_staleness_mean": round(statistics.mean(staleness[1:]), 3),
+        "overlap_rollout_trainer_kl_mean": round(
+            statistics.mean(m["off_policy/kl"] for m in runs[1][0][1:]), 5
+        ),
+        "overlap_idle_fraction": idle(1),
+        "sync_idle_fraction": idle(0),
+    }
 
 
 if __name__ == "__main__":

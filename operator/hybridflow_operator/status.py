@@ -172,6 +172,24 @@ class Condition(StatusModel):
     last_transition_time: datetime = Field(description="When status last changed (not reason or message).")
 
 
+class PlannedPlacement(StatusModel):
+    """The plan ``spec.placement: auto`` chose, as the controller runs it (docs/placement.md)."""
+
+    kind: str = Field(max_length=64, description="Placement kind: colocate, split or standalone.")
+    summary: str = Field(
+        max_length=4096,
+        description="Each pool's roles, GPUs and parallel layouts, and the estimates (the line the job logs).",
+    )
+    estimated_step_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="The cost model's step time for this plan (an estimate, not a measurement).",
+    )
+    device: str | None = Field(
+        default=None, max_length=256, description="The device constants the plan was costed with."
+    )
+
+
 class Progress(StatusModel):
     """Training progress, pushed (throttled) by the controller in the head pod; the operator never writes it."""
 
@@ -193,6 +211,10 @@ class Progress(StatusModel):
         default=None, ge=0, description="Step of the newest complete checkpoint; a restart resumes after it."
     )
     updated_at: datetime | None = Field(default=None, description="When the controller last pushed progress.")
+    placement: PlannedPlacement | None = Field(
+        default=None,
+        description="With spec.placement auto: the plan the controller chose and runs, pushed when the attempt starts.",
+    )
 
 
 class RLHFJobStatus(StatusModel):

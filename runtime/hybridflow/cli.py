@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridflow import __version__
 
@@ -117,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
         resolved = _resolve_auto_placement(args.manifest, spec, in_cluster=False)
         if resolved is None:
             return EXIT_USER_ERROR
-        spec = resolved
+        spec = resolved[0]
     sources = {
         "actor": spec.models.actor,
         "reference": spec.models.reference_or_actor,
@@ -189,28 +189,34 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve_auto_placement(manifest: str, spec: RLHFJobSpec, *, in_cluster: bool) -> RLHFJobSpec | None:
+def _resolve_auto_placement(
+    manifest: str, spec: RLHFJobSpec, *, in_cluster: bool
+) -> tuple[RLHFJobSpec, dict[str, Any]] | None:
     """``spec.placement: auto``: the spec with the best plan's pools, roles and sizes, or ``None`` on error.
+
+    Also returns the plan as ``status.progress.placement`` (``hybridflow.incluster.placement_status``).
 
     Locally the planner costs simulated GPUs sharing this machine's cores; in a cluster it
     costs the default GPU (docs/placement.md) and keeps everything on the budget pool, the one
     KubeRay worker group the operator made for it (a split placement would need a worker group
     per planned pool).
     """
+    from hybridflow.incluster.status import placement_status
     from hybridflow.planner import A100_80GB, PlannerInputError
     from hybridflow.planner.job import local_device, resolve_auto_placement
     from hybridflow.planner.report import describe_plan
 
+    device = A100_80GB if in_cluster else local_device()
     try:
         if in_cluster:
-            resolved, plan = resolve_auto_placement(spec, A100_80GB, kinds=("colocate",))
+            resolved, plan = resolve_auto_placement(spec, device, kinds=("colocate",))
         else:
-            resolved, plan = resolve_auto_placement(spec, local_device())
+            resolved, plan = resolve_auto_placement(spec, device)
     except PlannerInputError as err:
         print(f"error: {manifest}: spec.placement auto: {err}", file=sys.stderr)
         return None
     print(f"placement auto: {describe_plan(plan)}")
-    return resolved
+    return resolved, placement_status(plan, device.name)
 
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -234,11 +240,13 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, SpecError) as err:
         print(f"error: {args.manifest}: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    placement: dict[str, Any] | None = None
     if job.spec.placement == "auto":
         resolved = _resolve_auto_placement(args.manifest, job.spec, in_cluster=True)
         if resolved is None:
             return EXIT_USER_ERROR
-        job = job.model_copy(update={"spec": resolved})
+        job = job.model_copy(update={"spec": resolved[0]})
+        placement = resolved[1]
     namespace = job.metadata.namespace or os.environ.get("POD_NAMESPACE")
     if namespace is None and SERVICE_ACCOUNT_NAMESPACE.is_file():
         namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
@@ -253,7 +261,8 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
 
     exporter = TrainingMetricsExporter(namespace, job.metadata.name)
     exporter.serve(args.metrics_port)
-    pusher = StatusPusher.in_cluster(namespace, job.metadata.name)
+    pusher = StatusPusher.in_cluster(namespace, job.metadata.name, placement=placement)
+    pusher.push_placement()
 
     def report(step: StepReport) -> None:
         print(progress_line(step), flush=True)  # the pod's log

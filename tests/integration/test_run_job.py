@@ -106,6 +106,50 @@ def test_grpo_resume_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path) -> 
         assert torch.equal(tensor, resumed_params[name]), name
 
 
+def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, tmp_path: Path) -> None:
+    """The rollout on its own pool (1 + 1 simulated GPUs), rollout.maxStaleness 1.
+
+    Step k's samples come from the policy before step k-1's update (staleness 1 from step 2 on:
+    they were generated while that update ran), the weights reach the rollout pool after every
+    update (step 1's samples, made by the same weights the trainer scores them with, have no
+    log-prob gap), and a run stopped after step 2 and resumed equals the uninterrupted one.
+    """
+    straight = manifest(tiny, tmp_path / "straight", "grpo-tiny-overlap.yaml", totalSteps=4)
+    result = run(straight)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "straight")
+    assert [r["staleness/samples/0"] for r in records] == [64.0, 0.0, 0.0, 0.0]
+    assert [r["staleness/samples/1"] for r in records] == [0.0, 64.0, 64.0, 64.0]
+    assert all(r["staleness/max"] <= 1 for r in records)
+    assert records[0]["off_policy/kl"] < 1e-6 and records[0]["off_policy/is_weight_mean"] == pytest.approx(
+        1.0
+    )
+    assert all(r["off_policy/kl"] > 0 for r in records[1:])  # one update old: the policies differ
+    for record in records:
+        assert (
+            0 <= record["pool/train/idle_fraction"] <= 1 and 0 <= record["pool/generate/idle_fraction"] <= 1
+        )
+        assert record["reshard/bytes_received_per_rank"] > 0  # the push reached the rollout pool
+    assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rollout_ahead.pt").is_file()
+
+    resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny-overlap.yaml", totalSteps=4)
+    first = run(resumed, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(resumed)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step 3/4" in second.stdout
+    again = metrics(tmp_path / "resumed")
+    assert [m["step"] for m in again] == [1, 2, 3, 4]
+    for x, y in zip(records, again, strict=True):
+        for key in ("reward/mean", "actor/policy_loss", "off_policy/kl", "staleness/mean"):
+            assert x[key] == y[key], (x["step"], key)
+    straight_params = actor_parameters(tmp_path / "straight" / "checkpoints" / "step_000004")
+    resumed_params = actor_parameters(tmp_path / "resumed" / "checkpoints" / "step_000004")
+    assert straight_params.keys() == resumed_params.keys() and straight_params
+    for name, tensor in straight_params.items():
+        assert torch.equal(tensor, resumed_params[name]), name
+
+
 def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
     path = manifest(tiny, tmp_path / "ppo", "ppo-tiny.yaml", totalSteps=2)
     result = run(path)

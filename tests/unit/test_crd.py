@@ -260,7 +260,9 @@ def test_enums_bounds_and_maps_survive_the_conversion() -> None:
         "etaSeconds",
         "lastCheckpointStep",
         "updatedAt",
+        "placement",
     }
+    assert schema_node("status.progress.placement")["required"] == ["kind", "summary"]
     conditions = schema_node("status.conditions")
     assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == [
         "type"

@@ -10,7 +10,7 @@ import yaml
 from jsonschema import Draft4Validator
 from prometheus_client import CollectorRegistry, generate_latest
 
-from hybridflow.incluster import StatusPusher, TrainingMetricsExporter, progress_status
+from hybridflow.incluster import StatusPusher, TrainingMetricsExporter, placement_status, progress_status
 from hybridflow.metrics.step_report import StepReport
 
 pytestmark = pytest.mark.unit
@@ -108,3 +108,32 @@ def test_non_finite_figures_are_left_out() -> None:
     )
     assert {"reward", "tokensPerSecond", "etaSeconds"}.isdisjoint(progress["status"]["progress"])
     assert status_schema_errors(progress["status"]) == []
+
+
+def test_the_auto_placement_plan_goes_into_the_status_as_the_crd_declares_it() -> None:
+    from hybridflow.planner import A100_80GB, ClusterShape, plan_job
+    from hybridflow.planner.shapes import PAPER_MODELS, Workload
+
+    model = PAPER_MODELS["llama-7b"]
+    workload = Workload(
+        actor=model, critic=model, reward=model, sequences=1024, prompt_tokens=1024, response_tokens=1024
+    )
+    plan = plan_job(workload, ClusterShape(16, 8), A100_80GB)[0]
+    placement = placement_status(plan, A100_80GB.name)
+    assert placement["kind"] == "colocate" and placement["estimatedStepSeconds"] == pytest.approx(
+        plan.step_seconds
+    )
+    assert placement["summary"].startswith("colocate [actor+")
+    patches: list[dict[str, Any]] = []
+    pusher = StatusPusher(
+        patches.append, min_interval_seconds=60.0, clock=lambda: 0.0, now=lambda: NOW, placement=placement
+    )
+    pusher.push_placement()  # before the first step
+    pusher(report(1))
+    assert patches[0] == {"status": {"progress": {"placement": placement}}}
+    assert patches[1]["status"]["progress"]["placement"] == placement  # repeated: a lost push is repaired
+    for patch in patches:
+        assert status_schema_errors(patch["status"]) == []
+    assert (
+        status_schema_errors({"progress": {"placement": {"kind": "colocate"}}}) != []
+    )  # summary is required

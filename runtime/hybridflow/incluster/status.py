@@ -5,6 +5,10 @@ status); the operator owns phase, conditions and attempts and never writes ``pro
 controller patches through the status subresource with the job's own ServiceAccount, whose Role
 allows ``get``/``patch`` on this one RLHFJob's status only.
 
+With ``spec.placement: auto`` the chosen plan (:func:`placement_status`) is pushed once when the
+attempt starts (:meth:`StatusPusher.push_placement`) and carried in every later progress patch,
+so one lost push is repaired by the next.
+
 Pushes are throttled (at most one per ``min_interval_seconds``, except the final step and
 checkpoint steps) so that a fast loop does not load the API server. A failed push is logged and
 retried at the next report: progress is advisory, and a training run never dies because the API
@@ -21,9 +25,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from hybridflow.metrics.step_report import StepReport
+from hybridflow.planner import Plan
+from hybridflow.planner.report import describe_plan
 from hybridflow.spec import GROUP, PLURAL, VERSION
 
-__all__ = ["StatusPusher", "progress_status"]
+__all__ = ["StatusPusher", "placement_status", "progress_status"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +43,22 @@ def _finite(value: float | None) -> float | None:
     return float(value)
 
 
-def progress_status(report: StepReport, now: datetime) -> dict[str, Any]:
+def placement_status(plan: Plan, device: str) -> dict[str, Any]:
+    """``status.progress.placement`` for a plan of ``placement: auto`` (the CRD's PlannedPlacement)."""
+    placement: dict[str, Any] = {
+        "kind": plan.placement.kind,
+        "summary": describe_plan(plan)[:4096],
+        "device": device,
+    }
+    seconds = _finite(plan.step_seconds)
+    if seconds is not None:
+        placement["estimatedStepSeconds"] = round(max(0.0, seconds), 6)
+    return placement
+
+
+def progress_status(
+    report: StepReport, now: datetime, placement: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The ``status.progress`` object for a step, in the CRD's field names and types.
 
     Every value has the type the CRD's status schema gives it (numbers as JSON numbers, never
@@ -62,6 +83,8 @@ def progress_status(report: StepReport, now: datetime) -> dict[str, Any]:
         progress["tokensPerSecond"] = max(0, int(tokens))
     if report.last_checkpoint_step is not None:
         progress["lastCheckpointStep"] = report.last_checkpoint_step
+    if placement is not None:
+        progress["placement"] = placement
     return {"status": {"progress": progress}}
 
 
@@ -75,8 +98,10 @@ class StatusPusher:
         min_interval_seconds: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        placement: dict[str, Any] | None = None,
     ) -> None:
         self._patch = patch
+        self.placement = placement
         self._min_interval = min_interval_seconds
         self._clock = clock
         self._now = now
@@ -92,13 +117,23 @@ class StatusPusher:
         if not (due or final or checkpointed):
             return
         try:
-            self._patch(progress_status(report, self._now()))
+            self._patch(progress_status(report, self._now(), self.placement))
         except Exception as err:  # progress is advisory: log and try again at the next report
             self.failures += 1
             log.warning("could not push progress for step %d: %s", report.step, err)
             return
         self._last_push = now
         self._last_checkpoint = report.last_checkpoint_step
+
+    def push_placement(self) -> None:
+        """Push the chosen plan now (before the first step); failures are logged, as for progress."""
+        if self.placement is None:
+            return
+        try:
+            self._patch({"status": {"progress": {"placement": self.placement}}})
+        except Exception as err:
+            self.failures += 1
+            log.warning("could not push the placement plan: %s", err)
 
     @classmethod
     def in_cluster(cls, namespace: str, name: str, **kwargs: Any) -> StatusPusher:
