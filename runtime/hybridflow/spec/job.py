@@ -135,7 +135,11 @@ class RLHFJobSpec(SpecModel):
     active_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
-        description="Wall-clock limit of the whole job, restarts included; when exceeded the job fails.",
+        description=(
+            "Limit on the job's running time, summed over its attempts (each from KubeRay starting its "
+            "cluster to its end); time suspended, queued in Kueue or waiting between attempts does not "
+            "count. When exceeded the job fails (DeadlineExceeded)."
+        ),
     )
     stall_timeout_seconds: int = Field(
         default=1800,
@@ -153,13 +157,14 @@ class RLHFJobSpec(SpecModel):
         ge=0,
         description="Delete the RLHFJob this long after it succeeds or fails. Default: keep it.",
     )
-    startup_timeout_seconds: int | None = Field(
-        default=None,
+    startup_timeout_seconds: int = Field(
+        default=1800,
         ge=1,
         description=(
-            "Seconds an attempt may take from its RayJob's creation until the controller runs (image "
-            "pulls, scheduling, cluster start); past it KubeRay fails the attempt, which is retried. "
-            "Default: no limit."
+            "Seconds an attempt may take from KubeRay starting its cluster until the job is submitted "
+            "(scheduling, image pulls, cluster start; time queued or suspended does not count); past it "
+            "KubeRay fails the attempt (PreRunningDeadlineExceeded), which is retried, so a RayJob that "
+            "never gets its pods does not stay Initializing for ever."
         ),
     )
     keep_cluster_seconds_after_finished: int = Field(
