@@ -71,9 +71,23 @@ CHILD_KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("", "v1", "serviceaccounts", "ServiceAccount"),
     ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
     ("ray.io", "v1", "rayjobs", "RayJob"),
 )
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def _labels(value: str) -> tuple[tuple[str, str], ...]:
+    """``k=v,k2=v2`` as label pairs; a malformed entry stops the operator at start, naming it."""
+    pairs = []
+    for item in (part.strip() for part in value.split(",") if part.strip()):
+        key, sep, label = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"HYBRIDFLOW_KUBERAY_POD_LABELS: {item!r} is not key=value")
+        pairs.append((key, label))
+    if not pairs:
+        raise ValueError("HYBRIDFLOW_KUBERAY_POD_LABELS: empty; the KubeRay operator's pods need a label")
+    return tuple(pairs)
 
 
 def _flag(value: str) -> bool:
@@ -88,6 +102,9 @@ class OperatorConfig:
             image=env.get("HYBRIDFLOW_RUNTIME_IMAGE", DEFAULT_IMAGE),
             head_cpu=env.get("HYBRIDFLOW_HEAD_CPU", "2"),
             head_memory=env.get("HYBRIDFLOW_HEAD_MEMORY", "8Gi"),
+            kuberay_pod_labels=_labels(
+                env.get("HYBRIDFLOW_KUBERAY_POD_LABELS", "app.kubernetes.io/name=kuberay-operator")
+            ),
         )
         self.metrics_port = int(env.get("HYBRIDFLOW_OPERATOR_METRICS_PORT", "8080"))
         self.health_port = int(env.get("HYBRIDFLOW_OPERATOR_HEALTH_PORT", "8081"))

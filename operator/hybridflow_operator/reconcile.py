@@ -18,8 +18,8 @@ can run any number of times: a pass that finds the world as it wants it writes n
 4. a finished job is deleted once ``ttlSecondsAfterFinished`` has passed (owner references take
    the children with it); if the delete fails, the job reports it as below and writes no child;
 5. make sure the attempt's children exist, in dependency order: ConfigMap (patched when the
-   spec changed), ServiceAccount, Role, RoleBinding, then the RayJob when the decision starts
-   an attempt. A create answered 409 AlreadyExists reads the object (the one read outside the
+   spec changed), ServiceAccount, Role, RoleBinding, NetworkPolicy, then the RayJob when the
+   decision starts an attempt. A create answered 409 AlreadyExists reads the object (the one read outside the
    caches): owned by this uid, the cache was only behind and it is taken as the job's; owned by
    anyone else, it is a ``NameConflict``. The first failing write stops the sequence, so a
    RayJob never exists without the RBAC its head pod needs; a later pass finishes what is

@@ -104,7 +104,9 @@ def check_case(manifest: dict[str, Any], edits: list[str]) -> None:
         TALLY["operator_crashes"] += 1
         raise
     kinds = [child["kind"] for child in children]
-    assert kinds == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "RayJob"], f"{kinds}\n{story}"
+    assert kinds == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "RayJob"], (
+        f"{kinds}\n{story}"
+    )
     validator = kuberay_validator()
     if validator is not None:
         problems = [error.message for error in validator.iter_errors(children[-1])]

@@ -476,6 +476,7 @@ def test_builders_are_deterministic(name: str) -> None:
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "NetworkPolicy",
         "RayJob",
     ]
 

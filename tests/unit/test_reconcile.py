@@ -148,6 +148,7 @@ def test_first_pass_creates_the_children_and_a_second_writes_nothing() -> None:
     assert cluster.pass_() > 0
     assert kinds(cluster) == [
         ("ConfigMap", "grpo-tiny-config"),
+        ("NetworkPolicy", "grpo-tiny-ray"),
         ("RayJob", "grpo-tiny-1"),
         ("Role", "grpo-tiny-controller"),
         ("RoleBinding", "grpo-tiny-controller"),
@@ -157,7 +158,7 @@ def test_first_pass_creates_the_children_and_a_second_writes_nothing() -> None:
     assert status["attempts"] == 1 and status["rayJobName"] == "grpo-tiny-1"
     created = [c for c in cluster.job["status"]["conditions"] if c["type"] == "RayJobCreated"]
     assert created[0]["status"] == "True"  # set by the pass that created it: no second status write
-    assert cluster.writes == 6  # 5 children + 1 status; Pending has no Event
+    assert cluster.writes == 7  # 6 children + 1 status; Pending has no Event
     assert cluster.pass_() == 0  # level-triggered: the next pass observes the RayJob, changes nothing
     assert cluster.reads == 0  # everything from the caches
 
@@ -420,7 +421,7 @@ def test_a_409_for_our_own_child_is_the_cache_behind_not_a_name_conflict() -> No
     cluster.pass_()
     events = list(cluster.events)
     assert cluster.pass_(children=[]) == 0  # a pass before the watch delivered its own creates
-    assert cluster.reads == 5  # each 409 reads the object: owned by this uid, so it is the job's
+    assert cluster.reads == 6  # each 409 reads the object: owned by this uid, so it is the job's
     assert not cluster.result.failed and cluster.events == events
     conditions = {c["type"]: (c["status"], c["reason"]) for c in cluster.job["status"]["conditions"]}
     assert conditions["ChildrenReady"] == ("True", "Ready")
