@@ -56,6 +56,7 @@ CHECKS = [
     "checkpoint_round_trip_continues_identically",
     "checkpoint_loads_into_another_layout",
     "non_finite_grad_skips_the_step_everywhere",
+    "activation_checkpointing_gives_the_same_step",
 ]
 
 ROWS = 8
@@ -201,8 +202,10 @@ def run_checks(rank: int, port: int, root: str) -> None:
         rows = slice(layout.dp_rank * ROWS // layout.dp_size, (layout.dp_rank + 1) * ROWS // layout.dp_size)
         return {name: tensor[rows] for name, tensor in data.items()}
 
-    def trainer(directory: Path) -> tuple[Any, Any, Any]:
-        model = mb.wrap_data_parallel(mb.load_causal_lm(directory))
+    def trainer(directory: Path, *, activation_checkpointing: bool = False) -> tuple[Any, Any, Any]:
+        model = mb.wrap_data_parallel(
+            mb.load_causal_lm(directory, activation_checkpointing=activation_checkpointing)
+        )
         optimizer = mb.build_optimizer(
             model, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
         )
@@ -439,6 +442,25 @@ def run_checks(rank: int, port: int, root: str) -> None:
         assert_same(after, before, atol=0.0)
         assert not torch_optimizer(optimizer).state  # no Adam state: no step was taken
 
+    def recompute() -> None:
+        # Full recompute of every layer, through the pipeline: the same step as without it.
+        stepped = []
+        for tp, pp in ((2, 1), (2, 2)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            parts = trainer(qwen, activation_checkpointing=True)
+            config = mb.unwrap(parts[0]).config
+            assert (config.recompute_granularity, config.recompute_method) == ("full", "uniform")
+            loss, norm = train_step(parts, layout, first)
+            stepped.append((layout, loss, norm, mb.full_state_dict(parts[0])))
+            mb.destroy_parallel_state()
+        for layout, loss, norm, state in stepped:
+            expected_loss = (
+                layout.dp_size * refs["row_losses"].chunk(layout.dp_size)[layout.dp_rank].sum().item()
+            )
+            assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
+            assert norm == pytest.approx(refs["grad_norm"], rel=1e-5)
+            assert_same(state, refs["stepped"], atol=1e-6)
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -450,6 +472,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("checkpoint_round_trip_continues_identically", checkpoint)
         check("checkpoint_loads_into_another_layout", reshard_checkpoint)
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
+        check("activation_checkpointing_gives_the_same_step", recompute)
     finally:
         (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
         dist.destroy_process_group()

@@ -95,6 +95,15 @@ class TrainingSpec(SpecModel):
             "fp32 either way."
         ),
     )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each decoder layer's activations in the backward pass instead of keeping them "
+            "from the forward: activation memory of about one layer instead of all of them, for about "
+            "one more forward pass of compute per update. Same gradients either way. FSDP: transformers' "
+            "gradient checkpointing (non-reentrant); megatron: full recompute of every layer."
+        ),
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,

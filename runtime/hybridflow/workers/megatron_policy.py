@@ -57,7 +57,7 @@ def parameter_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
 class _MegatronPolicyModel(Worker):
     """This rank's GPTModel stage of a causal LM, scoring response tokens; shared by actor and reference."""
 
-    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, trained: bool) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
@@ -65,7 +65,11 @@ class _MegatronPolicyModel(Worker):
         self.layout = mb.initialize_parallel_state(
             tp_size=training.tensor_parallel_size, pp_size=training.pipeline_parallel_size, seed=training.seed
         )
-        self.model: Any = mb.load_causal_lm(model_path, dtype=parameter_dtype(spec, ctx))
+        self.model: Any = mb.load_causal_lm(
+            model_path,
+            dtype=parameter_dtype(spec, ctx),
+            activation_checkpointing=trained and training.activation_checkpointing,
+        )
         self.micro_batch_size = training.micro_batch_size_per_gpu
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
 
@@ -87,7 +91,7 @@ class MegatronReferenceWorker(_MegatronPolicyModel):
     """The frozen initial policy, for the KL term."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.reference_or_actor.path)
+        super().__init__(ctx, spec, spec.models.reference_or_actor.path, trained=False)
         self.model.requires_grad_(False)
 
     @register(DP_SPLIT)
@@ -99,7 +103,7 @@ class MegatronActorWorker(_MegatronPolicyModel):
     """The trained policy: megatron DDP over the DP group, AdamW, the job's LR schedule."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.actor.path)
+        super().__init__(ctx, spec, spec.models.actor.path, trained=True)
         training = spec.training
         self.model = mb.wrap_data_parallel(self.model)
         self.optimizer = mb.build_optimizer(self.model, learning_rate=training.learning_rate)

@@ -71,13 +71,16 @@ def _model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, tor
 class _PolicyModel(Worker):
     """A sharded causal LM that scores response tokens; shared by actor and reference."""
 
-    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, trained: bool) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
         dtype, mixed = _model_dtype(spec, ctx)
         self.model = shard_model(
-            load_causal_lm(model_path, dtype=dtype), device=ctx.torch_device, mixed_precision=mixed
+            load_causal_lm(model_path, dtype=dtype),
+            device=ctx.torch_device,
+            mixed_precision=mixed,
+            activation_checkpointing=trained and spec.training.activation_checkpointing,
         )
         self.micro_batch_size = spec.training.micro_batch_size_per_gpu
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
@@ -108,7 +111,7 @@ class ReferenceWorker(_PolicyModel):
     """The frozen initial policy, for the KL term."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.reference_or_actor.path)
+        super().__init__(ctx, spec, spec.models.reference_or_actor.path, trained=False)
         self.model.requires_grad_(False)
 
     @register(DP_SPLIT)
@@ -120,7 +123,7 @@ class ActorWorker(_PolicyModel):
     """The trained policy."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.actor.path)
+        super().__init__(ctx, spec, spec.models.actor.path, trained=True)
         training = spec.training
         self.optimizer = build_optimizer(self.model, learning_rate=training.learning_rate)
         self.scheduler = build_lr_scheduler(

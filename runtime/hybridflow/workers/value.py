@@ -33,12 +33,20 @@ __all__ = ["CostCriticWorker", "CostModelWorker", "CriticWorker", "RewardModelWo
 
 
 class _ValueRole(Worker):
+    trained = False
+    """Whether the role trains (the critics): only those get activation checkpointing."""
+
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + 7919 + ctx.rank)
         mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
-        self.model = shard_model(load_value_model(model_path), device=ctx.torch_device, mixed_precision=mixed)
+        self.model = shard_model(
+            load_value_model(model_path),
+            device=ctx.torch_device,
+            mixed_precision=mixed,
+            activation_checkpointing=self.trained and spec.training.activation_checkpointing,
+        )
         self.micro_batch_size = spec.training.micro_batch_size_per_gpu
 
     def _values(self, batch: Batch) -> torch.Tensor:
@@ -99,6 +107,7 @@ class CriticWorker(_ValueRole):
     """The reward critic: a value per response token, trained towards the GAE returns."""
 
     metric_prefix = "critic"
+    trained = True
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
         super().__init__(ctx, spec, self.initial_model_path(spec))

@@ -26,7 +26,7 @@ from hybridflow.backends.fsdp.optim import (
     clip_grad_norm_and_step,
     lr_factor,
 )
-from hybridflow.backends.fsdp.parallelize import decoder_layers, shard_model
+from hybridflow.backends.fsdp.parallelize import decoder_layers, enable_activation_checkpointing, shard_model
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "build_optimizer",
     "clip_grad_norm_and_step",
     "decoder_layers",
+    "enable_activation_checkpointing",
     "full_state_dict",
     "iter_full_weight_buckets",
     "load_causal_lm",
