@@ -57,6 +57,7 @@ CHECKS = [
     "checkpoint_loads_into_another_layout",
     "non_finite_grad_skips_the_step_everywhere",
     "activation_checkpointing_gives_the_same_step",
+    "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
 ]
 
 ROWS = 8
@@ -461,6 +462,42 @@ def run_checks(rank: int, port: int, root: str) -> None:
             assert norm == pytest.approx(refs["grad_norm"], rel=1e-5)
             assert_same(state, refs["stepped"], atol=1e-6)
 
+    def chunked_logprobs() -> None:
+        # Every rank draws the same full logits, takes its TP slice, and must match a plain
+        # log-softmax over the unpadded vocabulary, in values and gradients, for any chunking.
+        from hybridflow.backends.megatron.logprobs import vocab_parallel_logprobs_and_entropy
+
+        results = []
+        for tp in (2, 4):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=1)
+            generator = torch.Generator().manual_seed(7)
+            padded, vocab = 24, 21  # the last TP rank holds padding columns
+            full = torch.randn(3, 5, padded, generator=generator) * 3
+            targets = torch.randint(0, vocab, (3, 5), generator=generator)
+            weights = torch.randn(2, 3, 5, generator=generator)
+            width = padded // tp
+            columns = slice(layout.tp_rank * width, (layout.tp_rank + 1) * width)
+            for chunk in (4, 1 << 20):
+                local = full[..., columns].clone().requires_grad_(True)
+                log_probs, entropy = vocab_parallel_logprobs_and_entropy(
+                    local, targets, vocab_size=vocab, temperature=TEMPERATURE, chunk_tokens=chunk
+                )
+                assert entropy is not None
+                (weights[0] * log_probs + weights[1] * entropy).sum().backward()
+                results.append((columns, log_probs.detach(), entropy.detach(), local.grad))
+            mb.destroy_parallel_state()
+        reference = full.clone().requires_grad_(True)
+        z = reference[..., :vocab] / TEMPERATURE
+        log_softmax = torch.log_softmax(z, dim=-1)
+        expected_lp = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        expected_entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
+        (weights[0] * expected_lp + weights[1] * expected_entropy).sum().backward()
+        assert reference.grad is not None
+        for columns, log_probs, entropy, grad in results:
+            torch.testing.assert_close(log_probs, expected_lp.detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(grad, reference.grad[..., columns], atol=1e-5, rtol=0)
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -473,6 +510,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("checkpoint_loads_into_another_layout", reshard_checkpoint)
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
         check("activation_checkpointing_gives_the_same_step", recompute)
+        check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)
     finally:
         (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
         dist.destroy_process_group()
