@@ -58,6 +58,7 @@ CHECKS = [
     "non_finite_grad_skips_the_step_everywhere",
     "activation_checkpointing_gives_the_same_step",
     "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
+    "offload_round_trip_continues_identically",
 ]
 
 ROWS = 8
@@ -498,6 +499,27 @@ def run_checks(rank: int, port: int, root: str) -> None:
             torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=0)
             torch.testing.assert_close(grad, reference.grad[..., columns], atol=1e-5, rtol=0)
 
+    def offload() -> None:
+        # Two steps with the training state offloaded (parameters, gradient buffers, Adam's
+        # state) and reloaded before each, as around generation: the same as without.
+        from hybridflow.backends.offload import DeviceOffload
+
+        layout = mb.initialize_parallel_state(tp_size=2, pp_size=2)
+        plain, moved = trainer(qwen), trainer(qwen)
+        round_trip = DeviceOffload("the test trainer")
+        seen = []  # asserted after the loop: no rank may skip a collective its peers run
+        for data in (first, refs["data"]["second"]):
+            parameters, optimizer_state = mb.offload_tensors(moved[0], moved[1])
+            stats = round_trip.offload(parameters + optimizer_state)
+            emptied = all(p.untyped_storage().nbytes() == 0 for p in moved[0].parameters())
+            grads_emptied = all(p.main_grad.untyped_storage().nbytes() == 0 for p in moved[0].parameters())
+            round_trip.reload()
+            seen.append((stats.bytes > 0, emptied, grads_emptied))
+            seen.append(train_step(moved, layout, data) == train_step(plain, layout, data))
+        assert seen == [(True, True, True), True] * 2, seen
+        assert_same(mb.full_state_dict(moved[0]), mb.full_state_dict(plain[0]), atol=0.0)
+        assert torch_optimizer(moved[1]).state
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -511,6 +533,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
         check("activation_checkpointing_gives_the_same_step", recompute)
         check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)
+        check("offload_round_trip_continues_identically", offload)
     finally:
         (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
         dist.destroy_process_group()

@@ -84,7 +84,7 @@ def multi_pool_manifest() -> dict[str, Any]:
             },
             "data": {"trainFiles": ["/data/prompts.parquet"]},
             "algorithm": {"name": "ppo"},
-            "rollout": {"engine": "vllm", "tensorParallelSize": 2},
+            "rollout": {"engine": "torch", "tensorParallelSize": 2},
             "training": {
                 "backend": "megatron",
                 "totalSteps": 500,

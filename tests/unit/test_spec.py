@@ -71,7 +71,7 @@ def full_manifest() -> Manifest:
                 "gaeLambda": 0.95,
                 "kl": {"mode": "reward", "estimator": "k1", "controller": "adaptive", "targetKl": 6.0},
             },
-            "rollout": {"engine": "vllm", "tensorParallelSize": 2, "gpuMemoryUtilization": 0.9},
+            "rollout": {"engine": "torch", "tensorParallelSize": 2, "gpuMemoryUtilization": 0.9},
             "training": {
                 "backend": "megatron",
                 "totalSteps": 500,
@@ -293,7 +293,8 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
         "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
-        "maxGradNorm, precision, activationCheckpointing, tensorParallelSize, pipelineParallelSize, seed)",
+        "maxGradNorm, precision, activationCheckpointing, offloadDuringGeneration, tensorParallelSize, "
+        "pipelineParallelSize, seed)",
     ]
 
 
@@ -450,7 +451,11 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "reward-source": (_set("rewards", []), "no reward functions and no reward model"),
     "mini-batch-divides-step": (_set("training.miniBatchSize", 5), "5 with 8 prompts x 4 samples"),
     "training-fits-actor-pool": (
-        _all(_set("training.backend", "megatron"), _set("training.tensorParallelSize", 2)),
+        _all(
+            _set("training.backend", "megatron"),
+            _set("training.tensorParallelSize", 2),
+            _set("rollout.engine", "torch"),
+        ),
         "2 * 1 = 2; pool 'default' has 1 GPU",
     ),
     "training-fits-critic-pool": (
@@ -460,6 +465,7 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
             _set("roles.critic", "critic"),
             _set("training.backend", "megatron"),
             _set("training.tensorParallelSize", 2),
+            _set("rollout.engine", "torch"),
         ),
         "2 * 1 = 2; pool 'critic' has 1 GPU",
     ),
@@ -477,20 +483,48 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         "data-parallel size 4 on pool 'critic'",
     ),
     "rollout-tensor-parallel-divides-training": (
-        _set("rollout.tensorParallelSize", 2),
+        _all(_set("training.backend", "megatron"), _set("rollout.tensorParallelSize", 2)),
         "2 with training.tensorParallelSize 1",
     ),
     "rollout-pipeline-parallel-divides-training": (
-        _set("rollout.pipelineParallelSize", 2),
+        _all(_set("training.backend", "megatron"), _set("rollout.pipelineParallelSize", 2)),
         "2 with training.pipelineParallelSize 1",
+    ),
+    "rollout-tensor-parallel-needs-megatron": (
+        _set("rollout.tensorParallelSize", 2),
+        "2 with backend 'fsdp'",
+    ),
+    "rollout-pipeline-parallel-needs-megatron": (
+        _all(
+            _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
+            _set("roles.rollout", "generate"),
+            _set("rollout.pipelineParallelSize", 2),
+        ),
+        "2 with backend 'fsdp'",
+    ),
+    "hybrid-engine-needs-torch-engine": (
+        _all(
+            _set("training.backend", "megatron"),
+            _set("training.tensorParallelSize", 2),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "'vllm' with training 2 * 1",
     ),
     "rollout-fits-own-pool": (
         _all(
+            _set("training.backend", "megatron"),
             _set("resourcePools", [_pool("default", 1), _pool("generate", 1)]),
             _set("roles.rollout", "generate"),
             _set("rollout.tensorParallelSize", 2),
         ),
         "2 * 1; pool 'generate' has 1 GPU",
+    ),
+    "parameter-offload-needs-own-engine-weights": (
+        _all(
+            _set("rollout.engine", "torch"),
+            _set("training.offloadDuringGeneration", {"parameters": True, "optimizerState": False}),
+        ),
+        "true with the torch engine on a one-GPU actor pool",
     ),
     "auto-placement-one-pool": (
         _all(_set("placement", "auto"), _set("resourcePools", [_pool("default", 1), _pool("spare", 1)])),

@@ -55,16 +55,16 @@ class RolloutSpec(SpecModel):
         default=1,
         ge=1,
         description=(
-            "Tensor-parallel size during generation. When colocated with the actor it must divide "
-            "spec.training.tensorParallelSize."
+            "Tensor-parallel size during generation; above 1 needs spec.training.backend 'megatron'. "
+            "When colocated with the actor it must divide spec.training.tensorParallelSize."
         ),
     )
     pipeline_parallel_size: int = Field(
         default=1,
         ge=1,
         description=(
-            "Pipeline-parallel size during generation. When colocated with the actor it must divide "
-            "spec.training.pipelineParallelSize."
+            "Pipeline-parallel size during generation; above 1 needs spec.training.backend 'megatron'. "
+            "When colocated with the actor it must divide spec.training.pipelineParallelSize."
         ),
     )
     gpu_memory_utilization: float = Field(

@@ -17,15 +17,36 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
 
+class OffloadSpec(SpecModel):
+    """What the actor moves to host memory while the rollout generates, and brings back after."""
+
+    parameters: bool = Field(
+        default=False,
+        description=(
+            "The actor's parameters (its FSDP shards, or megatron's parameters) and gradient buffers. "
+            "Not with the torch engine on a one-GPU actor pool, which generates from those very "
+            "parameters."
+        ),
+    )
+    optimizer_state: bool = Field(
+        default=False,
+        description=(
+            "The actor's optimizer state: AdamW's two moments (twice the fp32 parameters) and, with "
+            "megatron in bf16, its fp32 main weights."
+        ),
+    )
+
+
 class TrainingSpec(SpecModel):
     """Steps, batch sizes, optimizer, precision and training-time parallelism."""
 
     backend: Literal["fsdp", "megatron"] = Field(
         default="fsdp",
         description=(
-            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism only, tensorParallelSize and "
-            "pipelineParallelSize must be 1) or 'megatron' (Megatron-core: tensor and pipeline "
-            "parallelism, the 3D-HybridEngine reshards to the rollout's layout)."
+            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism only; the training and rollout "
+            "tensorParallelSize and pipelineParallelSize must be 1) or 'megatron' (Megatron-core: "
+            "tensor and pipeline parallelism; with tensorParallelSize * pipelineParallelSize > 1 the "
+            "3D-HybridEngine reshards to the rollout's layout and generates with rollout.engine 'torch')."
         ),
     )
     total_steps: int = Field(
@@ -102,6 +123,14 @@ class TrainingSpec(SpecModel):
             "from the forward: activation memory of about one layer instead of all of them, for about "
             "one more forward pass of compute per update. Same gradients either way. FSDP: transformers' "
             "gradient checkpointing (non-reentrant); megatron: full recompute of every layer."
+        ),
+    )
+    offload_during_generation: OffloadSpec = Field(
+        default=OffloadSpec(),
+        description=(
+            "Frees the device memory of the actor's training state for generation (KV cache, the "
+            "engine's weights): moved to pinned host memory after the weight sync and back after "
+            "generation, every step; results are the same, each step pays two host copies."
         ),
     )
     tensor_parallel_size: int = Field(

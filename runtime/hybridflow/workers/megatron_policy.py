@@ -30,6 +30,7 @@ import torch
 from megatron.core import parallel_state
 
 from hybridflow.backends import megatron as mb
+from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.layout import Block
@@ -114,6 +115,23 @@ class MegatronActorWorker(_MegatronPolicyModel):
             schedule=training.lr_schedule,
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+        self.offload = DeviceOffload("the actor's training state")
+
+    def offload_for_generation(self) -> OffloadStats | None:
+        """As :meth:`hybridflow.workers.policy.ActorWorker.offload_for_generation`.
+
+        Under the 3D-HybridEngine the rollout calls it after packing this rank's training shard
+        (a copy) and resharding it, so generation never reads the offloaded parameters.
+        """
+        choice = self.spec.training.offload_during_generation
+        parameters, optimizer_state = mb.offload_tensors(self.model, self.optimizer)
+        tensors = (parameters if choice.parameters else []) + (
+            optimizer_state if choice.optimizer_state else []
+        )
+        return self.offload.offload(tensors) if tensors else None
+
+    def reload_after_generation(self) -> OffloadStats | None:
+        return self.offload.reload() if self.offload.is_offloaded else None
 
     @register(DP_SPLIT)
     def compute_log_probs(self, batch: Batch) -> Batch:

@@ -27,10 +27,12 @@ from hybridflow.backends.fsdp import (
     iter_full_weight_buckets,
     load_causal_lm,
     load_train_state,
+    offload_tensors,
     save_train_state,
     shard_model,
     token_logprobs_and_entropy,
 )
+from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.meter import TrafficMeter
@@ -133,6 +135,24 @@ class ActorWorker(_PolicyModel):
             schedule=training.lr_schedule,
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+        self.offload = DeviceOffload("the actor's training state")
+
+    def offload_for_generation(self) -> OffloadStats | None:
+        """Move what ``spec.training.offloadDuringGeneration`` names to host memory (None: nothing).
+
+        Called by the colocated rollout after the weight sync, before generating; the actor
+        computes nothing until :meth:`reload_after_generation` (:mod:`hybridflow.backends.offload`).
+        """
+        choice = self.spec.training.offload_during_generation
+        parameters, optimizer_state = offload_tensors(self.model, self.optimizer)
+        tensors = (parameters if choice.parameters else []) + (
+            optimizer_state if choice.optimizer_state else []
+        )
+        return self.offload.offload(tensors) if tensors else None
+
+    def reload_after_generation(self) -> OffloadStats | None:
+        """Bring back what :meth:`offload_for_generation` moved (None when it moved nothing)."""
+        return self.offload.reload() if self.offload.is_offloaded else None
 
     @register(DP_SPLIT)
     def compute_log_probs(self, batch: Batch) -> Batch:

@@ -10,11 +10,18 @@ No second copy on a single rank: with one rank (``t_g = 1``, FSDP actor) and the
 the engine generates from the actor's own module (:func:`shares_actor_module`); there is
 nothing to sync (``sync_weights`` moves and copies 0 bytes) and the engine is never put to
 sleep, since sleeping would move the trainer's parameters.
+
+Offload (``spec.training.offloadDuringGeneration``): ``generate_sequences`` runs inside
+:func:`actor_offloaded`, which has the colocated actor move its parameters and/or optimizer
+state to host memory after the sync and bring them back once the engine sleeps
+(:mod:`hybridflow.backends.offload`), and records the figures in :meth:`transition_stats`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -29,7 +36,7 @@ from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # the module impor
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.spec import RLHFJobSpec
 
-__all__ = ["RolloutWorker", "pack_responses", "prompt_token_ids", "sampling_params"]
+__all__ = ["RolloutWorker", "actor_offloaded", "pack_responses", "prompt_token_ids", "sampling_params"]
 
 WEIGHT_BUCKET_BYTES = 64 << 20
 
@@ -56,6 +63,36 @@ def engine_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
     if spec.rollout.engine == "vllm" and on_cuda and spec.training.precision == "bf16":
         return torch.bfloat16
     return torch.float32
+
+
+@contextmanager
+def actor_offloaded(spec: RLHFJobSpec, ctx: WorkerContext, stats: dict[str, float]) -> Iterator[None]:
+    """The colocated actor's training state off the device for the block (as the spec chooses).
+
+    Reloads on the way out, also when generation raises, so the actor is whole again for the
+    update or a checkpoint. ``stats`` gets ``offloaded_bytes``, ``offload_seconds`` and
+    ``reload_seconds`` when anything moved.
+    """
+    choice = spec.training.offload_during_generation
+    if not (choice.parameters or choice.optimizer_state):
+        yield
+        return
+    if choice.parameters and shares_actor_module(spec, ctx):
+        raise ValueError(
+            "spec.training.offloadDuringGeneration.parameters: true, but the torch engine generates "
+            "from the actor's own parameters on this one-GPU pool; offload optimizerState only, or use "
+            "engine 'vllm'"
+        )
+    actor = ctx.colocated("actor")
+    offloaded = actor.offload_for_generation()
+    try:
+        yield
+    finally:
+        reloaded = actor.reload_after_generation()
+        if offloaded is not None and reloaded is not None:
+            stats["offloaded_bytes"] = float(offloaded.bytes)
+            stats["offload_seconds"] = offloaded.seconds
+            stats["reload_seconds"] = reloaded.seconds
 
 
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
@@ -160,14 +197,15 @@ class RolloutWorker(Worker):
         prompt_ids = prompt_token_ids(prompts)
         if not self._synced:  # a second generation since the last sync (the weights were released)
             self.sync_weights()
-        self.engine.wake_up()
-        output = self.engine.generate(prompt_ids, params)
-        if isinstance(self.engine, VLLMRolloutEngine):
-            # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
-            self.engine.sleep(level=2)
-            self._synced = False
-        elif not self.shared:
-            self.engine.sleep()
+        with actor_offloaded(self.spec, self.ctx, self._stats):
+            self.engine.wake_up()
+            output = self.engine.generate(prompt_ids, params)
+            if isinstance(self.engine, VLLMRolloutEngine):
+                # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
+                self.engine.sleep(level=2)
+                self._synced = False
+            elif not self.shared:
+                self.engine.sleep()
         return pack_responses(self.spec, self.tokenizer, self.pad_id, prompts, prompt_ids, output, params.n)
 
 

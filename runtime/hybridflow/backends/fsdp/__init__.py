@@ -25,6 +25,7 @@ from hybridflow.backends.fsdp.optim import (
     build_optimizer,
     clip_grad_norm_and_step,
     lr_factor,
+    offload_tensors,
 )
 from hybridflow.backends.fsdp.parallelize import decoder_layers, enable_activation_checkpointing, shard_model
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
@@ -43,6 +44,7 @@ __all__ = [
     "load_train_state",
     "load_value_model",
     "lr_factor",
+    "offload_tensors",
     "save_train_state",
     "shard_model",
     "token_logprobs_and_entropy",
