@@ -292,7 +292,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
     assert spec_errors(manifest) == [
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
-        "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
+        "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, packSequences, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
         "maxGradNorm, precision, activationCheckpointing, offloadDuringGeneration, tensorParallelSize, "
         "pipelineParallelSize, seed)",
     ]
@@ -409,6 +409,10 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "token-budget-needs-fsdp": (
         _all(_set("training.backend", "megatron"), _set("training.maxTokensPerMicroBatch", 64)),
         "64 with backend 'megatron'",
+    ),
+    "packing-needs-fsdp": (
+        _all(_set("training.backend", "megatron"), _set("training.packSequences", True)),
+        "true with backend 'megatron'",
     ),
     "tensor-parallel-needs-megatron": (
         _all(_set("training.tensorParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),

@@ -85,6 +85,17 @@ class TrainingSpec(SpecModel):
             "row counts. Never changes the result (global loss counts)."
         ),
     )
+    pack_sequences: bool = Field(
+        default=False,
+        description=(
+            "backend 'fsdp' only: run the log-prob, value and update passes on packed sequences: each "
+            "micro-batch's rows laid end to end as one row of real tokens, positions restarting per "
+            "sequence, attention kept within each sequence (block-diagonal mask; flash-attention's "
+            "variable-length kernel on CUDA with bf16 where installed), so no compute goes to padding. "
+            "Results equal the padded layout's up to floating-point summation order. With "
+            "maxTokensPerMicroBatch the budget then counts real tokens."
+        ),
+    )
     learning_rate: float = Field(
         default=1e-6,
         gt=0,
@@ -159,6 +170,15 @@ TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
         message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
         holds=lambda training: training.backend == "fsdp" or training.max_tokens_per_micro_batch is None,
         observed=lambda training: f"{training.max_tokens_per_micro_batch} with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="packing-needs-fsdp",
+        node_path="spec.training",
+        field_path=".packSequences",
+        cel="self.backend == 'fsdp' || !self.packSequences",
+        message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
+        holds=lambda training: training.backend == "fsdp" or not training.pack_sequences,
+        observed=lambda training: f"true with backend {training.backend!r}",
     ),
     CrossFieldRule[TrainingSpec](
         name="warmup-within-total-steps",

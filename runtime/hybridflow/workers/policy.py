@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hybridflow.backends.fsdp import (
+    attention_implementation,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
@@ -28,6 +29,7 @@ from hybridflow.backends.fsdp import (
     load_causal_lm,
     load_train_state,
     offload_tensors,
+    packed_token_logprobs_and_entropy,
     save_train_state,
     shard_model,
     token_logprobs_and_entropy,
@@ -78,8 +80,10 @@ class _PolicyModel(Worker):
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
         dtype, mixed = _model_dtype(spec, ctx)
+        self.packed = spec.training.pack_sequences
+        attention = attention_implementation(ctx.torch_device, packed=self.packed, bf16=mixed)
         self.model = shard_model(
-            load_causal_lm(model_path, dtype=dtype),
+            load_causal_lm(model_path, dtype=dtype, attn_implementation=attention),
             device=ctx.torch_device,
             mixed_precision=mixed,
             activation_checkpointing=trained and spec.training.activation_checkpointing,
@@ -89,6 +93,15 @@ class _PolicyModel(Worker):
 
     def _log_probs(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_ids, attention_mask, position_ids, response_len = _model_inputs(batch, self.ctx.torch_device)
+        if self.packed:  # spec.training.packSequences: one row of real tokens per micro-batch
+            return packed_token_logprobs_and_entropy(
+                self.model,
+                input_ids,
+                attention_mask,
+                response_len=response_len,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+            )
         return token_logprobs_and_entropy(
             self.model,
             input_ids,

@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from hybridflow.backends.fsdp import (
+    attention_implementation,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
     load_train_state,
     load_value_model,
+    packed_token_values,
     save_train_state,
     shard_model,
     token_values,
@@ -41,8 +43,10 @@ class _ValueRole(Worker):
         self.spec = spec
         seed_everything(spec.training.seed + 7919 + ctx.rank)
         mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
+        self.packed = spec.training.pack_sequences
+        attention = attention_implementation(ctx.torch_device, packed=self.packed, bf16=mixed)
         self.model = shard_model(
-            load_value_model(model_path),
+            load_value_model(model_path, attn_implementation=attention),
             device=ctx.torch_device,
             mixed_precision=mixed,
             activation_checkpointing=self.trained and spec.training.activation_checkpointing,
@@ -51,6 +55,13 @@ class _ValueRole(Worker):
 
     def _values(self, batch: Batch) -> torch.Tensor:
         device = self.ctx.torch_device
+        if self.packed:  # spec.training.packSequences
+            return packed_token_values(
+                self.model,
+                batch.tensors["input_ids"].to(device),
+                batch.tensors["attention_mask"].to(device),
+                response_len=int(batch.tensors["responses"].shape[1]),
+            )
         return token_values(
             self.model,
             batch.tensors["input_ids"].to(device),
