@@ -144,9 +144,11 @@ def children(e2e: E2E, name: str) -> list[str]:
             if _owned_by(item.metadata.owner_references, name)
         ]
     rbac = client.RbacAuthorizationV1Api(api.api_client)
+    networking = client.NetworkingV1Api(api.api_client)
     for kind, items in (
         ("Role", rbac.list_namespaced_role(NAMESPACE).items),
         ("RoleBinding", rbac.list_namespaced_role_binding(NAMESPACE).items),
+        ("NetworkPolicy", networking.list_namespaced_network_policy(NAMESPACE).items),
     ):
         found += [
             f"{kind}/{item.metadata.name}"
