@@ -161,6 +161,26 @@ def test_conflicts_and_dropped_watches_still_converge(e2e: E2E, tiny: Path) -> N
 
 
 MARKER = "hf-marker-7f3c9e1d2b"
+GCS_PROBE = """
+import sys
+from ray._raylet import GcsClient
+
+client = GcsClient(address=sys.argv[1], cluster_id=None)
+client.internal_kv_keys(b"", namespace=None, timeout=10)
+print("answered")
+"""
+
+
+def ask_gcs(address: str, token: str) -> subprocess.CompletedProcess[str]:
+    """One request to the Ray head's GCS (port 6379 of the head pod) with ``token``."""
+    return subprocess.run(
+        [sys.executable, "-c", GCS_PROBE, address],
+        env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_secrets_reach_the_job_by_reference_and_appear_nowhere_else(e2e: E2E, tiny: Path) -> None:
@@ -196,15 +216,10 @@ def test_secrets_reach_the_job_by_reference_and_appear_nowhere_else(e2e: E2E, ti
     environ = Path(f"/proc/{attempt.entrypoint.pid}/environ").read_bytes()
     assert f"WANDB_API_KEY={MARKER}".encode() in environ and f"HF_TOKEN={MARKER}".encode() in environ
     assert b"RAY_AUTH_MODE=token" in environ  # the RayJob asked KubeRay for Ray's token auth
-    stranger = subprocess.run(  # a client without the cluster's token is turned away
-        [sys.executable, "-c", f"import ray; ray.init(address={attempt.ray_address!r}); print('connected')"],
-        env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert stranger.returncode != 0 and "connected" not in stranger.stdout, stranger.stdout[-2000:]
+    token = next(v for k, _, v in (i.partition(b"=") for i in environ.split(b"\0")) if k == b"RAY_AUTH_TOKEN")
+    stranger, member = (ask_gcs(attempt.ray_address, secret) for secret in ("0" * 32, token.decode()))
+    assert stranger.returncode != 0 and "InvalidAuthToken" in stranger.stderr, stranger.stderr[-2000:]
+    assert member.returncode == 0 and "answered" in member.stdout, member.stderr[-2000:]  # the probe works
     wait_for(f"{name} Succeeded", lambda: phase_is(e2e, name, "Succeeded"))
 
     api = e2e.cluster
