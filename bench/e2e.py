@@ -37,7 +37,7 @@ QUICK_SCENARIO = "e2e/test_e2e.py::test_applying_an_example_trains_to_succeeded_
 
 def fuzz(cases: int) -> dict[str, int]:
     os.environ["HYBRIDFLOW_FUZZ_CASES"] = str(cases)
-    sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
+    sys.path[:0] = [str(ROOT / "tests" / "fuzz"), str(ROOT / "tests")]  # its helpers and the kube package
     import test_manifests  # type: ignore[import-not-found]
 
     try:

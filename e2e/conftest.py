@@ -10,9 +10,11 @@ authorized as the head pod's ServiceAccount.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,3 +120,36 @@ def e2e(tmp_path: Path) -> Iterator[E2E]:
                 yield E2E(cluster, kuberay, operator, tmp_path)
         finally:
             operator.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_PASSED] = report.passed
+    return report
+
+
+CALL_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """What a scenario measured, as it measures it (set each figure before asserting on it).
+
+    Written to ``$HYBRIDFLOW_E2E_RESULTS`` (one JSON line; ``bench/e2e.py`` sums them) after the
+    test, passed or failed: a failed scenario reports what it saw (an orphaned child, a lost step)
+    instead of nothing.
+    """
+    measured: dict[str, object] = {"scenario": request.node.name}
+    started = time.monotonic()
+    yield measured
+    target = os.environ.get("HYBRIDFLOW_E2E_RESULTS")
+    if target:
+        line = {
+            **measured,
+            "passed": request.node.stash.get(CALL_PASSED, False),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        with open(target, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")

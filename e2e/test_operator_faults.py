@@ -38,7 +38,6 @@ from test_e2e import (
     manifest,
     metrics_steps,
     phase_is,
-    record,
     status,
     wait_for,
 )
@@ -71,24 +70,29 @@ class CrashEveryWritePoint:
         return fault
 
 
-def finish_and_delete(e2e: E2E, name: str, claim: str, steps: int) -> tuple[list[str], list[int]]:
+def finish_and_delete(e2e: E2E, name: str, claim: str, steps: int, figures: dict[str, object]) -> None:
+    """The job Succeeded in one attempt, every step trained once, one child of each kind, nothing
+    left after the RLHFJob is deleted; each figure recorded before it is asserted."""
     done = wait_for(f"{name} Succeeded", lambda: phase_is(e2e, name, "Succeeded"))
     assert done["attempts"] == 1, done  # the operator's faults never cost the job an attempt
     trained = metrics_steps(e2e, claim)
+    figures["lost_or_repeated_steps"] = lost_or_repeated(trained, steps)
     assert trained == list(range(1, steps + 1)), trained
     owned = children(e2e, name)
+    figures["duplicate_children"] = duplicate_children(owned, 1)
     assert {child.split("/")[0] for child in owned} == CHILD_KINDS, owned
     assert duplicate_children(owned, attempts=1) == 0, owned
     e2e.cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
-    wait_for("every child deleted", lambda: children(e2e, name) == [] or None, timeout_seconds=60)
-    return owned, trained
+    try:
+        wait_for("every child deleted", lambda: children(e2e, name) == [] or None, timeout_seconds=60)
+    finally:
+        figures["orphaned_children"] = len(children(e2e, name))
 
 
 def test_the_operator_killed_at_every_write_point_converges_without_duplicates_or_orphans(
-    e2e: E2E, tiny: Path
+    e2e: E2E, tiny: Path, figures: dict[str, object]
 ) -> None:
     name, claim, steps = "crashes", "crashes-ckpt", 2
-    started = time.monotonic()
     kill = threading.Event()
     schedule = CrashEveryWritePoint(kill)
     e2e.cluster.emulator.write_faults = schedule
@@ -104,23 +108,16 @@ def test_the_operator_killed_at_every_write_point_converges_without_duplicates_o
             break  # the job is up and training: every write point of bringing it up was hit
     schedule.stop = True
     points = sorted(schedule.crashed)
+    figures.update(crash_points=len(points), operator_restarts=e2e.operator.starts - 1)
     assert len(points) >= len(CHILD_KINDS) + 1, points  # every child's create and the status write
     assert all(faults == ["lost", "applied"] for faults in schedule.crashed.values()), schedule.crashed
-    owned, trained = finish_and_delete(e2e, name, claim, steps)
-    record(
-        "fault:operator-crash-at-every-write",
-        started,
-        crash_points=len(points),
-        operator_restarts=e2e.operator.starts - 1,
-        duplicate_children=duplicate_children(owned, 1),
-        orphaned_children=len(children(e2e, name)),
-        lost_or_repeated_steps=lost_or_repeated(trained, steps),
-    )
+    finish_and_delete(e2e, name, claim, steps, figures)
 
 
-def test_conflicts_and_dropped_watches_still_converge(e2e: E2E, tiny: Path) -> None:
+def test_conflicts_and_dropped_watches_still_converge(
+    e2e: E2E, tiny: Path, figures: dict[str, object]
+) -> None:
     name, claim, steps = "flaky-api", "flaky-api-ckpt", 2
-    started = time.monotonic()
     conflicted: set[tuple[str, str, str]] = set()
 
     def first_try_conflicts(write: WriteSeen) -> WriteFault | None:
@@ -144,28 +141,41 @@ def test_conflicts_and_dropped_watches_still_converge(e2e: E2E, tiny: Path) -> N
     dropper.start()
     try:
         apply(e2e, manifest(FAULTS_EXAMPLE, tiny, name, steps=steps, claim=claim))
-        owned, trained = finish_and_delete(e2e, name, claim, steps)
+        finish_and_delete(e2e, name, claim, steps, figures)
     finally:
         stop.set()
         dropper.join()
+        figures.update(conflicts=len(conflicted), dropped_watch_rounds=drops)
     assert len(conflicted) >= len(CHILD_KINDS) and drops >= 3, (conflicted, drops)
-    record(
-        "fault:409-and-dropped-watches",
-        started,
-        conflicts=len(conflicted),
-        dropped_watch_rounds=drops,
-        duplicate_children=duplicate_children(owned, 1),
-        orphaned_children=len(children(e2e, name)),
-        lost_or_repeated_steps=lost_or_repeated(trained, steps),
-    )
 
 
 MARKER = "hf-marker-7f3c9e1d2b"
+GCS_PROBE = """
+import sys
+from ray._raylet import GcsClient
+
+client = GcsClient(address=sys.argv[1], cluster_id=None)
+client.internal_kv_keys(b"", namespace=None, timeout=10)
+print("answered")
+"""
 
 
-def test_secrets_reach_the_job_by_reference_and_appear_nowhere_else(e2e: E2E, tiny: Path) -> None:
+def ask_gcs(address: str, token: str) -> subprocess.CompletedProcess[str]:
+    """One request to the Ray head's GCS (port 6379 of the head pod) with ``token``."""
+    return subprocess.run(
+        [sys.executable, "-c", GCS_PROBE, address],
+        env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_secrets_reach_the_job_by_reference_and_appear_nowhere_else(
+    e2e: E2E, tiny: Path, figures: dict[str, object]
+) -> None:
     name, claim, steps = "secretive", "secretive-ckpt", 2
-    started = time.monotonic()
     e2e.cluster.core.create_namespaced_secret(
         NAMESPACE,
         {
@@ -196,15 +206,10 @@ def test_secrets_reach_the_job_by_reference_and_appear_nowhere_else(e2e: E2E, ti
     environ = Path(f"/proc/{attempt.entrypoint.pid}/environ").read_bytes()
     assert f"WANDB_API_KEY={MARKER}".encode() in environ and f"HF_TOKEN={MARKER}".encode() in environ
     assert b"RAY_AUTH_MODE=token" in environ  # the RayJob asked KubeRay for Ray's token auth
-    stranger = subprocess.run(  # a client without the cluster's token is turned away
-        [sys.executable, "-c", f"import ray; ray.init(address={attempt.ray_address!r}); print('connected')"],
-        env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert stranger.returncode != 0 and "connected" not in stranger.stdout, stranger.stdout[-2000:]
+    token = next(v for k, _, v in (i.partition(b"=") for i in environ.split(b"\0")) if k == b"RAY_AUTH_TOKEN")
+    stranger, member = (ask_gcs(attempt.ray_address, secret) for secret in ("0" * 32, token.decode()))
+    assert stranger.returncode != 0 and "InvalidAuthToken" in stranger.stderr, stranger.stderr[-2000:]
+    assert member.returncode == 0 and "answered" in member.stdout, member.stderr[-2000:]  # the probe works
     wait_for(f"{name} Succeeded", lambda: phase_is(e2e, name, "Succeeded"))
 
     api = e2e.cluster
@@ -227,14 +232,7 @@ def test_secrets_reach_the_job_by_reference_and_appear_nowhere_else(e2e: E2E, ti
         if path.is_file():
             readable[str(path.relative_to(e2e.root))] = path.read_text(errors="replace")
     leaks = sorted(where for where, text in readable.items() if MARKER in text)
+    figures.update(places_searched=len(readable), secret_leaks=len(leaks))
     assert leaks == [], f"the secret's value appears in {leaks}"
     assert len(readable) > len(CHILD_KINDS)  # the checkpoints, metrics and logs were read too
-    owned, trained = finish_and_delete(e2e, name, claim, steps)
-    record(
-        "security:secret-marker",
-        started,
-        places_searched=len(readable),
-        secret_leaks=len(leaks),
-        duplicate_children=duplicate_children(owned, 1),
-        lost_or_repeated_steps=lost_or_repeated(trained, steps),
-    )
+    finish_and_delete(e2e, name, claim, steps, figures)

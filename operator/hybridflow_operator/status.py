@@ -116,8 +116,14 @@ CONDITION_TYPES: tuple[str, ...] = (
     "Suspended",
     "Succeeded",
     "Failed",
+    "Stalled",
 )
-"""Every reconciled job carries each of these, True or False, so ``kubectl wait --for=condition=X`` works."""
+"""Every reconciled job carries each of these, True or False, so ``kubectl wait --for=condition=X`` works.
+
+``Stalled`` is True while the job is retrying or has failed because its last attempt stalled (a
+worker stopped answering for ``spec.stallTimeoutSeconds``; the controller's ``error: Stalled:``
+report names the call and the silent ranks), False otherwise; its transition time is when the
+stall was seen."""
 
 # KubeRay v1.7 JobDeploymentStatus values (rayjob_types.go); "" is JobDeploymentStatusNew.
 DEPLOYMENT_NEW = ""
@@ -632,7 +638,7 @@ def _conditions(
     message: str,
     now: datetime,
 ) -> tuple[Condition, ...]:
-    """The six conditions for a validated job in ``phase``."""
+    """The conditions (:data:`CONDITION_TYPES`) of a validated job in ``phase``."""
 
     def when(true: bool, true_reason: str, true_message: str) -> tuple[ConditionStatus, str, str]:
         return ("True", true_reason, true_message) if true else ("False", phase, f"phase is {phase}")
@@ -653,6 +659,9 @@ def _conditions(
         ),
         "Succeeded": when(phase == "Succeeded", "Succeeded", f"the controller finished ({attempt_text})"),
         "Failed": when(phase == "Failed", reason or "Failed", failure_text),
+        "Stalled": when(
+            phase in ("Retrying", "Failed") and reason == STALLED_REASON, STALLED_REASON, failure_text
+        ),
     }
     kept = tuple(c for c in previous.conditions if c.type not in CONDITION_TYPES)
     return (
@@ -845,8 +854,8 @@ def desired_status(
                 created=latest is not None and start_attempt is None,
                 rayjob=new_name,
                 attempt_text=attempt_text,
-                reason=reason if phase == "Failed" else "",
-                message=message if phase == "Failed" else "",
+                reason=reason if phase in ("Failed", "Retrying") else "",
+                message=message if phase in ("Failed", "Retrying") else "",
                 now=now,
             ),
             **mirrors,

