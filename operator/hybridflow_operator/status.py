@@ -779,8 +779,10 @@ def desired_status(
     start_attempt: int | None = None
     attempts_started = attempt
     if outcome is None:
-        # No RayJob yet: the first reconcile, or a create that has not landed.
-        phase: Phase = _waiting_phase(spec, suspended=False)
+        # No RayJob yet: the first reconcile, or a create that has not landed. The RayJob this pass
+        # creates is suspended for Kueue when the job names a queue: it is Queued from the start
+        # (saying Pending first would cost a second status write for nothing).
+        phase: Phase = _waiting_phase(spec, suspended=spec.queue_name is not None)
         start_attempt = 1
         reason, message = "", ""
     elif outcome.failed and outcome.retryable and repeated_failure(spec, ordered):

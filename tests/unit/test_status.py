@@ -293,9 +293,10 @@ def test_user_suspension_and_resume() -> None:
 def test_kueue_queued_job() -> None:
     queued_job = job(queueName="team-a")
     first = step(RLHFJobStatus(), None, queued_job)
-    assert first.status.phase == "Pending"
+    assert first.status.phase == "Queued"  # its RayJob is created suspended for Kueue
+    assert [e.reason for e in first.events] == ["Queued"]
     new = step(first.status, rayjob(deployment="", suspend=True), queued_job)
-    assert new.status.phase == "Queued"
+    assert new.status.phase == "Queued" and new.events == ()  # the RayJob appearing: no second Event
     held = step(new.status, rayjob(deployment="Suspended", suspend=True), queued_job)
     assert held.status.phase == "Queued" and held.status.condition("Suspended") is not None
     assert held.events == ()
