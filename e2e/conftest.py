@@ -2,16 +2,19 @@
 
 ``make e2e`` runs this folder (``pytest e2e``), after ``make test`` in CI. Each test gets a fresh
 emulated cluster (tests/kube) serving the generated RLHFJob CRD and KubeRay's RayJob CRD, the
-operator's real kopf handlers on their own thread (how the operator tests run it), and the
-KubeRay stand-in (``kuberay.py``), which runs every RayJob as a real ``hybridflow run
---in-cluster`` process against a local Ray with the job's pools simulated.
+operator as a cluster runs it (``python -m hybridflow_operator`` in its own process,
+``operator_process.py``), and the KubeRay stand-in (``kuberay.py``), which runs every RayJob as a
+real ``hybridflow run --in-cluster`` process against a local Ray with the job's pools simulated,
+authorized as the head pod's ServiceAccount.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +30,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kuberay import KubeRayStandIn, write_kubeconfig  # noqa: E402
+from operator_process import OperatorProcess  # noqa: E402
 
-from hybridflow_operator.cluster import ApiCluster  # noqa: E402
-from hybridflow_operator.main import OperatorConfig, register  # noqa: E402
-from kube.harness import EmulatedCluster, operator_registry  # noqa: E402
+from kube.harness import EmulatedCluster  # noqa: E402
 
 RAYJOB_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml"
 NAMESPACE = "default"
+OPERATOR_TOKEN = "hybridflow-operator"
+"""The operator's bearer token: the emulator's fault injection tells its writes apart by it."""
 
 
 def rayjob_crd() -> dict[str, Any]:
@@ -76,7 +80,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class E2E:
     cluster: EmulatedCluster
     kuberay: KubeRayStandIn
+    operator: OperatorProcess
     root: Path
+
+
+# What the chart's Deployment sets (helm/hybridflow/templates/deployment.yaml), with retries
+# waiting 2 s instead of 10 s so the fault scenarios stay short.
+OPERATOR_ENV = {
+    "HYBRIDFLOW_RUNTIME_IMAGE": "img:e2e",
+    "HYBRIDFLOW_RETRY_BACKOFF_SECONDS": "2",
+    "HYBRIDFLOW_RETRY_BACKOFF_MAX_SECONDS": "10",
+}
 
 
 @pytest.fixture
@@ -86,14 +100,56 @@ def e2e(tmp_path: Path) -> Iterator[E2E]:
             yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text())
         )
         cluster.emulator.register_crd(rayjob_crd())
-        registry = operator_registry()
-        config = OperatorConfig(
-            {"HYBRIDFLOW_RECONCILE_INTERVAL_SECONDS": "1", "HYBRIDFLOW_RUNTIME_IMAGE": "img:e2e"}
+        operator_kubeconfig = write_kubeconfig(
+            cluster.kubeconfig_with_token(OPERATOR_TOKEN, NAMESPACE), tmp_path / "kubeconfig"
         )
-        register(registry, config=config, cluster=ApiCluster(cluster.api_client), serve_metrics=False)
-        kubeconfig = write_kubeconfig(cluster.kubeconfig(NAMESPACE), tmp_path / "kubeconfig")
-        with (
-            cluster.run_operator(registry),
-            KubeRayStandIn(cluster.api_client, kubeconfig, tmp_path) as kuberay,
-        ):
-            yield E2E(cluster, kuberay, tmp_path)
+        (tmp_path / "accounts").mkdir()
+
+        def kubeconfig_for(account: str, namespace: str) -> Path:
+            user = f"system:serviceaccount:{namespace}:{account}"
+            return write_kubeconfig(
+                cluster.kubeconfig_as(user, namespace), tmp_path / "accounts" / f"{namespace}-{account}"
+            )
+
+        operator = OperatorProcess(
+            operator_kubeconfig, tmp_path / "operator.log", namespace=NAMESPACE, env=OPERATOR_ENV
+        )
+        operator.start()
+        try:
+            with KubeRayStandIn(cluster.api_client, kubeconfig_for, tmp_path) as kuberay:
+                yield E2E(cluster, kuberay, operator, tmp_path)
+        finally:
+            operator.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_PASSED] = report.passed
+    return report
+
+
+CALL_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """What a scenario measured, as it measures it (set each figure before asserting on it).
+
+    Written to ``$HYBRIDFLOW_E2E_RESULTS`` (one JSON line; ``bench/e2e.py`` sums them) after the
+    test, passed or failed: a failed scenario reports what it saw (an orphaned child, a lost step)
+    instead of nothing.
+    """
+    measured: dict[str, object] = {"scenario": request.node.name}
+    started = time.monotonic()
+    yield measured
+    target = os.environ.get("HYBRIDFLOW_E2E_RESULTS")
+    if target:
+        line = {
+            **measured,
+            "passed": request.node.stash.get(CALL_PASSED, False),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        with open(target, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")

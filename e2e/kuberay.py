@@ -2,13 +2,16 @@
 
 For each RayJob in the API server (the emulator), as KubeRay v1.7 does with a real cluster:
 
-1. "create the pods": start a Ray cluster for the job's pools (``ray_host.py``) and "mount" the
+1. "create the pods": start a Ray cluster for the job's pools (``ray_host.py``; with Ray's token
+   authentication when the RayJob asks for it, as KubeRay's ``authOptions`` does) and "mount" the
    head pod's volumes: the ConfigMap's keys are written under ``<root>/pods/<rayjob><mountPath>``
    and each PersistentVolumeClaim is a directory ``<root>/volumes/<claim>`` that outlives the
    attempt (so the next attempt finds the checkpoints). Pod paths in the entrypoint and in the
    mounted manifest are rewritten to those directories (a process cannot mount).
 2. run the entrypoint (``hybridflow run --in-cluster ...``) as a fresh process against that Ray,
-   with the job's namespace and a kubeconfig for the emulator (its progress pushes);
+   with the head container's environment (plain values, Secrets resolved by reference as the
+   kubelet does), the job's namespace and the token of the head pod's ServiceAccount (its
+   progress pushes are authorized by the Role the operator made for it, as in a cluster);
 3. write the RayJob's status as KubeRay does: Initializing, Running/RUNNING, then
    Complete/SUCCEEDED or Failed/FAILED with reason AppFailed and the entrypoint's last log lines
    in ``message`` (which is where the operator reads a ``Stalled`` report from);
@@ -21,13 +24,17 @@ Faults are injected through :meth:`KubeRayStandIn.kill_entrypoint`.
 
 from __future__ import annotations
 
+import base64
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,17 +67,39 @@ class Attempt:
     host: subprocess.Popen[str]
     entrypoint: subprocess.Popen[bytes]
     log: Path
+    ray_address: str = ""
+    """The GCS address of the attempt's Ray (what the head pod's port 6379 serves)."""
     stopping: bool = False
     started_at: float = field(default_factory=time.monotonic)
 
 
+def pod_path_mapper(mounts: dict[str, Path]) -> Callable[[str], str]:
+    """Rewrites each mounted pod path in a text to its local directory, whole path segments only
+    (``/data`` maps ``/data/x`` and ``"/data"``, never ``/tmp/models0/data/x``)."""
+    ordered = sorted(mounts.items(), key=lambda item: -len(item[0]))
+
+    def in_pod(text: str) -> str:
+        for pod_path, local in ordered:
+            pattern = r"(?<![\w./-])" + re.escape(pod_path.rstrip("/")) + r"(?=/|[\s'\"]|$)"
+            text = re.sub(pattern, str(local).replace("\\", "\\\\"), text)
+        return text
+
+    return in_pod
+
+
 class KubeRayStandIn:
     def __init__(
-        self, api: client.ApiClient, kubeconfig: Path, root: Path, namespace: str = "default"
+        self,
+        api: client.ApiClient,
+        kubeconfig_for: Callable[[str, str], Path],
+        root: Path,
+        namespace: str = "default",
     ) -> None:
+        """``kubeconfig_for(service_account, namespace)`` is the kubeconfig a pod of that
+        ServiceAccount sees (its token authorized by RBAC)."""
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
-        self.kubeconfig = kubeconfig
+        self.kubeconfig_for = kubeconfig_for
         self.root = root
         self.namespace = namespace
         self.attempts: dict[str, Attempt] = {}
@@ -175,11 +204,7 @@ class KubeRayStandIn:
                 target = self.root / "volumes" / volume["persistentVolumeClaim"]["claimName"]
                 mounts[mount["mountPath"]] = target
 
-        def in_pod(text: str) -> str:
-            for pod_path, local in sorted(mounts.items(), key=lambda item: -len(item[0])):
-                text = text.replace(pod_path, str(local))
-            return text
-
+        in_pod = pod_path_mapper(mounts)
         for target in mounts.values():
             target.mkdir(parents=True, exist_ok=True)
         for path, text in files.items():  # the mounted manifest names pod paths (the checkpoint volume)
@@ -187,12 +212,20 @@ class KubeRayStandIn:
         entrypoint = in_pod(rayjob["spec"]["entrypoint"]).split()
         manifest = next(arg for arg in entrypoint if arg.endswith(".yaml"))
 
+        # authOptions.mode token: KubeRay makes a token Secret for the cluster and sets
+        # RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container; the Ray here and the entrypoint
+        # get the same, so every call the controller makes to Ray carries the token.
+        auth = (rayjob["spec"]["rayClusterSpec"].get("authOptions") or {}).get("mode", "disabled")
+        ray_auth = {"RAY_AUTH_MODE": "disabled"}
+        if auth == "token":
+            ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
         host = subprocess.Popen(
             [sys.executable, str(HERE / "ray_host.py"), manifest],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=pod_root,
+            env={**os.environ, **ray_auth},
         )
         assert host.stdout is not None
         address = host.stdout.readline().strip()
@@ -200,10 +233,13 @@ class KubeRayStandIn:
             host.kill()
             raise RuntimeError(f"the Ray cluster of RayJob {name} did not start")
         log = pod_root / "entrypoint.log"
+        account = head.get("serviceAccountName") or "default"
         env = {
             **os.environ,
+            **{key: in_pod(value) for key, value in self._container_env(container).items()},
+            **ray_auth,
             "RAY_ADDRESS": address,
-            "KUBECONFIG": str(self.kubeconfig),
+            "KUBECONFIG": str(self.kubeconfig_for(account, self.namespace)),
             "POD_NAMESPACE": self.namespace,
             "HYBRIDFLOW_METRICS_PORT": str(_free_port()),
             "PYTHONUNBUFFERED": "1",
@@ -218,8 +254,33 @@ class KubeRayStandIn:
             process = subprocess.Popen(
                 command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=pod_root
             )
-        self.attempts[name] = Attempt(name, self.namespace, host, process, log)
+        self.attempts[name] = Attempt(name, self.namespace, host, process, log, ray_address=address)
         self._status(name, {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "jobId": name})
+
+    def _secret_data(self, name: str) -> dict[str, str]:
+        secret = self.core.read_namespaced_secret(name, self.namespace)
+        return {key: base64.b64decode(value).decode() for key, value in (secret.data or {}).items()}
+
+    def _container_env(self, container: dict[str, Any]) -> dict[str, str]:
+        """The container's environment as the kubelet resolves it: ``envFrom`` Secrets and
+        ConfigMaps first, then ``env`` (plain values and ``secretKeyRef``) over them."""
+        env: dict[str, str] = {}
+        for source in container.get("envFrom") or []:
+            prefix = source.get("prefix", "")
+            if "secretRef" in source:
+                env.update({prefix + k: v for k, v in self._secret_data(source["secretRef"]["name"]).items()})
+            elif "configMapRef" in source:
+                data = self.core.read_namespaced_config_map(
+                    source["configMapRef"]["name"], self.namespace
+                ).data
+                env.update({prefix + k: v for k, v in (data or {}).items()})
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = str(item["value"])
+            elif "secretKeyRef" in (item.get("valueFrom") or {}):
+                ref = item["valueFrom"]["secretKeyRef"]
+                env[item["name"]] = self._secret_data(ref["name"])[ref["key"]]
+        return env
 
     def _stop_attempt(self, attempt: Attempt, sig: signal.Signals) -> None:
         if attempt.entrypoint.poll() is None:

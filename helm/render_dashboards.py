@@ -339,7 +339,7 @@ DASHBOARDS: tuple[Dashboard, ...] = (
             ),
             Panel(
                 "Errors per second by reason",
-                "Reconciles that raised, by the error's class.",
+                "Failed API requests by the API's reason, and passes that raised by error class.",
                 (
                     (
                         f"sum by (error) (rate(hybridflow_operator_reconcile_errors_total{{{OPERATOR}}}[$__rate_interval]))",

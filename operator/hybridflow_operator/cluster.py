@@ -78,6 +78,7 @@ class ApiCluster:
         self.core = client.CoreV1Api(self.api_client)
         self.rbac = client.RbacAuthorizationV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+        self.networking = client.NetworkingV1Api(self.api_client)
         self.coordination = client.CoordinationV1Api(self.api_client)
 
     @classmethod
@@ -104,6 +105,7 @@ class ApiCluster:
             "ServiceAccount": lambda: self.core.read_namespaced_service_account(name, namespace),
             "Role": lambda: self.rbac.read_namespaced_role(name, namespace),
             "RoleBinding": lambda: self.rbac.read_namespaced_role_binding(name, namespace),
+            "NetworkPolicy": lambda: self.networking.read_namespaced_network_policy(name, namespace),
             "RayJob": lambda: self.custom.get_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name
             ),
@@ -122,6 +124,7 @@ class ApiCluster:
             "ServiceAccount": lambda: self.core.create_namespaced_service_account(namespace, body),
             "Role": lambda: self.rbac.create_namespaced_role(namespace, body),
             "RoleBinding": lambda: self.rbac.create_namespaced_role_binding(namespace, body),
+            "NetworkPolicy": lambda: self.networking.create_namespaced_network_policy(namespace, body),
             "RayJob": lambda: self.custom.create_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, body
             ),
@@ -242,7 +245,7 @@ class ApiCluster:
     # --- the startup listing of the children (main.py fills its caches with it) ----------------
 
     def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]:
-        """Every object of the five child kinds matching ``label_selector`` (all namespaces when empty).
+        """Every object of the six child kinds matching ``label_selector`` (all namespaces when empty).
 
         One list per kind and namespace, at startup: the caches then hold every child before the
         first reconcile, so a restarted operator never mistakes a child it has not yet been told
@@ -254,6 +257,7 @@ class ApiCluster:
             ("v1", "ServiceAccount"),
             ("rbac.authorization.k8s.io/v1", "Role"),
             ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+            ("networking.k8s.io/v1", "NetworkPolicy"),
             ("ray.io/v1", "RayJob"),
         )
         for namespace in namespaces or [""]:
@@ -290,6 +294,10 @@ class ApiCluster:
             "RoleBinding": (
                 self.rbac.list_namespaced_role_binding,
                 self.rbac.list_role_binding_for_all_namespaces,
+            ),
+            "NetworkPolicy": (
+                self.networking.list_namespaced_network_policy,
+                self.networking.list_network_policy_for_all_namespaces,
             ),
         }
         in_namespace, everywhere = listers[kind]

@@ -17,6 +17,11 @@ Triggers, each running :func:`hybridflow_operator.reconcile.reconcile` for one j
   backoff, deadline, TTL), or a bounded exponential backoff after a failed API request, and
   :class:`Scheduler` runs that job's next pass then. There is no periodic sweep over all jobs.
 
+Failed requests. Each request a pass reports in ``ReconcileResult.failures`` (a child's write,
+the TTL delete, the status patch, an Event) is logged with the API's status, reason and message
+and counted in ``hybridflow_operator_reconcile_errors_total{error=<the API's reason>}``; a
+reconcile that raised is counted by the exception's class. Both back off as above.
+
 A per-job lock serialises the passes of one job across triggers; each pass reads the newest
 cached body under that lock, and compares against the status this process last wrote
 (``JobCache.written``) until the watch delivers that write, so a lagging cache never causes a
@@ -49,7 +54,7 @@ import kopf
 from hybridflow.spec import GROUP, PLURAL, VERSION
 from hybridflow_operator.builders import RayJobDefaults
 from hybridflow_operator.builders.metadata import JOB_LABEL, MANAGED_BY, MANAGED_BY_LABEL
-from hybridflow_operator.cluster import ApiCluster, Cluster
+from hybridflow_operator.cluster import ApiCluster, ApiError, Cluster
 from hybridflow_operator.health import HealthServer
 from hybridflow_operator.leader import LeaderElection
 from hybridflow_operator.metrics import OperatorMetrics
@@ -66,9 +71,23 @@ CHILD_KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("", "v1", "serviceaccounts", "ServiceAccount"),
     ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
     ("ray.io", "v1", "rayjobs", "RayJob"),
 )
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def _labels(value: str) -> tuple[tuple[str, str], ...]:
+    """``k=v,k2=v2`` as label pairs; a malformed entry stops the operator at start, naming it."""
+    pairs = []
+    for item in (part.strip() for part in value.split(",") if part.strip()):
+        key, sep, label = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"HYBRIDFLOW_KUBERAY_POD_LABELS: {item!r} is not key=value")
+        pairs.append((key, label))
+    if not pairs:
+        raise ValueError("HYBRIDFLOW_KUBERAY_POD_LABELS: empty; the KubeRay operator's pods need a label")
+    return tuple(pairs)
 
 
 def _flag(value: str) -> bool:
@@ -83,6 +102,9 @@ class OperatorConfig:
             image=env.get("HYBRIDFLOW_RUNTIME_IMAGE", DEFAULT_IMAGE),
             head_cpu=env.get("HYBRIDFLOW_HEAD_CPU", "2"),
             head_memory=env.get("HYBRIDFLOW_HEAD_MEMORY", "8Gi"),
+            kuberay_pod_labels=_labels(
+                env.get("HYBRIDFLOW_KUBERAY_POD_LABELS", "app.kubernetes.io/name=kuberay-operator")
+            ),
         )
         self.metrics_port = int(env.get("HYBRIDFLOW_OPERATOR_METRICS_PORT", "8080"))
         self.health_port = int(env.get("HYBRIDFLOW_OPERATOR_HEALTH_PORT", "8081"))
@@ -267,6 +289,11 @@ def register(
             log.exception("reconcile of RLHFJob %s/%s failed", *key)
         finally:
             metrics.latency.observe(time.monotonic() - started)
+        for failure in result.failures if result is not None else ():
+            # The API's reason (Forbidden, Invalid, NotFound, Conflict, Unreachable...), by which
+            # the metric counts; the status patch and Events leave no condition, so this is where they show.
+            metrics.errors.labels(error=failure.reason or str(failure.status)).inc()
+            log.warning("RLHFJob %s/%s: %s (retried with backoff)", key[0], key[1], failure)
         if result is None or result.failed:
             failures[key] += 1
             delay = min(
@@ -318,14 +345,31 @@ def register(
         if leader is not None:
             leader.stop()
 
+    def forget_job(key: JobKey) -> None:
+        cache.jobs.pop(key, None)
+        cache.written.pop(key, None)
+        scheduler.forget(key)
+        metrics.observe_phase(f"{key[0]}/{key[1]}", None)
+
+    def job_is_gone(key: JobKey) -> bool:
+        """Whether the cached job ``key`` no longer exists as cached (deleted, or a namesake).
+
+        The garbage collector deletes a job's children right after the job, and the children's
+        DELETED events can come before the job's: a pass then would re-create children for a
+        job that is gone. A child's deletion is rare, so it costs one read of the job."""
+        cached_uid = (cache.jobs.get(key, {}).get("metadata") or {}).get("uid")
+        try:
+            stored = api.get("RLHFJob", key[0], key[1])
+        except ApiError as err:
+            log.warning("RLHFJob %s/%s: reading it after a child's deletion failed: %s", *key, err)
+            return False  # keep it: the next event or recheck decides
+        return stored is None or (stored.get("metadata") or {}).get("uid") != cached_uid
+
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def job_changed(*, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
         key = (str(namespace), name)
         if type == "DELETED":
-            cache.jobs.pop(key, None)
-            cache.written.pop(key, None)
-            scheduler.forget(key)
-            metrics.observe_phase(f"{namespace}/{name}", None)
+            forget_job(key)
             return
         relevant = cache.relevant_job_change(key, body)
         cache.jobs[key] = dict(body)
@@ -336,6 +380,9 @@ def register(
         def child_changed(*, body: kopf.Body, type: str | None, **_: Any) -> None:
             key = cache.put_child(body, deleted=type == "DELETED")
             if key is None or key not in cache.jobs:
+                return
+            if type == "DELETED" and job_is_gone(key):
+                forget_job(key)
                 return
             if kind == "RayJob" or type == "DELETED":
                 run(key, kind.lower())

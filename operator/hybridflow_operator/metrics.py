@@ -7,7 +7,8 @@ are checked against it by tests. The operator may not import the runtime's metri
 with the same fields as ``hybridflow.metrics.catalogue.MetricDefinition``.
 
 Who calls what: ``main.register`` counts each reconcile and its trigger, times it, counts the
-writes it made and, when it raised, the error class; after each pass it reports the job's phase
+writes it made, each API request of the pass that failed (by the API's reason) and, when the
+pass raised, the error class; after each pass it reports the job's phase
 (:meth:`OperatorMetrics.observe_phase`) and the attempts the job's status records
 (:meth:`OperatorMetrics.observe_attempts`); a deleted job is forgotten by both.
 """
@@ -59,7 +60,7 @@ ERRORS = OperatorMetricDefinition(
     "hybridflow_operator_reconcile_errors",
     "counter",
     "reconciles",
-    "Reconciles that raised, by reason (the error's class, e.g. ApiException).",
+    "Failed API requests of a pass, by the API's reason (Forbidden, Conflict, ...), and passes that raised, by the error's class.",
     ("error",),
 )
 LATENCY = OperatorMetricDefinition(

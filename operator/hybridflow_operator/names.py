@@ -1,16 +1,16 @@
 """Deterministic names of an RLHFJob's children, derived from the job's name alone.
 
 Level-triggered reconciliation finds its children by name: the same RLHFJob must always map
-to the same ConfigMap, ServiceAccount, Role, RoleBinding and (per attempt) RayJob, with no
+to the same ConfigMap, ServiceAccount, Role, RoleBinding, NetworkPolicy and (per attempt) RayJob, with no
 lookup table and no ``generateName``. Names are also the only link a person has between a
 job and its objects, so they stay readable: ``grpo-tiny`` owns ``grpo-tiny-config``,
-``grpo-tiny-controller`` and ``grpo-tiny-1`` (attempt 1).
+``grpo-tiny-controller``, ``grpo-tiny-ray`` and ``grpo-tiny-1`` (attempt 1).
 
 Limits that force shortening:
 
 * RLHFJob names are DNS-1123 subdomains of up to 253 characters (letters, digits, ``-``
   and ``.``; may start with a digit).
-* ConfigMaps, ServiceAccounts, Roles and RoleBindings accept DNS-1123 subdomains of up to
+* ConfigMaps, ServiceAccounts, Roles, RoleBindings and NetworkPolicies accept DNS-1123 subdomains of up to
   253 characters, so only the suffix can overflow.
 * A RayJob name must be a DNS-1035 label (lowercase letters, digits and ``-``; starting with
   a letter) of at most 47 characters: KubeRay's ``MaxRayJobNameLength`` is
@@ -69,6 +69,8 @@ class ChildNames:
     role: str
     """Allows get/patch of this one RLHFJob's status, nothing else."""
     role_binding: str
+    network_policy: str
+    """Admits to the job's Ray pods only the job's own pods (and KubeRay, and metrics scrapes)."""
 
 
 def child_names(job_name: str) -> ChildNames:
@@ -80,6 +82,7 @@ def child_names(job_name: str) -> ChildNames:
         service_account=controller,
         role=controller,
         role_binding=controller,
+        network_policy=_shorten(job_name, "-ray", MAX_OBJECT_NAME_LENGTH, job_name, rewritten=False),
     )
 
 

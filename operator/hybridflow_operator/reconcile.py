@@ -15,21 +15,32 @@ can run any number of times: a pass that finds the world as it wants it writes n
 3. decide the status from the job's own RayJobs (``desired_status``: attempts, phase, retry
    backoff and deadline come from the children, never from the stored status, which the
    workload's controller can write);
-4. make sure the attempt's children exist, in dependency order: ConfigMap (patched when the
-   spec changed), ServiceAccount, Role, RoleBinding, then the RayJob when the decision starts
-   an attempt. The first failing write stops the sequence, so a RayJob never exists without
-   the RBAC its head pod needs; a later pass finishes what is missing. Every failure sets
-   ``ChildrenReady=False`` with the API's reason and message and emits one Warning Event
-   (a 404 for RayJob means the KubeRay CRD is missing: ``KubeRayMissing``); the caller retries
-   with bounded exponential backoff (``ReconcileResult.failed``);
-5. stop a RayJob whose deadline passed (suspend it, recording ``hybridflow.io/stopped``: the
+4. a finished job is deleted once ``ttlSecondsAfterFinished`` has passed (owner references take
+   the children with it); if the delete fails, the job reports it as below and writes no child;
+5. make sure the attempt's children exist, in dependency order: ConfigMap (patched when the
+   spec changed), ServiceAccount, Role, RoleBinding, NetworkPolicy, then the RayJob when the
+   decision starts an attempt. A create answered 409 AlreadyExists reads the object (the one read outside the
+   caches): owned by this uid, the cache was only behind and it is taken as the job's; owned by
+   anyone else, it is a ``NameConflict``. The first failing write stops the sequence, so a
+   RayJob never exists without the RBAC its head pod needs; a later pass finishes what is
+   missing. Every failure sets ``ChildrenReady=False`` with the API's reason and message and
+   emits one Warning Event (a 404 for RayJob means the KubeRay CRD is missing:
+   ``KubeRayMissing``); the caller retries with bounded exponential backoff
+   (``ReconcileResult.failed``);
+6. stop a RayJob whose deadline passed (suspend it, recording ``hybridflow.io/stopped``: the
    pods go, the GPUs are released, the record stays), and write the RayJob's ``suspend`` only
    when the user's ``spec.suspend`` differs from what the operator last wrote there (a record
-   in the RayJob's annotations), so a Kueue admission is never written back;
-6. a finished job is deleted once ``ttlSecondsAfterFinished`` has passed (owner references take
-   the children with it);
+   in the RayJob's annotations), so a Kueue admission is never written back; on a RayJob with
+   Kueue's queue label a resume updates only that record, since admitting it is Kueue's. Any
+   patch that suspends the RayJob also records the running time counted so far, and so does a
+   patch of its own after Kueue suspended it (``hybridflow_operator.status``, "The deadline clock");
 7. patch the status (operator-owned keys only, against the status the operator last wrote, so a
    cache that lags behind our own write causes no second write) and emit the decision's events.
+
+Every failed request, including the status patch and the Events of step 7, is also returned in
+``ReconcileResult.failures``, which the caller logs with the API's reason and counts in its
+metrics; a failed status patch cannot leave a condition, so that log line and metric are where
+it shows.
 
 The result says when to look again for purely time-based transitions (retry backoff, deadline,
 TTL); the caller schedules the job's next pass then.
@@ -47,6 +58,7 @@ from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
 from hybridflow_operator.cluster import ApiError, Cluster
 from hybridflow_operator.events import Event, api_failure_reason
 from hybridflow_operator.status import (
+    ACTIVE_TIME_ANNOTATION,
     DEFAULT_RETRY_POLICY,
     STOPPED_ANNOTATION,
     TERMINAL_PHASES,
@@ -54,6 +66,8 @@ from hybridflow_operator.status import (
     ObservedRayJob,
     RetryPolicy,
     RLHFJobStatus,
+    StatusDecision,
+    close_running_period,
     desired_status,
     invalid_spec_status,
     remaining_deadline_seconds,
@@ -73,9 +87,11 @@ class ReconcileResult:
     recheck_after_seconds: float | None = None
     deleted: bool = False
     failed: bool = False
-    """A write failed (see the ``ChildrenReady`` condition): retry with backoff."""
+    """A request failed (see the ``ChildrenReady`` condition and ``failures``): retry with backoff."""
     status: RLHFJobStatus | None = None
     """The status this pass left stored (what it wrote, or found right): the next pass's base."""
+    failures: tuple[ApiError, ...] = ()
+    """Every request of this pass that failed, in order, for the caller's log and metrics."""
 
 
 def _source(body: Mapping[str, Any]) -> str:
@@ -92,6 +108,48 @@ def owned_by(child: Mapping[str, Any], uid: str) -> bool:
 def _min(*values: float | None) -> float | None:
     present = [v for v in values if v is not None]
     return min(present) if present else None
+
+
+def _failure_problem(err: ApiError, doing: str) -> tuple[str, str]:
+    """The ``ChildrenReady`` reason and message for a failed request."""
+    return api_failure_reason(err), f"{doing}: {err.status} {err.reason}: {err.message}"
+
+
+def rayjob_patch(
+    spec_suspend: bool, latest: ObservedRayJob, decision: StatusDecision, now: datetime
+) -> dict[str, Any] | None:
+    """The merge patch of the current, unfinished RayJob this pass needs, or None.
+
+    A deadline stop suspends it for good (:data:`STOPPED_ANNOTATION`, with the running-time
+    record, whose ``periodEnd`` says when the job ended). Otherwise the user's
+    ``spec.suspend`` is written when it differs from the record of what the operator last wrote
+    (:data:`USER_SUSPEND_ANNOTATION`), except that a resume of a RayJob Kueue queues (its queue
+    label) changes only the record: unsuspending it is Kueue's admission. A patch that suspends
+    a RayJob whose running period is not recorded yet records it in the same write, and a
+    record the decision asks for (Kueue suspended it) is written on its own.
+    """
+    if latest.stopped_reason:
+        return None
+    annotations: dict[str, str] = {}
+    spec: dict[str, Any] = {}
+    if decision.stop_rayjob == latest.name:
+        annotations[STOPPED_ANNOTATION] = "DeadlineExceeded"
+        spec["suspend"] = True
+    elif latest.user_suspend != spec_suspend:
+        annotations[USER_SUSPEND_ANNOTATION] = str(spec_suspend).lower()
+        if spec_suspend or latest.queue_name is None:
+            spec["suspend"] = spec_suspend
+    stopping = STOPPED_ANNOTATION in annotations  # its record's periodEnd is the job's completionTime
+    if stopping or (spec.get("suspend") is True and latest.period_open):
+        annotations[ACTIVE_TIME_ANNOTATION] = close_running_period(latest, now).to_annotation()
+    elif decision.record_active_time is not None:
+        annotations[ACTIVE_TIME_ANNOTATION] = decision.record_active_time.to_annotation()
+    if not annotations and not spec:
+        return None
+    patch: dict[str, Any] = {"metadata": {"annotations": annotations}}
+    if spec:
+        patch["spec"] = spec
+    return patch
 
 
 def reconcile(
@@ -116,6 +174,7 @@ def reconcile(
     stored = RLHFJobStatus.from_body(body.get("status"))
     current = last_written if last_written is not None else stored
     writes = 0
+    failures: list[ApiError] = []
 
     def finish(
         status: RLHFJobStatus,
@@ -130,15 +189,22 @@ def reconcile(
             try:
                 cluster.patch_job_status(owner.namespace, owner.name, patch)
                 writes += 1
-            except ApiError:
-                return ReconcileResult(current.phase, writes, recheck, failed=True, status=None)
+            except ApiError as err:
+                # No condition can say so (the status is what failed): the caller logs and counts it.
+                failures.append(err)
+                return ReconcileResult(
+                    current.phase, writes, recheck, failed=True, status=None, failures=tuple(failures)
+                )
         for event in events:
             try:
                 cluster.emit_event(body, event)
                 writes += 1
-            except ApiError:
+            except ApiError as err:
+                failures.append(err)
                 failed = True  # Events are best effort, but say so: the caller retries with backoff
-        return ReconcileResult(status.phase, writes, recheck, failed=failed, status=status)
+        return ReconcileResult(
+            status.phase, writes, recheck, failed=failed, status=status, failures=tuple(failures)
+        )
 
     try:
         job = parse_job_manifest(dict(body), source=_source(body))
@@ -159,25 +225,30 @@ def reconcile(
     status = decision.status
     events = list(decision.events)
 
+    problem: tuple[str, str] | None = None
+    retry = False  # a transient miss that sets no condition (an object gone between 409 and read)
     if status.phase in TERMINAL_PHASES:
         remaining = ttl_remaining_seconds(spec, status, now)
         if remaining is not None and remaining <= 0:
             try:
                 cluster.delete("RLHFJob", owner.namespace, owner.name)
-            except ApiError:
-                return ReconcileResult(status.phase, writes, None, failed=True)
-            return ReconcileResult(status.phase, writes + 1, deleted=True)
+                return ReconcileResult(status.phase, writes + 1, deleted=True)
+            except ApiError as err:
+                failures.append(err)
+                problem = _failure_problem(
+                    err, f"delete RLHFJob {owner.name} (spec.ttlSecondsAfterFinished passed)"
+                )
 
-    problem: tuple[str, str] | None = None
     attempt = decision.start_attempt or max(status.attempts, 1)
     desired = build_children(
         job,
         owner,
         attempt=attempt,
         defaults=defaults,
-        active_deadline_seconds=remaining_deadline_seconds(spec, status, now),
+        active_deadline_seconds=remaining_deadline_seconds(spec, attempts, now),
     )
-    for child in desired:
+    to_make = desired if problem is None else []  # the job could not be deleted: make nothing new
+    for child in to_make:
         kind, name = child["kind"], child["metadata"]["name"]
         if kind == "RayJob" and decision.start_attempt is None:
             continue
@@ -192,57 +263,43 @@ def reconcile(
         existing = owned.get((kind, name))
         try:
             if existing is None:
-                created = cluster.create(child)
-                if created and kind == "RayJob":
-                    status = with_rayjob_created(current, status, now=now)
-                if not created:
+                if cluster.create(child):
+                    writes += 1
+                    if kind == "RayJob":
+                        status = with_rayjob_created(current, status, now=now)
+                    continue
+                # 409: the cache has not seen the object yet (our own earlier create), or it is a stranger's.
+                existing = cluster.get(kind, owner.namespace, name)
+                if existing is None:
+                    retry = True  # deleted since the 409: the next pass creates it
+                    break
+                if not owned_by(existing, owner.uid):
                     problem = (
                         "NameConflict",
                         f"{kind} {name} already exists and is not owned by this RLHFJob (uid {owner.uid}); "
                         "it is left alone",
                     )
                     break
-                writes += 1
-            elif kind == "ConfigMap" and existing.get("data") != child["data"]:
+                if kind == "RayJob":
+                    status = with_rayjob_created(current, status, now=now)
+            if kind == "ConfigMap" and existing.get("data") != child["data"]:
                 cluster.patch(kind, owner.namespace, name, {"data": child["data"]})
                 writes += 1
         except ApiError as err:
-            problem = (
-                api_failure_reason(err),
-                f"{err.verb} {kind} {name}: {err.status} {err.reason}: {err.message}",
-            )
+            failures.append(err)
+            problem = _failure_problem(err, f"{err.verb} {kind} {name}")
             break
 
     latest = max(attempts, key=lambda a: a.attempt) if attempts else None
     if problem is None and latest is not None and not latest.finished:
-        try:
-            if decision.stop_rayjob == latest.name and not latest.stopped_reason:
-                cluster.patch(
-                    "RayJob",
-                    owner.namespace,
-                    latest.name,
-                    {
-                        "metadata": {"annotations": {STOPPED_ANNOTATION: "DeadlineExceeded"}},
-                        "spec": {"suspend": True},
-                    },
-                )
+        patch = rayjob_patch(spec.suspend, latest, decision, now)
+        if patch is not None:
+            try:
+                cluster.patch("RayJob", owner.namespace, latest.name, patch)
                 writes += 1
-            elif not latest.stopped_reason and latest.user_suspend != spec.suspend:
-                cluster.patch(
-                    "RayJob",
-                    owner.namespace,
-                    latest.name,
-                    {
-                        "metadata": {"annotations": {USER_SUSPEND_ANNOTATION: str(spec.suspend).lower()}},
-                        "spec": {"suspend": spec.suspend},
-                    },
-                )
-                writes += 1
-        except ApiError as err:
-            problem = (
-                api_failure_reason(err),
-                f"patch RayJob {latest.name}: {err.status} {err.reason}: {err.message}",
-            )
+            except ApiError as err:
+                failures.append(err)
+                problem = _failure_problem(err, f"patch RayJob {latest.name}")
 
     status, ready_changed = set_children_ready(current, status, problem, now=now)
     if problem is not None and ready_changed:
@@ -250,4 +307,4 @@ def reconcile(
     recheck = decision.recheck_after_seconds
     ttl = ttl_remaining_seconds(spec, status, now)
     recheck = _min(recheck, ttl)
-    return finish(status, tuple(events), recheck, failed=problem is not None)
+    return finish(status, tuple(events), recheck, failed=problem is not None or retry)

@@ -28,9 +28,24 @@ Protocol of one reconcile (``hybridflow_operator.reconcile`` is the caller; this
 2. parse every RayJob owned by the job's uid with :meth:`ObservedRayJob.from_body`;
 3. call :func:`desired_status`; if ``start_attempt`` is set, create that attempt's children,
    with the RayJob's ``activeDeadlineSeconds`` from :func:`remaining_deadline_seconds`; stop
-   ``stop_rayjob`` if set; schedule the next pass after ``recheck_after_seconds``;
+   ``stop_rayjob`` if set; write ``record_active_time`` onto the current RayJob if set, and
+   :func:`close_running_period` with any patch that suspends it; schedule the next pass after
+   ``recheck_after_seconds``;
 4. write :func:`status_patch` (nothing when it is empty, so a second pass writes nothing)
    and emit ``events``.
+
+The deadline clock. ``spec.activeDeadlineSeconds`` is a budget of *running* time: the time from
+KubeRay starting an attempt's cluster (the RayJob's ``startTime``, which KubeRay sets again each
+time it resumes a suspended RayJob) until the attempt ends (``endTime``) or is suspended, summed
+over the attempts (:func:`active_seconds`). Time suspended by the user, queued in Kueue (created
+suspended, or preempted) and waiting between attempts does not count. KubeRay keeps only the
+current period's ``startTime``, so when a period ends by suspension the operator records what it
+counted in the RayJob's :data:`ACTIVE_TIME_ANNOTATION` (:class:`ActiveTime`): in the patch that
+suspends it (user suspend, deadline stop), or in a patch of its own when Kueue suspended it; a
+RayJob still at its first ``metadata.generation`` and suspended has never been let run (created
+suspended, never admitted or resumed), so it needs no record. A period whose end the operator
+sees late (it was down) counts until it sees it. The record is on a child, which only the
+operator, KubeRay and Kueue write, never the workload.
 
 A KubeRay state maps to a phase as follows (KubeRay v1.7 ``JobDeploymentStatus`` and Ray
 ``JobStatus``, ray-operator/apis/ray/v1/rayjob_types.go):
@@ -61,6 +76,7 @@ controller's ``error: Stalled:`` line   (retried like any other failure)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -71,6 +87,7 @@ from pydantic.alias_generators import to_camel
 
 from hybridflow.spec import RLHFJob, RLHFJobSpec
 from hybridflow_operator.builders.metadata import ATTEMPT_LABEL, STOPPED_ANNOTATION, USER_SUSPEND_ANNOTATION
+from hybridflow_operator.builders.rayjob import KUEUE_QUEUE_LABEL
 from hybridflow_operator.events import Event
 from hybridflow_operator.names import rayjob_name
 
@@ -99,8 +116,14 @@ CONDITION_TYPES: tuple[str, ...] = (
     "Suspended",
     "Succeeded",
     "Failed",
+    "Stalled",
 )
-"""Every reconciled job carries each of these, True or False, so ``kubectl wait --for=condition=X`` works."""
+"""Every reconciled job carries each of these, True or False, so ``kubectl wait --for=condition=X`` works.
+
+``Stalled`` is True while the job is retrying or has failed because its last attempt stalled (a
+worker stopped answering for ``spec.stallTimeoutSeconds``; the controller's ``error: Stalled:``
+report names the call and the silent ranks), False otherwise; its transition time is when the
+stall was seen."""
 
 # KubeRay v1.7 JobDeploymentStatus values (rayjob_types.go); "" is JobDeploymentStatusNew.
 DEPLOYMENT_NEW = ""
@@ -241,11 +264,17 @@ class RLHFJobStatus(StatusModel):
     )
     start_time: datetime | None = Field(
         default=None,
-        description="When the first attempt's cluster started initializing; spec.activeDeadlineSeconds counts from here.",
+        description=(
+            "When KubeRay first started the cluster of the job's first attempt that ran; "
+            "spec.activeDeadlineSeconds counts running time only (not suspended, queued or between attempts)."
+        ),
     )
     completion_time: datetime | None = Field(
         default=None,
-        description="When the job succeeded or failed; spec.ttlSecondsAfterFinished counts from here.",
+        description=(
+            "When the job succeeded or failed (the last RayJob's endTime, or when the operator stopped it); "
+            "spec.ttlSecondsAfterFinished counts from here."
+        ),
     )
     observed_generation: int | None = Field(
         default=None, ge=0, description="metadata.generation of the spec this status was computed from."
@@ -297,6 +326,37 @@ OPERATOR_OWNED_KEYS: tuple[str, ...] = tuple(
 """Top-level status keys the operator writes; ``progress`` belongs to the controller."""
 
 
+ACTIVE_TIME_ANNOTATION = "hybridflow.io/active-time"
+"""On a RayJob: the operator's record of the attempt's running time (:class:`ActiveTime` as
+JSON), written when a running period ends by suspension; see "The deadline clock" above."""
+
+
+class ActiveTime(StatusModel):
+    """What an attempt ran before its current period: the value of :data:`ACTIVE_TIME_ANNOTATION`."""
+
+    seconds: int = Field(ge=0, description="Running seconds of every period up to periodStart's, included.")
+    started: datetime | None = Field(default=None, description="startTime of the first period that ran.")
+    period_start: datetime | None = Field(
+        default=None, description="startTime of the last period counted (KubeRay's, of that period)."
+    )
+    period_end: datetime = Field(
+        description="When the operator closed that period (suspended or stopped it)."
+    )
+
+    @classmethod
+    def from_annotation(cls, value: object) -> ActiveTime | None:
+        """Parse the annotation; None when absent or not a record (the periods then count from KubeRay's times)."""
+        if not isinstance(value, str):
+            return None
+        try:
+            return cls.model_validate(json.loads(value))
+        except (ValueError, ValidationError):
+            return None
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+
 class ObservedRayJob(StatusModel):
     """The parts of one attempt's RayJob the status mapping reads; parsed once from the API body.
 
@@ -308,6 +368,11 @@ class ObservedRayJob(StatusModel):
     name: str = Field(description="metadata.name")
     attempt: int = Field(default=1, ge=1, description="metadata.labels[hybridflow.io/attempt]")
     created_at: datetime | None = Field(default=None, description="metadata.creationTimestamp")
+    generation: int = Field(default=1, ge=1, description="metadata.generation (grows on spec changes)")
+    queue_name: str | None = Field(default=None, description="metadata.labels[kueue.x-k8s.io/queue-name]")
+    active_time: ActiveTime | None = Field(
+        default=None, description="metadata.annotations[hybridflow.io/active-time]"
+    )
     suspend: bool = Field(default=False, description="spec.suspend")
     user_suspend: bool | None = Field(
         default=None, description="metadata.annotations[hybridflow.io/user-suspend]"
@@ -337,6 +402,9 @@ class ObservedRayJob(StatusModel):
             name=name,
             attempt=max(1, attempt),
             created_at=metadata.get("creationTimestamp"),
+            generation=max(1, int(metadata.get("generation") or 1)),
+            queue_name=labels.get(KUEUE_QUEUE_LABEL),
+            active_time=ActiveTime.from_annotation(annotations.get(ACTIVE_TIME_ANNOTATION)),
             suspend=bool(spec.get("suspend", False)),
             user_suspend=None if user_suspend is None else user_suspend == "true",
             stopped_reason=str(annotations.get(STOPPED_ANNOTATION) or ""),
@@ -356,6 +424,68 @@ class ObservedRayJob(StatusModel):
             DEPLOYMENT_FAILED,
             DEPLOYMENT_VALIDATION_FAILED,
         )
+
+    @property
+    def period_open(self) -> bool:
+        """KubeRay started a period (``startTime``) that the operator's record does not hold yet."""
+        recorded = self.active_time.period_start if self.active_time is not None else None
+        return self.start_time is not None and self.start_time != recorded
+
+    @property
+    def held(self) -> bool:
+        """Suspended (by the user, Kueue or the operator's stop), or on its way there: no time counts."""
+        return (
+            self.suspend
+            or bool(self.stopped_reason)
+            or self.job_deployment_status in (DEPLOYMENT_SUSPENDING, DEPLOYMENT_SUSPENDED)
+        )
+
+    @property
+    def never_ran(self) -> bool:
+        """Suspended since its creation (queued for Kueue, or the user's suspend): KubeRay's
+        ``startTime`` is of its pass through Initializing on the way to Suspended, not of a run."""
+        return self.suspend and self.generation <= 1
+
+    @property
+    def counting(self) -> bool:
+        """The deadline clock runs: KubeRay started this period, and nothing holds or ended it."""
+        return self.period_open and not self.finished and not self.held
+
+
+def attempt_active_seconds(rayjob: ObservedRayJob, now: datetime) -> int:
+    """Seconds ``rayjob``'s attempt has run by ``now``: its record plus the period not recorded yet.
+
+    That period ends at KubeRay's ``endTime`` when the attempt finished, and at ``now`` while it
+    runs or when it was suspended and the operator has not recorded it yet.
+    """
+    counted = rayjob.active_time.seconds if rayjob.active_time is not None else 0
+    start = rayjob.start_time
+    if start is None or not rayjob.period_open or rayjob.never_ran:
+        return counted
+    end = (rayjob.end_time or start) if rayjob.finished else _now(now)
+    return counted + max(0, int((_now(end) - _now(start)).total_seconds()))
+
+
+def active_seconds(attempts: Sequence[ObservedRayJob], now: datetime) -> int:
+    """Running seconds of the whole job by ``now``, every attempt included (see "The deadline clock")."""
+    return sum(attempt_active_seconds(rayjob, now) for rayjob in attempts)
+
+
+def close_running_period(rayjob: ObservedRayJob, now: datetime) -> ActiveTime:
+    """``rayjob``'s record with its open period counted up to ``now``: written when the operator
+    suspends or stops it, or sees it suspended by Kueue (:attr:`StatusDecision.record_active_time`)."""
+    started = rayjob.active_time.started if rayjob.active_time is not None else None
+    return ActiveTime(
+        seconds=attempt_active_seconds(rayjob, now),
+        started=started or (None if rayjob.never_ran else rayjob.start_time),
+        period_start=rayjob.start_time,
+        period_end=_now(now),
+    )
+
+
+def _record_due(rayjob: ObservedRayJob) -> bool:
+    """A period that ran ended by a suspension the operator did not write (Kueue's preemption)."""
+    return rayjob.period_open and not rayjob.finished and rayjob.held and not rayjob.never_ran
 
 
 @dataclass(frozen=True)
@@ -389,6 +519,9 @@ class StatusDecision:
     """When a time-based transition is due (retry backoff, deadline); None: nothing scheduled."""
     stop_rayjob: str | None = None
     """A RayJob to stop now (suspend it, recording :data:`STOPPED_ANNOTATION`): the deadline passed."""
+    record_active_time: ActiveTime | None = None
+    """A record to write onto the current RayJob (:data:`ACTIVE_TIME_ANNOTATION`): Kueue suspended it,
+    ending a running period the operator did not end itself."""
 
     @property
     def retrying(self) -> bool:
@@ -527,7 +660,7 @@ def _conditions(
     message: str,
     now: datetime,
 ) -> tuple[Condition, ...]:
-    """The six conditions for a validated job in ``phase``."""
+    """The conditions (:data:`CONDITION_TYPES`) of a validated job in ``phase``."""
 
     def when(true: bool, true_reason: str, true_message: str) -> tuple[ConditionStatus, str, str]:
         return ("True", true_reason, true_message) if true else ("False", phase, f"phase is {phase}")
@@ -548,6 +681,9 @@ def _conditions(
         ),
         "Succeeded": when(phase == "Succeeded", "Succeeded", f"the controller finished ({attempt_text})"),
         "Failed": when(phase == "Failed", reason or "Failed", failure_text),
+        "Stalled": when(
+            phase in ("Retrying", "Failed") and reason == STALLED_REASON, STALLED_REASON, failure_text
+        ),
     }
     kept = tuple(c for c in previous.conditions if c.type not in CONDITION_TYPES)
     return (
@@ -586,9 +722,29 @@ def _phase_event(
 
 
 def job_start_time(attempts: Sequence[ObservedRayJob]) -> datetime | None:
-    """When the first attempt's cluster started (KubeRay's ``startTime``); the deadline counts from here."""
-    times = [a.start_time for a in attempts if a.start_time is not None]
+    """When KubeRay first started a cluster of the job that ran: the first period of the earliest
+    attempt, from the operator's record once a suspension moved KubeRay's ``startTime`` on."""
+    times: list[datetime] = []
+    for rayjob in attempts:
+        if rayjob.active_time is not None and rayjob.active_time.started is not None:
+            times.append(rayjob.active_time.started)
+        elif rayjob.start_time is not None and not rayjob.never_ran:
+            times.append(rayjob.start_time)
     return _now(min(times)) if times else None
+
+
+def _completion_time(latest: ObservedRayJob | None, now: datetime) -> datetime:
+    """When the job finished, from its last RayJob: KubeRay's ``endTime``, or when the operator
+    stopped it (the stop patch's record); ``now`` in the pass that decides it (and writes that record)."""
+    if latest is None:
+        return now
+    if latest.stopped_reason and latest.active_time is not None:
+        return _now(latest.active_time.period_end)
+    if latest.end_time is not None:
+        return _now(latest.end_time)
+    if latest.finished:  # KubeRay failed it without an endTime (an invalid spec): its last known time
+        return _now(latest.start_time or latest.created_at or now)
+    return now
 
 
 def desired_status(
@@ -604,11 +760,12 @@ def desired_status(
 
     ``attempts`` are the RayJobs owned by the job's uid, one per attempt started. Every
     lifecycle fact comes from them: the attempt count (the highest attempt label), the
-    current attempt's state (KubeRay's status), the start time (KubeRay's ``startTime``),
-    and the operator's final decisions (:data:`STOPPED_ANNOTATION`). ``current`` (the status
-    as stored, which the controller in the head pod can write) is read only to keep condition
-    times stable and to tell phase changes for events; forging ``status.attempts`` or
-    ``status.phase`` changes no decision.
+    current attempt's state (KubeRay's status), the start, end and running times (KubeRay's
+    ``startTime``/``endTime`` and the operator's :data:`ACTIVE_TIME_ANNOTATION`), and the
+    operator's final decisions (:data:`STOPPED_ANNOTATION`). ``current`` (the status as
+    stored, which the controller in the head pod can write) is read only to keep condition
+    times stable and to tell phase changes for events; forging ``status.attempts``,
+    ``status.phase`` or ``status.completionTime`` changes no decision.
 
     ``now`` is the reconcile's clock, passed in so the function is pure. Feeding the result's
     status back as ``current`` with the same ``attempts`` yields the same status again, which
@@ -627,22 +784,27 @@ def desired_status(
     stop_rayjob: str | None = None
     recheck: float | None = None
     deadline = spec.active_deadline_seconds
-    if deadline is not None and start_time is not None and not (outcome and outcome.phase == "Succeeded"):
-        due = start_time + timedelta(seconds=deadline)
+    if deadline is not None and not (outcome and outcome.phase == "Succeeded"):
+        ran = active_seconds(ordered, now)
         final = outcome is not None and outcome.failed and not outcome.retryable
-        if now >= due and (not final or (outcome is not None and outcome.reason == "DeadlineExceeded")):
-            detail = f"spec.activeDeadlineSeconds ({deadline}s) passed since {start_time.isoformat()}"
+        if ran >= deadline and (not final or (outcome is not None and outcome.reason == "DeadlineExceeded")):
+            detail = (
+                f"the job ran for spec.activeDeadlineSeconds ({deadline}s), not counting time suspended, "
+                "queued or between attempts"
+            )
             outcome = _failure("DeadlineExceeded", detail, retryable=False)
             if latest is not None and not latest.finished:
                 stop_rayjob = latest.name
-        elif now < due:
-            recheck = (due - now).total_seconds()
+        elif latest is not None and latest.counting:
+            recheck = float(deadline - ran)  # while nothing runs the clock stands still: no recheck
 
     start_attempt: int | None = None
     attempts_started = attempt
     if outcome is None:
-        # No RayJob yet: the first reconcile, or a create that has not landed.
-        phase: Phase = _waiting_phase(spec, suspended=False)
+        # No RayJob yet: the first reconcile, or a create that has not landed. The RayJob this pass
+        # creates is suspended for Kueue when the job names a queue: it is Queued from the start
+        # (saying Pending first would cost a second status write for nothing).
+        phase: Phase = _waiting_phase(spec, suspended=spec.queue_name is not None)
         start_attempt = 1
         reason, message = "", ""
     elif outcome.failed and outcome.retryable and repeated_failure(spec, ordered):
@@ -676,6 +838,11 @@ def desired_status(
         reason, message = outcome.reason, outcome.message
     if phase in TERMINAL_PHASES:
         recheck = None
+    record = (
+        close_running_period(latest, now)
+        if latest is not None and phase not in TERMINAL_PHASES and _record_due(latest)
+        else None
+    )
 
     new_name = rayjob_name(job.metadata.name, attempts_started)
     attempt_text = f"attempt {attempts_started} of {max_attempts}"
@@ -698,30 +865,28 @@ def desired_status(
         )
     else:
         event_detail = f"{reason}: {message}"
-    end_times = [latest.end_time] if latest is not None and latest.end_time is not None else []
-    completion = _now(end_times[0]) if end_times else now
     status = base.model_copy(
         update={
             "phase": phase,
             "attempts": attempts_started,
             "ray_job_name": new_name,
             "start_time": start_time,
-            "completion_time": (current.completion_time or completion) if phase in TERMINAL_PHASES else None,
+            "completion_time": _completion_time(latest, now) if phase in TERMINAL_PHASES else None,
             "conditions": _conditions(
                 current,
                 phase,
                 created=latest is not None and start_attempt is None,
                 rayjob=new_name,
                 attempt_text=attempt_text,
-                reason=reason if phase == "Failed" else "",
-                message=message if phase == "Failed" else "",
+                reason=reason if phase in ("Failed", "Retrying") else "",
+                message=message if phase in ("Failed", "Retrying") else "",
                 now=now,
             ),
             **mirrors,
         }
     )
     events = _phase_event(current.phase, phase, new_name, attempt_text, event_detail)
-    return StatusDecision(status, start_attempt, events, recheck, stop_rayjob)
+    return StatusDecision(status, start_attempt, events, recheck, stop_rayjob, record)
 
 
 def invalid_spec_status(
@@ -798,19 +963,21 @@ def status_patch(current: RLHFJobStatus, desired: RLHFJobStatus) -> dict[str, An
     return {key: new.get(key) for key in OPERATOR_OWNED_KEYS if old.get(key) != new.get(key)}
 
 
-def remaining_deadline_seconds(spec: RLHFJobSpec, status: RLHFJobStatus, now: datetime) -> int | None:
-    """``activeDeadlineSeconds`` for the next RayJob: what is left of the job's budget, restarts included.
+def remaining_deadline_seconds(
+    spec: RLHFJobSpec, attempts: Sequence[ObservedRayJob], now: datetime
+) -> int | None:
+    """``activeDeadlineSeconds`` for the next RayJob: what the earlier ``attempts`` left of the
+    job's running-time budget (:func:`active_seconds`).
 
     None without a deadline. At least 1, since KubeRay requires a positive value; a budget
-    already spent is :func:`desired_status`'s business (it fails the job).
+    already spent is :func:`desired_status`'s business (it fails the job). KubeRay counts its
+    own deadline from the RayJob's ``startTime``, which it sets again on each resume, so within
+    an attempt that is suspended and resumed the operator's count is the one that stops it.
     """
     deadline = spec.active_deadline_seconds
     if deadline is None:
         return None
-    if status.start_time is None:
-        return deadline
-    elapsed = (_now(now) - status.start_time).total_seconds()
-    return max(1, int(deadline - elapsed))
+    return max(1, deadline - active_seconds(attempts, now))
 
 
 def ttl_remaining_seconds(spec: RLHFJobSpec, status: RLHFJobStatus, now: datetime) -> float | None:

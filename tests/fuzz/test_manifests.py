@@ -9,7 +9,10 @@ For each case (an example with up to four random edits, see ``manifests.py``):
 * every rejection names a field (``spec.training.totalSteps: ...``), on both sides;
 * ``hybridflow validate --in-cluster`` exits 0 or 2, never with a traceback;
 * an accepted manifest builds: the operator's pure builders return every child, and the RayJob
-  validates against the real KubeRay v1.7 CRD where ``../shared/kuberay`` is present.
+  validates against the real KubeRay v1.7 CRD where ``../shared/kuberay`` is present;
+* an accepted manifest reconciles: the operator's pass on an in-memory cluster
+  (``kube.fake_cluster``) makes every child in one pass without raising (nothing partial), and a
+  second pass writes nothing.
 
 ``HYBRIDFLOW_FUZZ_CASES`` sets the number of cases (default 500; ``bench/e2e.py`` runs more).
 """
@@ -35,6 +38,7 @@ from manifests import manifests
 from hybridflow.cli import main as hybridflow_main
 from hybridflow.spec import SpecError, in_cluster_problems, parse_job_manifest
 from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
+from kube.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 
@@ -104,7 +108,21 @@ def check_case(manifest: dict[str, Any], edits: list[str]) -> None:
         TALLY["operator_crashes"] += 1
         raise
     kinds = [child["kind"] for child in children]
-    assert kinds == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "RayJob"], f"{kinds}\n{story}"
+    assert kinds == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "RayJob"], (
+        f"{kinds}\n{story}"
+    )
+    # The operator's pass itself (the pure reconcile on an in-memory cluster): it never raises,
+    # makes every child (nothing partial) in one pass, and a second pass writes nothing.
+    cluster = FakeCluster({**job.model_dump(by_alias=True, exclude_none=True), "status": {}})
+    cluster.job["metadata"].update(uid=UID, generation=1)
+    try:
+        cluster.pass_()
+    except Exception:
+        TALLY["operator_crashes"] += 1
+        raise
+    made = sorted(kind for kind, _ in cluster.objects if kind != "RLHFJob")
+    assert made == sorted(kinds) and not cluster.result.failed, f"{made} {cluster.result}\n{story}"
+    assert cluster.pass_() == 0, f"a second pass wrote\n{story}"
     validator = kuberay_validator()
     if validator is not None:
         problems = [error.message for error in validator.iter_errors(children[-1])]

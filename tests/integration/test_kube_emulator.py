@@ -339,6 +339,22 @@ def test_owner_references_cascade_deletion(cluster: EmulatedCluster) -> None:
     assert cluster.core.list_namespaced_pod(NAMESPACE).items == []
 
 
+def test_a_child_created_after_its_owner_was_deleted_is_collected(cluster: EmulatedCluster) -> None:
+    """As the API server's garbage collector does: a create naming only owners that no longer
+    exist succeeds, and the object is collected (a controller that had not seen the deletion)."""
+    job = create_job(cluster, "job")
+    cluster.custom.delete_namespaced_custom_object(*RLHFJOBS, NAMESPACE, "rlhfjobs", "job")
+    late = cluster.core.create_namespaced_config_map(
+        NAMESPACE, {"metadata": {"name": "late", "ownerReferences": owned_by(job)}}
+    )
+    assert late.metadata.uid  # created (201)...
+    assert [cm.metadata.name for cm in cluster.core.list_namespaced_config_map(NAMESPACE).items] == []
+    kept = cluster.core.create_namespaced_config_map(NAMESPACE, {"metadata": {"name": "no-owner"}})
+    assert [cm.metadata.name for cm in cluster.core.list_namespaced_config_map(NAMESPACE).items] == [
+        kept.metadata.name
+    ]
+
+
 def test_a_crd_manifest_registers_its_resource() -> None:
     crd_path = Path(__file__).resolve().parents[2] / "crds" / "hybridflow.io_rlhfjobs.yaml"
     if not crd_path.exists():

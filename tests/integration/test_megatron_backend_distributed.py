@@ -56,6 +56,9 @@ CHECKS = [
     "checkpoint_round_trip_continues_identically",
     "checkpoint_loads_into_another_layout",
     "non_finite_grad_skips_the_step_everywhere",
+    "activation_checkpointing_gives_the_same_step",
+    "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
+    "offload_round_trip_continues_identically",
 ]
 
 ROWS = 8
@@ -201,8 +204,10 @@ def run_checks(rank: int, port: int, root: str) -> None:
         rows = slice(layout.dp_rank * ROWS // layout.dp_size, (layout.dp_rank + 1) * ROWS // layout.dp_size)
         return {name: tensor[rows] for name, tensor in data.items()}
 
-    def trainer(directory: Path) -> tuple[Any, Any, Any]:
-        model = mb.wrap_data_parallel(mb.load_causal_lm(directory))
+    def trainer(directory: Path, *, activation_checkpointing: bool = False) -> tuple[Any, Any, Any]:
+        model = mb.wrap_data_parallel(
+            mb.load_causal_lm(directory, activation_checkpointing=activation_checkpointing)
+        )
         optimizer = mb.build_optimizer(
             model, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
         )
@@ -439,6 +444,82 @@ def run_checks(rank: int, port: int, root: str) -> None:
         assert_same(after, before, atol=0.0)
         assert not torch_optimizer(optimizer).state  # no Adam state: no step was taken
 
+    def recompute() -> None:
+        # Full recompute of every layer, through the pipeline: the same step as without it.
+        stepped = []
+        for tp, pp in ((2, 1), (2, 2)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            parts = trainer(qwen, activation_checkpointing=True)
+            config = mb.unwrap(parts[0]).config
+            assert (config.recompute_granularity, config.recompute_method) == ("full", "uniform")
+            loss, norm = train_step(parts, layout, first)
+            stepped.append((layout, loss, norm, mb.full_state_dict(parts[0])))
+            mb.destroy_parallel_state()
+        for layout, loss, norm, state in stepped:
+            expected_loss = (
+                layout.dp_size * refs["row_losses"].chunk(layout.dp_size)[layout.dp_rank].sum().item()
+            )
+            assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
+            assert norm == pytest.approx(refs["grad_norm"], rel=1e-5)
+            assert_same(state, refs["stepped"], atol=1e-6)
+
+    def chunked_logprobs() -> None:
+        # Every rank draws the same full logits, takes its TP slice, and must match a plain
+        # log-softmax over the unpadded vocabulary, in values and gradients, for any chunking.
+        from hybridflow.backends.megatron.logprobs import vocab_parallel_logprobs_and_entropy
+
+        results = []
+        for tp in (2, 4):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=1)
+            generator = torch.Generator().manual_seed(7)
+            padded, vocab = 24, 21  # the last TP rank holds padding columns
+            full = torch.randn(3, 5, padded, generator=generator) * 3
+            targets = torch.randint(0, vocab, (3, 5), generator=generator)
+            weights = torch.randn(2, 3, 5, generator=generator)
+            width = padded // tp
+            columns = slice(layout.tp_rank * width, (layout.tp_rank + 1) * width)
+            for chunk in (4, 1 << 20):
+                local = full[..., columns].clone().requires_grad_(True)
+                log_probs, entropy = vocab_parallel_logprobs_and_entropy(
+                    local, targets, vocab_size=vocab, temperature=TEMPERATURE, chunk_tokens=chunk
+                )
+                assert entropy is not None
+                (weights[0] * log_probs + weights[1] * entropy).sum().backward()
+                results.append((columns, log_probs.detach(), entropy.detach(), local.grad))
+            mb.destroy_parallel_state()
+        reference = full.clone().requires_grad_(True)
+        z = reference[..., :vocab] / TEMPERATURE
+        log_softmax = torch.log_softmax(z, dim=-1)
+        expected_lp = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        expected_entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
+        (weights[0] * expected_lp + weights[1] * expected_entropy).sum().backward()
+        assert reference.grad is not None
+        for columns, log_probs, entropy, grad in results:
+            torch.testing.assert_close(log_probs, expected_lp.detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(grad, reference.grad[..., columns], atol=1e-5, rtol=0)
+
+    def offload() -> None:
+        # Two steps with the training state offloaded (parameters, gradient buffers, Adam's
+        # state) and reloaded before each, as around generation: the same as without.
+        from hybridflow.backends.offload import DeviceOffload
+
+        layout = mb.initialize_parallel_state(tp_size=2, pp_size=2)
+        plain, moved = trainer(qwen), trainer(qwen)
+        round_trip = DeviceOffload("the test trainer")
+        seen = []  # asserted after the loop: no rank may skip a collective its peers run
+        for data in (first, refs["data"]["second"]):
+            parameters, optimizer_state = mb.offload_tensors(moved[0], moved[1])
+            stats = round_trip.offload(parameters + optimizer_state)
+            emptied = all(p.untyped_storage().nbytes() == 0 for p in moved[0].parameters())
+            grads_emptied = all(p.main_grad.untyped_storage().nbytes() == 0 for p in moved[0].parameters())
+            round_trip.reload()
+            seen.append((stats.bytes > 0, emptied, grads_emptied))
+            seen.append(train_step(moved, layout, data) == train_step(plain, layout, data))
+        assert seen == [(True, True, True), True] * 2, seen
+        assert_same(mb.full_state_dict(moved[0]), mb.full_state_dict(plain[0]), atol=0.0)
+        assert torch_optimizer(moved[1]).state
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -450,6 +531,9 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("checkpoint_round_trip_continues_identically", checkpoint)
         check("checkpoint_loads_into_another_layout", reshard_checkpoint)
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
+        check("activation_checkpointing_gives_the_same_step", recompute)
+        check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)
+        check("offload_round_trip_continues_identically", offload)
     finally:
         (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ conditions, events, the children it owns, and that reconciles with nothing to do
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hybridflow_operator.cluster import ApiCluster
 from hybridflow_operator.main import OperatorConfig, register
+from kube.emulator import WriteFault, WriteSeen
 from kube.harness import EmulatedCluster, load_crd, operator_registry, wait_until
 
 pytestmark = pytest.mark.integration
@@ -178,6 +180,57 @@ def test_suspend_reaches_the_rayjob_and_deletion_cascades(cluster: Any) -> None:
     wait_until(lambda: rayjob(cluster, "pause-1") is None, message="owner-reference garbage collection")
 
 
+def test_resuming_a_queued_job_leaves_its_admission_to_kueue(cluster: Any) -> None:
+    create_job(cluster, "kq", queueName="research")
+    wait_until(lambda: rayjob(cluster, "kq-1"))
+    kuberay(cluster, "kq-1", "Suspended")  # parked by KubeRay until Kueue admits it
+
+    def user_suspend() -> str | None:
+        annotations = ((rayjob(cluster, "kq-1") or {}).get("metadata") or {}).get("annotations") or {}
+        return annotations.get("hybridflow.io/user-suspend")
+
+    def set_suspend(suspend: bool) -> None:
+        cluster.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, NS, PLURAL, "kq", {"spec": {"suspend": suspend}}
+        )
+
+    set_suspend(True)
+    wait_until(lambda: user_suspend() == "true")
+    set_suspend(False)
+    wait_until(lambda: user_suspend() == "false")
+    wait_until(lambda: phase(cluster, "kq") == "Queued")
+    assert (rayjob(cluster, "kq-1") or {})["spec"]["suspend"] is True  # unsuspending it is Kueue's
+
+
+def errors(cluster: Any, reason: str) -> float:
+    return float(cluster.metrics.errors.labels(error=reason)._value.get())
+
+
+def test_a_failed_status_patch_is_logged_counted_and_retried(
+    cluster: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The status patch cannot carry a condition about itself: the log and the metric show it."""
+    failed: list[str] = []
+
+    def status_patch_fails_twice(write: WriteSeen) -> WriteFault | None:
+        if write.plural == "rlhfjobs/status" and write.name == "flaky" and len(failed) < 2:
+            failed.append(write.verb)
+            return "lost"
+        return None
+
+    before = errors(cluster, "ServiceUnavailable")
+    caplog.set_level(logging.WARNING, logger="hybridflow_operator")
+    cluster.emulator.write_faults = status_patch_fails_twice
+    try:
+        create_job(cluster, "flaky")
+        wait_until(lambda: phase(cluster, "flaky") == "Pending", message="written after the backoff")
+    finally:
+        cluster.emulator.write_faults = None
+    assert len(failed) == 2 and errors(cluster, "ServiceUnavailable") >= before + 2
+    logged = [r.getMessage() for r in caplog.records if "default/flaky" in r.getMessage()]
+    assert logged and "patch RLHFJob/status flaky: 503 ServiceUnavailable" in logged[0]
+
+
 def reconciles(cluster: Any, trigger: str) -> float:
     return float(cluster.metrics.reconciles.labels(trigger=trigger)._value.get())
 
@@ -228,6 +281,11 @@ def test_the_controllers_identity_can_push_progress_and_nothing_it_writes_steers
 
 def test_a_leftover_child_of_a_deleted_namesake_is_never_adopted(cluster: Any) -> None:
     """A RayJob left by a deleted job of the same name (not yet garbage-collected) is not this job's."""
+    # The garbage collector deletes an object none of whose owners exists; until it gets to it the
+    # owner's uid is still known to it. A live stand-in's uid keeps the leftover for the test.
+    stand_in = cluster.core.create_namespaced_config_map(
+        NS, {"metadata": {"name": "again-old-owner"}, "data": {}}
+    )
     leftover = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -236,7 +294,12 @@ def test_a_leftover_child_of_a_deleted_namesake_is_never_adopted(cluster: Any) -
             "namespace": NS,
             "labels": {"app.kubernetes.io/managed-by": "hybridflow-operator", "hybridflow.io/job": "again"},
             "ownerReferences": [
-                {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RLHFJob", "name": "again", "uid": "0ld-uid"}
+                {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": "RLHFJob",
+                    "name": "again",
+                    "uid": stand_in.metadata.uid,
+                }
             ],
         },
         "spec": {"entrypoint": "python old.py", "suspend": True},

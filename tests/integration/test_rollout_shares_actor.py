@@ -10,6 +10,9 @@ Spawned gloo processes host the actor and the rollout the way a worker group doe
 * Two ranks: the engine holds its own copy, loaded bucket by bucket; the bytes the traffic
   meter counted equal the all-gather's exact figure (each rank receives the other's rows of
   every parameter), the engine got the whole model, and greedy output equals HF ``generate``.
+* Both run with ``offloadDuringGeneration`` (the optimizer state; with two ranks the parameters
+  too): the rollout moves it out and back around each generation, and the actor trains and the
+  engine generates as without it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, w
         doc["spec"]["data"]["trainFiles"] = [data_file]
         doc["spec"]["rollout"]["maxResponseTokens"] = 8
         doc["spec"]["resourcePools"][0]["gpusPerNode"] = world
+        # Offload around generation: the optimizer state always, the parameters where the engine
+        # has its own copy (the spec refuses them for the shared module).
+        doc["spec"]["training"]["offloadDuringGeneration"] = {"parameters": world > 1, "optimizerState": True}
         spec = parse_job_manifest(doc, "test").spec
         roles: dict[str, Any] = {}
 
@@ -121,6 +127,15 @@ def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, w
         actor.optimizer.zero_grad()
         outcome["synced_bytes_after"] = rollout.sync_weights()
         outcome["greedy_after"] = [engine_greedy(), hf_greedy()]
+        outcome["offload_stats"] = rollout.transition_stats()
+        outcome["resident_after"] = all(
+            p.to_local().untyped_storage().nbytes() > 0 for p in actor.model.parameters()
+        ) and all(
+            v.untyped_storage().nbytes() > 0
+            for state in actor.optimizer.state.values()
+            for v in (t.to_local() if hasattr(t, "to_local") else t for t in state.values())
+        )
+        outcome["local_parameter_bytes"] = actor.local_parameter_bytes()
     except Exception:
         import traceback
 
@@ -169,6 +184,9 @@ def test_single_rank_torch_engine_generates_from_the_actor_module(tiny: Path, tm
     engine_after, hf_after = outcomes["greedy_after"][0]
     assert engine_after == hf_after
     assert engine_after != engine, "the optimizer step did not change the shared weights' output"
+    # Adam's state (two moments of every parameter) went to host memory and came back.
+    stats, parameter_bytes = outcomes["offload_stats"][0], outcomes["local_parameter_bytes"][0]
+    assert stats["offloaded_bytes"] >= 2 * parameter_bytes and outcomes["resident_after"][0] is True
 
 
 def test_two_ranks_sync_a_metered_full_copy_into_the_engine(tiny: Path, tmp_path: Path) -> None:
@@ -194,3 +212,6 @@ def test_two_ranks_sync_a_metered_full_copy_into_the_engine(tiny: Path, tmp_path
         assert engine == hf
         engine_after, hf_after = outcomes["greedy_after"][rank]
         assert engine_after == hf_after
+        # Parameters and Adam's state went to host memory around generation and came back.
+        offload, parameter_bytes = outcomes["offload_stats"][rank], outcomes["local_parameter_bytes"][rank]
+        assert offload["offloaded_bytes"] >= 3 * parameter_bytes and outcomes["resident_after"][rank] is True

@@ -255,3 +255,30 @@ def test_the_readme_plugin_algorithm_runs_without_reference_or_old_log_prob_pass
     assert [r["step"] for r in records] == [1, 2]
     assert "actor/policy_loss" in records[-1] and "kl/actor_ref" not in records[-1]
     assert records[-1]["actor/approx_kl_k3"] == 0.0  # on-policy: the ratio is exactly 1
+
+
+def test_packing_checkpointing_and_offload_change_no_result(tiny: Path, tmp_path: Path) -> None:
+    """The memory and padding options through the real job (2 ranks, own engine copies)."""
+    runs = {}
+    for name, options in {
+        "plain": {},
+        "options": {
+            "packSequences": True,
+            "activationCheckpointing": True,
+            "offloadDuringGeneration": {"parameters": True, "optimizerState": True},
+        },
+    }.items():
+        path = manifest(tiny, tmp_path / name, "grpo-tiny.yaml", totalSteps=2)
+        doc = yaml.safe_load(path.read_text())
+        doc["spec"]["training"].update(options)
+        path.write_text(yaml.safe_dump(doc))
+        result = run(path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name)
+    plain, options = runs["plain"], runs["options"]
+    # Same initial weights, same seeds: the first rollout is the same; the update agrees to
+    # float summation order (packing), the checkpointed recompute and the offload are exact.
+    assert options[0]["reward/mean"] == plain[0]["reward/mean"]
+    assert options[0]["actor/policy_loss"] == pytest.approx(plain[0]["actor/policy_loss"], rel=1e-4, abs=1e-6)
+    assert options[0]["actor/grad_norm"] == pytest.approx(plain[0]["actor/grad_norm"], rel=1e-4)
+    assert all(m["offload/bytes_per_rank"] > 0 for m in options) and "offload/seconds" not in plain[0]

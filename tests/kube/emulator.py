@@ -62,7 +62,7 @@ import secrets
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import aiohttp.web
 import attrs
@@ -396,6 +396,20 @@ class WatchEvent:
     current: JsonObject
 
 
+WriteFault = Literal["conflict", "lost", "applied"]
+
+
+@attrs.frozen
+class WriteSeen:
+    """A write as fault injection sees it: who (bearer token), what and where."""
+
+    token: str
+    verb: str
+    plural: str
+    namespace: str | None
+    name: str | None
+
+
 # --- the emulator ----------------------------------------------------------------------------
 
 
@@ -438,6 +452,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     """Bearer token -> user name for tokens that get RBAC checks (``system:serviceaccount:NS:NAME``
     users are authorized by the Roles bound to that ServiceAccount). Any other token is an admin,
     as the harness's own clients and the operator under test are."""
+
+    write_faults: Callable[[WriteSeen], WriteFault | None] | None = None
+    """Fault injection (the e2e scenarios): asked about every write before it is applied.
+    ``"conflict"`` answers 409 Conflict and changes nothing (a concurrent writer won);
+    ``"lost"`` answers 503 and changes nothing (the connection died before the server got it);
+    ``"applied"`` applies the write, then answers 503 (it died before the answer came back).
+    The callable may also act, e.g. kill the writer's process, before it answers."""
+    _watch_epoch: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -539,9 +561,21 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return self._forbidden_response(denied)
         if request.method.value in WRITE_METHODS:
             self._writes.append(request)
+        fault = self._fault_for(request)
+        if fault in ("conflict", "lost"):
+            self._forget(request)
+            return self._status_response(
+                409 if fault == "conflict" else 503,
+                "Conflict" if fault == "conflict" else "ServiceUnavailable",
+                f"injected fault: {fault}",
+            )
         if self._is_emulated_write(request):
             async with self._lock:
                 self._write_results[id(request)] = self._apply_write(request)
+        if fault == "applied":
+            self._write_results.pop(id(request), None)
+            self._forget(request)
+            return self._status_response(503, "ServiceUnavailable", "injected fault: applied, answer lost")
         try:
             # Skip KubernetesEmulator._handle (its state changes are replaced above) and go to
             # the reactions, as kmock's own _handle does after its bookkeeping.
@@ -601,6 +635,39 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             )
             rules += (role or {}).get("rules") or []
         return rules
+
+    def _fault_for(self, request: kmock.Request) -> WriteFault | None:
+        if self.write_faults is None or not self._is_emulated_write(request) or request.resource is None:
+            return None
+        return self.write_faults(
+            WriteSeen(
+                token=_bearer_token(request),
+                verb=_verb(request),
+                plural=str(request.resource.plural)
+                + (f"/{request.subresource}" if request.subresource else ""),
+                namespace=request.namespace,
+                name=request.name,
+            )
+        )
+
+    def drop_watches(self) -> None:
+        """End every open watch stream once, as a restarted API server or a broken connection
+        does; clients reconnect (new streams are served as usual). Call on the server's loop."""
+        self._watch_epoch += 1
+        self._wake_watchers()
+
+    @staticmethod
+    def _status_response(code: int, reason: str, message: str) -> aiohttp.web.Response:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "code": code,
+            "reason": reason,
+            "message": message,
+        }
+        return aiohttp.web.json_response(body, status=code)
 
     @staticmethod
     def _forbidden_response(error: kmock.KubernetesError) -> aiohttp.web.Response:
@@ -718,7 +785,21 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         self._store(key, obj)
         self._record(resource, "ADDED", None, obj)
+        self._collect_if_ownerless(key, obj)
         return obj
+
+    def _collect_if_ownerless(self, key: ObjectKey, obj: JsonObject) -> None:
+        # The API server's garbage collector also deletes an object created with owner
+        # references of which none exists any more (by uid): a child written by a controller
+        # that had not yet seen its owner's deletion is created, then collected. The create
+        # itself succeeds (the answer is 201); the object is gone right after, as in a cluster
+        # a moment later.
+        owner_uids = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
+        if not owner_uids:
+            return
+        live_uids = {o.raw["metadata"].get("uid") for o in self._objects.values() if not o.deleted}
+        if not owner_uids & live_uids:
+            self._delete(key, obj, propagation="Background")
 
     def _admit(
         self, request: kmock.Request, resource: kmock.resource, obj: JsonObject, old: JsonObject | None
@@ -1056,7 +1137,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while not self._watches_closed:
+        epoch = self._watch_epoch
+        while not self._watches_closed and epoch == self._watch_epoch:
             while position < len(log):
                 watched = self._as_seen_by(object_filter, log[position])
                 position += 1

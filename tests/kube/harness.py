@@ -327,6 +327,26 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
             "current-context": "emulator",
         }
 
+    def drop_watches(self) -> None:
+        """End every open watch stream once (a broken connection); watchers reconnect."""
+        if self._loop is None:
+            raise RuntimeError("the cluster is not started: use it in a `with` block")
+        self._loop.call_soon_threadsafe(self.emulator.drop_watches)
+
+    def kubeconfig_with_token(self, token: str, namespace: str = "default") -> dict[str, Any]:
+        """A kubeconfig whose requests carry ``token`` (an admin, unless ``identities`` names it):
+        fault injection tells one client's writes from another's by it."""
+        config = self.kubeconfig(namespace)
+        config["users"] = [{"name": "emulator", "user": {"token": token}}]
+        return config
+
+    def kubeconfig_as(self, user: str, namespace: str = "default") -> dict[str, Any]:
+        """A kubeconfig whose token the emulator authorizes as ``user`` (what a pod of that
+        ServiceAccount gets mounted): ``system:serviceaccount:<namespace>:<name>``."""
+        token = f"token-for-{user}"
+        self.emulator.identities[token] = user
+        return self.kubeconfig_with_token(token, namespace)
+
     def api_client_as(self, user: str) -> kubernetes.client.ApiClient:
         """A client whose requests the emulator authorizes as ``user`` (RBAC: the Roles bound to it).
 

@@ -7,6 +7,8 @@
 * The contract is enforced: no old log-probs with several mini-batches is an error, not a
   silently wrong ratio.
 * ``targetKl`` stops the epochs early.
+* Offloading the training state during generation (a real round trip through host buffers,
+  also on the CPU) leaves the training bit for bit what it was; on CUDA the memory drops.
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _spec(model_dir: Path, mini_batch: int = ROWS, **algorithm: Any) -> RLHFJobSpec:
+def _spec(
+    model_dir: Path,
+    mini_batch: int = ROWS,
+    training: dict[str, Any] | None = None,
+    engine: str = "torch",
+    **algorithm: Any,
+) -> RLHFJobSpec:
     return RLHFJobSpec.model_validate(
         {
             "models": {"actor": {"path": str(model_dir)}},
             "data": {"trainFiles": ["/data/prompts.jsonl"]},
             "algorithm": {"name": "grpo", "samplesPerPrompt": 2, "entropyCoef": 0.01, **algorithm},
-            "rollout": {"engine": "torch"},
+            "rollout": {"engine": engine},
             "training": {
                 "totalSteps": 10,
                 "promptsPerStep": ROWS // 2,
@@ -66,13 +74,14 @@ def _spec(model_dir: Path, mini_batch: int = ROWS, **algorithm: Any) -> RLHFJobS
                 "microBatchSizePerGpu": 2,
                 "learningRate": 1e-2,
                 "precision": "fp32",
+                **(training or {}),
             },
             "rewards": [{"function": "target_char"}],
         }
     )
 
 
-def _actor(spec: RLHFJobSpec) -> ActorWorker:
+def _actor(spec: RLHFJobSpec, device: str = "cpu") -> ActorWorker:
     ctx = WorkerContext(
         role="actor",
         pool="default",
@@ -82,8 +91,8 @@ def _actor(spec: RLHFJobSpec) -> ActorWorker:
         local_world_size=1,
         node_id="local",
         mesh=DeviceMesh.data_parallel(1),
-        device="cpu",
-        backend="gloo",
+        device=device,
+        backend="gloo" if device == "cpu" else "nccl",
     )
     return ActorWorker(ctx, spec)
 
@@ -215,3 +224,120 @@ def test_token_budget_micro_batches_give_the_same_gradient(model_dir: Path) -> N
         )
         norms.append(_train(_actor(spec), 1, two_pass=True)[0]["actor/grad_norm"])
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
+# Parameter offload needs an engine with its own weights (the spec refuses it for the torch
+# engine on one GPU); the actor alone never builds one, so "vllm" only satisfies the rule.
+OFFLOAD_ALL = {"offloadDuringGeneration": {"parameters": True, "optimizerState": True}}
+
+
+def _state_bytes(actor: ActorWorker) -> int:
+    """Bytes of the actor's parameter shards and optimizer state (every storage counted once)."""
+    storages = {}
+    tensors = [p.to_local() for p in actor.model.parameters()]
+    tensors += [
+        v.to_local() if hasattr(v, "to_local") else v
+        for st in actor.optimizer.state.values()
+        for v in st.values()
+    ]
+    for tensor in tensors:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_offload_during_generation_leaves_training_bit_for_bit_the_same(model_dir: Path) -> None:
+    plain, offloaded = _actor(_spec(model_dir)), _actor(_spec(model_dir, training=OFFLOAD_ALL, engine="vllm"))
+    moved = []
+    for step in range(2):
+        held = _state_bytes(offloaded)
+        stats = offloaded.offload_for_generation()  # as the rollout does before generating
+        assert stats is not None and stats.bytes == held
+        assert all(p.to_local().untyped_storage().nbytes() == 0 for p in offloaded.model.parameters())
+        with pytest.raises(RuntimeError, match="already offloaded"):
+            offloaded.offload_for_generation()
+        assert offloaded.reload_after_generation() is not None
+        moved.append(stats.bytes)
+        batch = _rollout(step)
+        assert plain.update_policy(batch) == offloaded.update_policy(batch)
+    assert moved[1] > moved[0]  # the second offload carries Adam's state too
+    expected, got = full_state_dict(plain.model), full_state_dict(offloaded.model)
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+    assert offloaded.reload_after_generation() is None  # nothing offloaded: nothing to do
+
+
+def test_offload_only_the_optimizer_state_when_asked(model_dir: Path, tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        only = {"offloadDuringGeneration": {"optimizerState": True}}
+        actor = _actor(_spec(model_dir, training=only))
+        assert actor.offload_for_generation() is None  # no optimizer state before the first step
+        actor.update_policy(_rollout(0))
+        stats = actor.offload_for_generation()
+        assert stats is not None
+        assert all(p.to_local().untyped_storage().nbytes() > 0 for p in actor.model.parameters())
+        moments = [v for st in actor.optimizer.state.values() for v in st.values() if v.dim() > 0]
+        assert moments and all(v.to_local().untyped_storage().nbytes() == 0 for v in moments)
+        actor.reload_after_generation()
+        actor.update_policy(_rollout(1))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the offload frees device memory")
+def test_offload_frees_the_device_memory_of_parameters_and_optimizer_state(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        actor = _actor(_spec(model_dir, training=OFFLOAD_ALL, engine="vllm"), device="cuda:0")
+        actor.update_policy(_rollout(0))
+        before_state = full_state_dict(actor.model)
+        held = _state_bytes(actor)
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        stats = actor.offload_for_generation()
+        freed = allocated - torch.cuda.memory_allocated()
+        assert stats is not None and stats.bytes == held
+        assert freed >= 0.99 * held, (freed, held)
+        actor.reload_after_generation()
+        assert torch.cuda.memory_allocated() - allocated < 0.01 * held
+        after_state = full_state_dict(actor.model)
+        assert all(torch.equal(after_state[name], tensor) for name, tensor in before_state.items())
+        actor.update_policy(_rollout(1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packed_token_budget_counts_real_tokens() -> None:
+    batch = _rollout(0)
+    lengths = batch.tensors["attention_mask"].sum(dim=1)
+    micro = token_budget_micro_batches(batch, 16, dp_sum=lambda t: t, dp_size=1, dp_rank=0, packed=True)
+    assert sum(len(m) for m in micro) == ROWS
+    for m in micro:
+        assert len(m) == 1 or int(m.tensors["attention_mask"].sum()) <= 16
+    padded = token_budget_micro_batches(batch, 16, dp_sum=lambda t: t, dp_size=1, dp_rank=0)
+    assert len(micro) < len(padded)  # the padding no longer counts against the budget
+    assert int(lengths.sum()) > 16
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_packed_update_equals_the_padded_one(model_dir: Path) -> None:
+    """Two steps (old-log-prob pass, micro-batches of 2 rows of unequal lengths): packed and padded agree.
+
+    The same micro-batches both ways: a packed token budget groups rows differently, which
+    changes the per-micro-batch metrics' mean but not the update (global loss counts).
+    """
+    runs = []
+    for pack in (False, True):
+        actor = _actor(_spec(model_dir, training={"packSequences": pack}))
+        metrics = _train(actor, 2, two_pass=True)
+        runs.append((metrics, full_state_dict(actor.model)))
+    (padded_metrics, padded_state), (packed_metrics, packed_state) = runs
+    for padded, packed in zip(padded_metrics, packed_metrics, strict=True):
+        assert packed["actor/grad_norm"] == pytest.approx(padded["actor/grad_norm"], rel=1e-4)
+        assert packed["actor/policy_loss"] == pytest.approx(padded["actor/policy_loss"], rel=1e-4, abs=1e-6)
+    for name, tensor in padded_state.items():
+        torch.testing.assert_close(packed_state[name], tensor, rtol=0, atol=1e-3, msg=name)

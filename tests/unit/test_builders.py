@@ -474,6 +474,7 @@ def test_builders_are_deterministic(name: str) -> None:
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "NetworkPolicy",
         "RayJob",
     ]
 
@@ -720,3 +721,50 @@ def test_startup_timeout_and_cluster_retention_reach_kuberay() -> None:
     rayjob = build_children(job, JobRef.of(job), attempt=1, defaults=DEFAULTS)[-1]
     assert rayjob["spec"]["preRunningDeadlineSeconds"] == 600
     assert rayjob["spec"]["ttlSecondsAfterFinished"] == 3600
+
+
+# --------------------------------------------------------------------------- the job's network
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector["matchLabels"].items())
+
+
+def test_the_network_policy_admits_only_the_job_kuberay_and_metrics_scrapes() -> None:
+    """Ray's ports answer the job's own pods; KubeRay reaches the dashboard port; metrics are open."""
+    built = {child["kind"]: child for child in children("multi-pool")}
+    policy = built["NetworkPolicy"]["spec"]
+    rayjob = built["RayJob"]["spec"]
+    pods = [
+        rayjob["rayClusterSpec"]["headGroupSpec"]["template"],
+        *(group["template"] for group in rayjob["rayClusterSpec"]["workerGroupSpecs"]),
+        rayjob["submitterPodTemplate"],
+    ]
+    assert all(_selects(policy["podSelector"], pod["metadata"]["labels"]) for pod in pods)
+    other_job = build_children(
+        parse_job_manifest(
+            {
+                **multi_pool_manifest(),
+                "metadata": {"name": "other", "namespace": "research", "uid": "other-uid"},
+            },
+            "other",
+        ),
+        JobRef("research", "other", "other-uid"),
+        attempt=1,
+        defaults=DEFAULTS,
+    )[-1]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    assert not _selects(policy["podSelector"], other_job["metadata"]["labels"])  # another job's pods
+    assert policy["policyTypes"] == ["Ingress"]  # egress stays open: the API server, data stores
+    own, kuberay, metrics = policy["ingress"]
+    assert own == {"from": [{"podSelector": policy["podSelector"]}]}  # every port, the job's pods only
+    assert kuberay["ports"] == [{"protocol": "TCP", "port": 8265}]
+    assert kuberay["from"] == [
+        {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+        }
+    ]
+    assert "from" not in metrics and {p["port"] for p in metrics["ports"]} == {8080, 8081}
+    head_ports = {p["containerPort"] for c in pods[0]["spec"]["containers"] for p in c.get("ports", [])}
+    assert head_ports >= {6379, 8265, 10001, 8081}  # the ports the policy guards are the head's
+    assert rayjob["rayClusterSpec"]["authOptions"] == {"mode": "token"}  # and Ray's token on them

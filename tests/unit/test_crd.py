@@ -424,6 +424,18 @@ INVALID_SPECS: dict[str, list[Callable[[Manifest], None]]] = {
     "role on a missing pool": [_set("spec.roles.rollout", "nowhere")],
     "ppo without a critic": [_set("spec.algorithm.name", "ppo")],
     "tensor parallel over the pool": [_set("spec.training.tensorParallelSize", 4)],
+    "tensor-parallel generation on fsdp": [_set("spec.rollout.tensorParallelSize", 2)],
+    "hybrid engine with vllm": [
+        _set("spec.training.backend", "megatron"),
+        _set("spec.training.tensorParallelSize", 2),
+        _set("spec.resourcePools.0.gpusPerNode", 2),
+        _set("spec.rollout.engine", "vllm"),
+    ],
+    "parameter offload from the engine's own weights": [
+        _set("spec.rollout.engine", "torch"),
+        _set("spec.resourcePools.0.gpusPerNode", 1),
+        _set("spec.training.offloadDuringGeneration.parameters", True),
+    ],
     "duplicate mount paths": [
         _set("spec.volumes", [{"claimName": "a", "mountPath": "/m"}, {"claimName": "b", "mountPath": "/m"}])
     ],

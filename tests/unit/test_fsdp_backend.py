@@ -34,6 +34,9 @@ from hybridflow.backends.fsdp import (
     load_causal_lm,
     load_value_model,
     lr_factor,
+    pack_sequences,
+    packed_token_logprobs_and_entropy,
+    packed_token_values,
     shard_model,
     token_logprobs_and_entropy,
     token_values,
@@ -416,6 +419,53 @@ def test_single_rank_value_model_shards_and_trains(model_dir: Path) -> None:
     assert "value_head.weight" in state and state["value_head.bias"].item() == pytest.approx(1e-2)
 
 
+def _sharded_gradients(model: nn.Module, *, value: bool) -> dict[str, torch.Tensor]:
+    """Gradients (full tensors, by name) of one loss over :func:`packed_batch` in train mode."""
+    model.train()
+    batch = packed_batch()
+    if value:
+        outputs = token_values(model, *batch, response_len=RESPONSE_WIDTH)
+        loss = ((outputs - 1.0).square() * response_mask()).sum()
+    else:
+        log_probs, entropy = token_logprobs_and_entropy(model, *batch, response_len=RESPONSE_WIDTH)
+        assert entropy is not None
+        loss = ((-0.7 * log_probs - 0.01 * entropy) * response_mask()).sum()
+    loss.backward()
+    grads = {}
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        grad = parameter.grad
+        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return grads
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("value", [False, True], ids=["causal-lm", "value-model"])
+def test_activation_checkpointing_recomputes_and_gives_the_same_gradients(
+    model_dir: Path, value: bool
+) -> None:
+    load = load_value_model if value else load_causal_lm
+    plain = shard_model(load(model_dir), device=torch.device("cpu"))
+    checkpointed = shard_model(load(model_dir), device=torch.device("cpu"), activation_checkpointing=True)
+    layers = decoder_layers(checkpointed)
+    assert layers and all(getattr(layer, "gradient_checkpointing", False) for layer in layers)
+    forwards = []
+    mlp = layers[0].mlp
+    plain_forward = mlp.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        forwards.append(1)
+        return plain_forward(*args, **kwargs)
+
+    mlp.forward = counted  # torch's recompute skips module hooks: count the calls themselves
+    got = _sharded_gradients(checkpointed, value=value)
+    assert len(forwards) == 2  # the forward, and its recompute in backward
+    expected = _sharded_gradients(plain, value=value)
+    assert list(got) == list(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.usefixtures("world_of_one")
 def test_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(model_dir: Path) -> None:
     reference = load_causal_lm(model_dir)
@@ -485,3 +535,104 @@ def test_reward_model_directory_scores_like_its_sequence_classifier(tmp_path: Pa
         expected = reference(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
         assert torch.allclose(value_model(ids, mask, positions)[:, -1], expected, atol=1e-6)
         assert value_model.value_head.weight.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- packed sequences
+
+
+def test_packing_keeps_each_rows_tokens_and_positions() -> None:
+    input_ids, attention_mask, position_ids = packed_batch()
+    packed = pack_sequences(input_ids, attention_mask, response_len=RESPONSE_WIDTH)
+    lengths = [len(prompt) + len(response) for prompt, response in ROWS]
+    assert packed.input_ids.shape == (1, sum(lengths))
+    assert packed.input_ids[0].tolist() == [t for prompt, response in ROWS for t in prompt + response]
+    assert packed.position_ids[0].tolist() == [p for n in lengths for p in range(n)]
+    assert torch.equal(packed.position_ids[0], position_ids[attention_mask != 0])
+    mask = response_mask() != 0
+    assert torch.equal(packed.targets, input_ids[:, PROMPT_WIDTH:][mask])
+    assert torch.equal(packed.input_ids[0, packed.predictors + 1], packed.targets)
+
+
+def test_packing_refuses_a_response_with_nothing_before_it() -> None:
+    input_ids, attention_mask, _ = packed_batch()
+    attention_mask = attention_mask.clone()
+    attention_mask[0, :PROMPT_WIDTH] = 0  # row 0 loses its prompt
+    with pytest.raises(ValueError, match="row 0 has a response token with no token before it"):
+        pack_sequences(input_ids, attention_mask, response_len=RESPONSE_WIDTH)
+    attention_mask[1, 3] = 0  # a hole inside row 1
+    with pytest.raises(ValueError, match="row 1's attention mask has holes"):
+        pack_sequences(input_ids, attention_mask, response_len=RESPONSE_WIDTH)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("value", [False, True], ids=["log-probs", "values"])
+def test_packed_results_and_gradients_equal_the_padded_ones(model_dir: Path, value: bool) -> None:
+    """Unequal lengths, one packed row: block-diagonal attention gives every token what it had padded."""
+    load = load_value_model if value else load_causal_lm
+    batch = packed_batch()
+    input_ids, attention_mask = batch[0], batch[1]
+    mask = response_mask()
+    results = []
+    for packed in (False, True):
+        model = shard_model(load(model_dir), device=torch.device("cpu"))
+        model.train()
+        if value:
+            out = (
+                packed_token_values(model, input_ids, attention_mask, response_len=RESPONSE_WIDTH)
+                if packed
+                else token_values(model, *batch, response_len=RESPONSE_WIDTH)
+            )
+            loss = ((out - 1.0).square() * mask).sum()
+            entropy = None
+        else:
+            out, entropy = (
+                packed_token_logprobs_and_entropy(
+                    model, input_ids, attention_mask, response_len=RESPONSE_WIDTH, temperature=0.7
+                )
+                if packed
+                else token_logprobs_and_entropy(model, *batch, response_len=RESPONSE_WIDTH, temperature=0.7)
+            )
+            assert entropy is not None
+            loss = ((-0.7 * out - 0.01 * entropy) * mask).sum()
+        loss.backward()
+        grads = {
+            name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
+        results.append((out.detach() * mask, None if entropy is None else entropy.detach() * mask, grads))
+    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    if padded_entropy is not None:
+        assert packed_entropy is not None
+        torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=0)
+    assert packed_grads.keys() == padded_grads.keys() and padded_grads
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: flash-attention's varlen kernel")
+def test_packed_flash_attention_matches_padded_sdpa_on_cuda(model_dir: Path) -> None:
+    from transformers.utils import is_flash_attn_2_available
+
+    from hybridflow.backends.fsdp import attention_implementation
+
+    if not is_flash_attn_2_available():
+        pytest.skip("flash-attn is not installed: packed passes use sdpa's block-diagonal mask")
+    device = torch.device("cuda", 0)
+    assert attention_implementation(device, packed=True, bf16=True) == "flash_attention_2"
+    padded_model = load_causal_lm(model_dir, dtype=torch.bfloat16).to(device)
+    packed_model = load_causal_lm(
+        model_dir, dtype=torch.bfloat16, attn_implementation="flash_attention_2"
+    ).to(device)
+    input_ids, attention_mask, position_ids = (t.to(device) for t in packed_batch())
+    mask = response_mask().to(device).bool()
+    with torch.no_grad():
+        expected, _ = token_logprobs_and_entropy(
+            padded_model, input_ids, attention_mask, position_ids, response_len=RESPONSE_WIDTH
+        )
+        got, _ = packed_token_logprobs_and_entropy(
+            packed_model, input_ids, attention_mask, response_len=RESPONSE_WIDTH
+        )
+    torch.testing.assert_close(got[mask], expected[mask], atol=0.05, rtol=0)  # bf16 kernels

@@ -181,6 +181,7 @@ def test_operator_settings_reach_the_operator(tmp_path: Path) -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert (config.retry_policy.base_seconds, config.retry_policy.max_seconds) == (10, 600)
     assert config.leader_election is False
+    assert config.defaults.kuberay_pod_labels == (("app.kubernetes.io/name", "kuberay-operator"),)
 
 
 def test_job_pod_monitor_selects_the_controller_pods_the_operator_builds(tmp_path: Path) -> None:
@@ -307,6 +308,7 @@ GROUP_OF_CLIENT = {
     "CoreV1Api": "",
     "RbacAuthorizationV1Api": "rbac.authorization.k8s.io",
     "CoordinationV1Api": "coordination.k8s.io",
+    "NetworkingV1Api": "networking.k8s.io",
     "CustomObjectsApi": None,
 }
 Permission = tuple[str, str, str]  # (apiGroup, resource, verb)
@@ -323,7 +325,8 @@ def _constant(node: ast.expr, module: Any) -> str:
 
 
 def _plural(snake: str) -> str:
-    return snake.replace("_", "") + "s"
+    word = snake.replace("_", "")
+    return word[:-1] + "ies" if word.endswith("y") else word + "s"
 
 
 def _client_permission(method: str, group: str | None, args: list[ast.expr], module: Any) -> Permission:
@@ -460,6 +463,9 @@ def test_the_code_scan_finds_the_calls_it_should() -> None:
     # The startup listing and the child watches (a loop over main.CHILD_KINDS).
     assert ("", "configmaps", "watch") in used and ("rbac.authorization.k8s.io", "roles", "list") in used
     assert ("", "serviceaccounts", "list") in used and ("ray.io", "rayjobs", "list") in used
+    assert {
+        ("networking.k8s.io", "networkpolicies", verb) for verb in ("get", "list", "watch", "create")
+    } <= used
     assert VERSION == "v1alpha1"
 
 

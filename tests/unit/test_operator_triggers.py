@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from hybridflow_operator.main import JobCache, Scheduler
 from hybridflow_operator.status import RLHFJobStatus
@@ -78,3 +80,64 @@ def test_a_job_runs_at_its_earliest_recheck_time_once() -> None:
         assert ran == [KEY] and scheduler.alive()
     finally:
         scheduler.stop()
+
+
+class RecordingCluster:
+    """The API as a child's deletion sees it: the job already gone, every write recorded."""
+
+    def __init__(self) -> None:
+        self.job: dict[str, Any] | None = None
+        self.writes: list[tuple[str, str]] = []
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.job if kind == "RLHFJob" else None
+
+    def create(self, obj: Any) -> bool:
+        self.writes.append(("create", obj["kind"]))
+        return True
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Any) -> None:
+        self.writes.append(("patch", kind))
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.writes.append(("delete", kind))
+
+    def patch_job_status(self, namespace: str, name: str, status: Any) -> None:
+        self.writes.append(("patch", "RLHFJob/status"))
+
+    def emit_event(self, job: Any, event: Any) -> None:
+        self.writes.append(("create", "Event"))
+
+    def list_children(self, namespaces: Any, label_selector: str) -> list[dict[str, Any]]:
+        return []
+
+
+def test_a_child_deleted_by_the_garbage_collector_is_not_recreated_for_a_job_that_is_gone() -> None:
+    """The GC deletes a job's children right after the job; their DELETED events may come first."""
+    import kopf
+
+    from hybridflow_operator.main import OperatorConfig, register
+
+    registry = kopf.OperatorRegistry()
+    cluster = RecordingCluster()
+    register(registry, config=OperatorConfig({}), cluster=cluster, serve_metrics=False)  # type: ignore[arg-type]
+    handlers = {h.fn.__name__: h.fn for h in registry._watching.get_all_handlers()}
+    job = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "grpo-tiny.yaml").read_text())
+    job["metadata"].update(name="job", namespace="default", uid="u1", generation=1)
+    child = {
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": "job-controller",
+            "namespace": "default",
+            "labels": {"hybridflow.io/job": "job"},
+        },
+    }
+    cluster.job = job
+    handlers["job_changed"](body=job, namespace="default", name="job", type="ADDED")
+    assert ("create", "ServiceAccount") in cluster.writes  # the first pass made the children
+    cluster.writes.clear()
+    cluster.job = None  # deleted; its DELETED event is still on its way
+    handlers["serviceaccount_changed"](body=child, type="DELETED")
+    assert cluster.writes == []
+    handlers["serviceaccount_changed"](body=child, type="ADDED")
+    assert cluster.writes == []  # the job is forgotten: later child events do nothing either

@@ -8,6 +8,7 @@ A100-80GB GPUs in machines of 8. Everything here is arithmetic: no torch, no Ray
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,9 @@ def test_training_layouts_obey_the_model_split_and_the_node() -> None:
         actor=PAPER_MODELS["llama-7b"], sequences=8, prompt_tokens=8, response_tokens=8, backend="fsdp"
     )
     assert training_layouts(PAPER_MODELS["llama-7b"], 16, 8, fsdp) == (ModelLayoutChoice(1, 1, 16),)
+    # megatron with a vllm rollout: no 3D-HybridEngine, so data parallelism only (the spec's rule)
+    vllm = replace(fsdp, backend="megatron", model_parallel_training=False)
+    assert training_layouts(PAPER_MODELS["llama-7b"], 16, 8, vllm) == (ModelLayoutChoice(1, 1, 16),)
 
 
 def test_generation_is_infeasible_when_no_sequence_fits_the_kv_budget() -> None:

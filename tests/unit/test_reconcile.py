@@ -3,119 +3,20 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from hybridflow_operator.builders import RayJobDefaults
 from hybridflow_operator.cluster import ApiError
-from hybridflow_operator.reconcile import reconcile
+from kube.fake_cluster import T0, FakeCluster
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULTS = RayJobDefaults(image="example.com/hybridflow-runtime:test")
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-
-
-def merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(target.get(key), dict):
-            merge(target[key], value)
-        else:
-            target[key] = copy.deepcopy(value)
-
-
-class FakeCluster:
-    """Objects by (kind, name) in one namespace; counts every write; as strict as the API server on names.
-
-    ``fail`` maps a (verb, kind) to the ApiError the next such request raises (and keeps raising).
-    """
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {("RLHFJob", job["metadata"]["name"]): job}
-        self.writes = 0
-        self.events: list[tuple[str, str]] = []
-        self.fail: dict[tuple[str, str], ApiError] = {}
-        self.written: Any = None
-
-    @property
-    def job(self) -> dict[str, Any]:
-        return next(v for (k, _), v in self.objects.items() if k == "RLHFJob")
-
-    def _check(self, verb: str, kind: str) -> None:
-        if (verb, kind) in self.fail:
-            raise self.fail[(verb, kind)]
-
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        raise AssertionError("the reconcile reads from the caches, never from the API server")
-
-    def create(self, obj: Mapping[str, Any]) -> bool:
-        self._check("create", obj["kind"])
-        key = (obj["kind"], obj["metadata"]["name"])
-        if key in self.objects:
-            return False
-        self.writes += 1
-        created = copy.deepcopy(dict(obj))
-        created["metadata"]["creationTimestamp"] = T0.isoformat()
-        self.objects[key] = created
-        return True
-
-    def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        self._check("patch", kind)
-        self.writes += 1
-        merge(self.objects[(kind, name)], patch)
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        self._check("delete", kind)
-        self.writes += 1
-        self.objects.pop((kind, name), None)
-
-    def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        self._check("patch", "RLHFJob/status")
-        self.writes += 1
-        merge(self.objects[("RLHFJob", name)].setdefault("status", {}), status)
-
-    def emit_event(self, job: Mapping[str, Any], event: Any) -> None:
-        self._check("create", "Event")
-        self.writes += 1
-        self.events.append((event.type, event.reason))
-
-    def kuberay(
-        self,
-        name: str,
-        deployment: str,
-        job_status: str = "",
-        reason: str = "",
-        message: str = "",
-        end: datetime | None = None,
-    ) -> None:
-        """Play KubeRay: set the RayJob's status as its controller would."""
-        status = {
-            "jobDeploymentStatus": deployment,
-            "jobStatus": job_status,
-            "reason": reason,
-            "message": message,
-            "startTime": T0.isoformat(),
-        }
-        if end is not None:
-            status["endTime"] = end.isoformat()
-        self.objects[("RayJob", name)]["status"] = status
-
-    def children(self) -> list[dict[str, Any]]:
-        return [copy.deepcopy(v) for (k, _), v in self.objects.items() if k != "RLHFJob"]
-
-    def pass_(self, now: datetime = T0) -> int:
-        before = self.writes
-        if ("RLHFJob", self.job["metadata"]["name"]) in self.objects:
-            self.result = reconcile(copy.deepcopy(self.job), self.children(), self, DEFAULTS, now=now)
-        return self.writes - before
 
 
 def job_body(**spec_updates: Any) -> dict[str, Any]:
@@ -134,6 +35,7 @@ def test_first_pass_creates_the_children_and_a_second_writes_nothing() -> None:
     assert cluster.pass_() > 0
     assert kinds(cluster) == [
         ("ConfigMap", "grpo-tiny-config"),
+        ("NetworkPolicy", "grpo-tiny-ray"),
         ("RayJob", "grpo-tiny-1"),
         ("Role", "grpo-tiny-controller"),
         ("RoleBinding", "grpo-tiny-controller"),
@@ -143,8 +45,9 @@ def test_first_pass_creates_the_children_and_a_second_writes_nothing() -> None:
     assert status["attempts"] == 1 and status["rayJobName"] == "grpo-tiny-1"
     created = [c for c in cluster.job["status"]["conditions"] if c["type"] == "RayJobCreated"]
     assert created[0]["status"] == "True"  # set by the pass that created it: no second status write
-    assert cluster.writes == 6  # 5 children + 1 status; Pending has no Event
+    assert cluster.writes == 7  # 6 children + 1 status; Pending has no Event
     assert cluster.pass_() == 0  # level-triggered: the next pass observes the RayJob, changes nothing
+    assert cluster.reads == 0  # everything from the caches
 
 
 def test_phases_follow_kuberay_and_the_run_succeeds() -> None:
@@ -226,6 +129,23 @@ def test_suspend_is_written_only_for_the_users_own_changes() -> None:
     assert rayjob["metadata"]["annotations"]["hybridflow.io/user-suspend"] == "false"
 
 
+def test_resuming_a_queued_job_leaves_admission_to_kueue() -> None:
+    """The user's resume of a job Kueue has not admitted must not unsuspend its RayJob behind Kueue."""
+    cluster = FakeCluster(job_body(queueName="research"))
+    cluster.pass_()
+    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
+    cluster.kuberay("grpo-tiny-1", "Suspended")  # parked by KubeRay until Kueue admits it
+    cluster.job["spec"]["suspend"] = True
+    cluster.pass_()
+    assert rayjob["metadata"]["annotations"]["hybridflow.io/user-suspend"] == "true"
+    cluster.job["spec"]["suspend"] = False
+    cluster.pass_()
+    assert rayjob["spec"]["suspend"] is True  # still Kueue's to flip
+    assert rayjob["metadata"]["annotations"]["hybridflow.io/user-suspend"] == "false"
+    assert cluster.job["status"]["phase"] == "Queued"
+    assert cluster.pass_() == 0
+
+
 def test_suspend_without_a_queue_is_mirrored() -> None:
     cluster = FakeCluster(job_body())
     cluster.pass_()
@@ -268,6 +188,81 @@ def test_deadline_stops_the_rayjob_and_keeps_it_as_the_record() -> None:
     assert cluster.pass_(T0 + timedelta(seconds=700)) == 0
 
 
+def active_time(cluster: FakeCluster, name: str) -> dict[str, Any]:
+    annotations = cluster.objects[("RayJob", name)]["metadata"].get("annotations") or {}
+    record: dict[str, Any] = json.loads(annotations.get("hybridflow.io/active-time", "{}"))
+    return record
+
+
+def test_the_deadline_does_not_count_while_the_job_is_suspended() -> None:
+    cluster = FakeCluster(job_body(activeDeadlineSeconds=600))
+    cluster.pass_()
+    cluster.kuberay("grpo-tiny-1", "Running", "RUNNING")
+    cluster.pass_(T0 + timedelta(seconds=300))
+    assert cluster.result.recheck_after_seconds == 300
+    cluster.job["spec"]["suspend"] = True
+    cluster.pass_(T0 + timedelta(seconds=300))
+    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
+    assert rayjob["spec"]["suspend"] is True
+    assert active_time(cluster, "grpo-tiny-1")["seconds"] == 300  # recorded in the suspending patch
+    cluster.kuberay("grpo-tiny-1", "Suspended")
+    cluster.pass_(T0 + timedelta(days=1))
+    assert cluster.job["status"]["phase"] == "Suspended" and cluster.result.recheck_after_seconds is None
+    assert cluster.pass_(T0 + timedelta(days=2)) == 0  # a day suspended spent nothing of the budget
+
+    resumed = T0 + timedelta(days=2)
+    cluster.job["spec"]["suspend"] = False
+    cluster.pass_(resumed)
+    assert rayjob["spec"]["suspend"] is False
+    cluster.kuberay("grpo-tiny-1", "Running", "RUNNING", start=resumed)  # KubeRay restarts its clock
+    cluster.pass_(resumed + timedelta(seconds=100))
+    assert cluster.job["status"]["phase"] == "Running" and cluster.result.recheck_after_seconds == 200
+    cluster.pass_(resumed + timedelta(seconds=300))
+    assert cluster.job["status"]["reason"] == "DeadlineExceeded"
+    assert rayjob["metadata"]["annotations"]["hybridflow.io/stopped"] == "DeadlineExceeded"
+    assert cluster.job["status"]["completionTime"] == (resumed + timedelta(seconds=300)).isoformat().replace(
+        "+00:00", "Z"
+    )
+    assert cluster.pass_(resumed + timedelta(hours=1)) == 0
+
+
+def test_kueue_queueing_and_preemption_spend_no_budget() -> None:
+    cluster = FakeCluster(job_body(activeDeadlineSeconds=600, queueName="research"))
+    cluster.pass_()
+    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
+    cluster.kuberay("grpo-tiny-1", "Suspended")  # startTime from KubeRay's pass through Initializing
+    cluster.pass_(T0 + timedelta(hours=1))
+    assert cluster.job["status"]["phase"] == "Queued" and cluster.result.recheck_after_seconds is None
+    assert active_time(cluster, "grpo-tiny-1") == {}  # never let run: nothing to record, no write
+    assert cluster.pass_(T0 + timedelta(hours=2)) == 0
+
+    admitted = T0 + timedelta(hours=2)
+    rayjob["spec"]["suspend"] = False  # Kueue admits (a spec change: the generation grows)
+    rayjob["metadata"]["generation"] = 2
+    cluster.kuberay("grpo-tiny-1", "Running", "RUNNING", start=admitted)
+    cluster.pass_(admitted + timedelta(seconds=10))
+    assert cluster.result.recheck_after_seconds == 590
+
+    rayjob["spec"]["suspend"] = True  # Kueue preempts it
+    rayjob["metadata"]["generation"] = 3
+    cluster.kuberay("grpo-tiny-1", "Suspended", start=admitted)
+    cluster.pass_(admitted + timedelta(seconds=100))
+    assert cluster.job["status"]["phase"] == "Queued"
+    assert active_time(cluster, "grpo-tiny-1")["seconds"] == 100  # the period Kueue ended, recorded once
+    assert rayjob["spec"]["suspend"] is True  # and Kueue's suspend left alone
+    assert cluster.pass_(admitted + timedelta(days=1)) == 0
+
+
+def test_completion_time_written_by_the_workload_does_not_move_the_ttl() -> None:
+    cluster = FakeCluster(job_body(ttlSecondsAfterFinished=60))
+    cluster.pass_()
+    cluster.kuberay("grpo-tiny-1", "Complete", "SUCCEEDED", end=T0)
+    cluster.pass_()
+    cluster.job["status"]["completionTime"] = "2030-01-01T00:00:00Z"  # the head pod's token can patch it
+    cluster.pass_(T0 + timedelta(seconds=61))
+    assert ("RLHFJob", "grpo-tiny") not in cluster.objects  # 60 s after the RayJob's endTime
+
+
 def test_ttl_after_finished_deletes_the_job() -> None:
     cluster = FakeCluster(job_body(ttlSecondsAfterFinished=60))
     cluster.pass_()
@@ -306,6 +301,70 @@ def test_a_leftover_child_of_another_uid_is_reported_never_adopted() -> None:
         next(c for c in cluster.job["status"]["conditions"] if c["type"] == "ChildrenReady")["status"]
         == "True"
     )
+
+
+def test_a_409_for_our_own_child_is_the_cache_behind_not_a_name_conflict() -> None:
+    cluster = FakeCluster(job_body())
+    cluster.pass_()
+    events = list(cluster.events)
+    assert cluster.pass_(children=[]) == 0  # a pass before the watch delivered its own creates
+    assert cluster.reads == 6  # each 409 reads the object: owned by this uid, so it is the job's
+    assert not cluster.result.failed and cluster.events == events
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in cluster.job["status"]["conditions"]}
+    assert conditions["ChildrenReady"] == ("True", "Ready")
+    assert conditions["RayJobCreated"] == ("True", "Created")
+
+
+def test_a_409_for_a_strangers_object_is_a_name_conflict() -> None:
+    """An object the caches never saw (no job label) that holds a child's name is someone else's."""
+    cluster = FakeCluster(job_body())
+    stranger = {"kind": "ServiceAccount", "metadata": {"name": "grpo-tiny-controller", "namespace": "team-a"}}
+    cluster.objects[("ServiceAccount", "grpo-tiny-controller")] = stranger
+    cluster.pass_(children=[])
+    ready = next(c for c in cluster.job["status"]["conditions"] if c["type"] == "ChildrenReady")
+    assert ready["status"] == "False" and ready["reason"] == "NameConflict"
+    assert ("Warning", "NameConflict") in cluster.events and cluster.result.failed
+    assert ("RayJob", "grpo-tiny-1") not in cluster.objects
+    assert "ownerReferences" not in stranger["metadata"]  # left alone
+
+
+def test_a_failed_ttl_delete_is_reported() -> None:
+    cluster = FakeCluster(job_body(ttlSecondsAfterFinished=60))
+    cluster.pass_()
+    cluster.kuberay("grpo-tiny-1", "Complete", "SUCCEEDED", end=T0)
+    cluster.pass_()
+    denied = ApiError("delete", "RLHFJob", "grpo-tiny", 403, "Forbidden", "cannot delete rlhfjobs")
+    cluster.fail[("delete", "RLHFJob")] = denied
+    cluster.pass_(T0 + timedelta(seconds=61))
+    assert ("RLHFJob", "grpo-tiny") in cluster.objects
+    ready = next(c for c in cluster.job["status"]["conditions"] if c["type"] == "ChildrenReady")
+    assert ready["status"] == "False" and ready["reason"] == "Forbidden"
+    assert "ttlSecondsAfterFinished" in ready["message"] and "cannot delete rlhfjobs" in ready["message"]
+    assert ("Warning", "Forbidden") in cluster.events
+    assert cluster.result.failed and cluster.result.failures == (denied,)
+    del cluster.fail[("delete", "RLHFJob")]
+    cluster.pass_(T0 + timedelta(seconds=62))
+    assert ("RLHFJob", "grpo-tiny") not in cluster.objects
+
+
+def test_failed_status_patches_and_events_are_returned_to_the_caller() -> None:
+    """No condition can report a failed status patch: the result carries it for the log and metrics."""
+    cluster = FakeCluster(job_body())
+    invalid = ApiError(
+        "patch", "RLHFJob/status", "grpo-tiny", 422, "Invalid", "status.attempts: Invalid value"
+    )
+    cluster.fail[("patch", "RLHFJob/status")] = invalid
+    cluster.pass_()
+    assert cluster.result.failed and cluster.result.failures == (invalid,) and cluster.result.status is None
+    del cluster.fail[("patch", "RLHFJob/status")]
+    cluster.pass_()
+    assert not cluster.result.failed and cluster.result.failures == ()
+    cluster.kuberay("grpo-tiny-1", "Complete", "SUCCEEDED", end=T0)
+    forbidden = ApiError("create", "Event", "grpo-tiny", 403, "Forbidden", "cannot create events")
+    cluster.fail[("create", "Event")] = forbidden
+    cluster.pass_()
+    assert cluster.job["status"]["phase"] == "Succeeded"
+    assert cluster.result.failed and cluster.result.failures == (forbidden,)
 
 
 def test_a_missing_kuberay_is_reported_and_nothing_is_half_made() -> None:

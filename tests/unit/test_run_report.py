@@ -83,6 +83,13 @@ def test_plain_lines_when_not_a_terminal() -> None:
     ]
 
 
+def test_a_job_without_a_kl_term_prints_no_kl() -> None:
+    stream = io.StringIO()
+    with ProgressDisplay(stream, total_steps=10) as display:
+        display.update(StepReport(3, 10, {"reward/mean": 0.25, "perf/tokens_per_second": 812.4}, 65.0, None))
+    assert stream.getvalue().splitlines() == ["step 3/10 | reward 0.250 | 812 tok/s | ETA 1m05s"]
+
+
 def test_live_bar_on_a_terminal_shows_step_reward_kl_throughput_eta() -> None:
     stream = io.StringIO()
     with ProgressDisplay(stream, total_steps=10, live=True) as display:

@@ -291,8 +291,9 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
     assert spec_errors(manifest) == [
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
-        "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
-        "maxGradNorm, precision, tensorParallelSize, pipelineParallelSize, seed)",
+        "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, packSequences, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
+        "maxGradNorm, precision, activationCheckpointing, offloadDuringGeneration, tensorParallelSize, "
+        "pipelineParallelSize, seed)",
     ]
 
 
@@ -408,6 +409,10 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         _all(_set("training.backend", "megatron"), _set("training.maxTokensPerMicroBatch", 64)),
         "64 with backend 'megatron'",
     ),
+    "packing-needs-fsdp": (
+        _all(_set("training.backend", "megatron"), _set("training.packSequences", True)),
+        "true with backend 'megatron'",
+    ),
     "tensor-parallel-needs-megatron": (
         _all(_set("training.tensorParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),
         "2 with backend 'fsdp'",
@@ -449,7 +454,11 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "reward-source": (_set("rewards", []), "no reward functions and no reward model"),
     "mini-batch-divides-step": (_set("training.miniBatchSize", 5), "5 with 8 prompts x 4 samples"),
     "training-fits-actor-pool": (
-        _all(_set("training.backend", "megatron"), _set("training.tensorParallelSize", 2)),
+        _all(
+            _set("training.backend", "megatron"),
+            _set("training.tensorParallelSize", 2),
+            _set("rollout.engine", "torch"),
+        ),
         "2 * 1 = 2; pool 'default' has 1 GPU",
     ),
     "training-fits-critic-pool": (
@@ -459,6 +468,7 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
             _set("roles.critic", "critic"),
             _set("training.backend", "megatron"),
             _set("training.tensorParallelSize", 2),
+            _set("rollout.engine", "torch"),
         ),
         "2 * 1 = 2; pool 'critic' has 1 GPU",
     ),
@@ -476,15 +486,32 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         "data-parallel size 4 on pool 'critic'",
     ),
     "rollout-tensor-parallel-divides-training": (
-        _set("rollout.tensorParallelSize", 2),
+        _all(_set("training.backend", "megatron"), _set("rollout.tensorParallelSize", 2)),
         "2 with training.tensorParallelSize 1",
     ),
     "rollout-pipeline-parallel-divides-training": (
-        _set("rollout.pipelineParallelSize", 2),
+        _all(_set("training.backend", "megatron"), _set("rollout.pipelineParallelSize", 2)),
         "2 with training.pipelineParallelSize 1",
+    ),
+    "rollout-tensor-parallel-needs-megatron": (
+        _set("rollout.tensorParallelSize", 2),
+        "2 with backend 'fsdp'",
+    ),
+    "rollout-pipeline-parallel-needs-megatron": (
+        _set("rollout.pipelineParallelSize", 2),
+        "2 with backend 'fsdp'",
+    ),
+    "hybrid-engine-needs-torch-engine": (
+        _all(
+            _set("training.backend", "megatron"),
+            _set("training.tensorParallelSize", 2),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "'vllm' with training 2 * 1",
     ),
     "rollout-own-pool-holds-whole-model": (
         _all(
+            _set("training.backend", "megatron"),
             _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
             _set("roles.rollout", "generate"),
             _set("rollout.tensorParallelSize", 2),
@@ -498,6 +525,13 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "importance-sampling-needs-temperature-one": (
         _all(_set("rollout.temperature", 0.7), _set("rollout.importanceSampling", {"mode": "on"})),
         "'on' with maxStaleness 0 and temperature 0.7",
+    ),
+    "parameter-offload-needs-own-engine-weights": (
+        _all(
+            _set("rollout.engine", "torch"),
+            _set("training.offloadDuringGeneration", {"parameters": True, "optimizerState": False}),
+        ),
+        "true with the torch engine on a one-GPU actor pool",
     ),
     "auto-placement-one-pool": (
         _all(_set("placement", "auto"), _set("resourcePools", [_pool("default", 1), _pool("spare", 1)])),

@@ -48,6 +48,21 @@ def rayjob(deployment: str, ray: str, reason: str, message: str) -> ObservedRayJ
     )
 
 
+def rayjob2(deployment: str, ray: str) -> ObservedRayJob:
+    """Attempt 2 of the same job."""
+    return ObservedRayJob.from_body(
+        {
+            "metadata": {"name": "grpo-tiny-2"},
+            "spec": {"suspend": False},
+            "status": {
+                "jobDeploymentStatus": deployment,
+                "jobStatus": ray,
+                "startTime": "2026-01-02T03:04:06Z",
+            },
+        }
+    )
+
+
 def test_the_operator_reads_the_cli_stall_line() -> None:
     assert STALLED_MARKER == STALLED_PREFIX
 
@@ -74,6 +89,18 @@ def test_a_stalled_attempt_is_retried_with_reason_stalled_and_a_warning_event(
     )
     assert decision.status.phase == "Retrying" and decision.start_attempt == 2
     assert decision.status.reason == "Stalled"
+    stalled = decision.status.condition("Stalled")
+    assert stalled is not None and stalled.status == "True" and stalled.reason == "Stalled"
+    assert "rollout.generate_sequences stalled" in stalled.message
+    again = desired_status(  # the next attempt runs: no longer stalled
+        job,
+        decision.status,
+        [rayjob(deployment, ray, reason, KUBERAY_MESSAGE), rayjob2("Running", "RUNNING")],
+        now=T0,
+        generation=1,
+        retry_policy=NO_BACKOFF,
+    )
+    assert again.status.phase == "Running" and again.status.condition("Stalled").status == "False"
     [event] = decision.events
     assert event.type == "Warning" and "(Stalled: " in event.message
     assert "rollout.generate_sequences stalled" in event.message
@@ -92,3 +119,4 @@ def test_a_deadline_is_not_renamed_a_stall() -> None:
         retry_policy=NO_BACKOFF,
     )
     assert decision.status.phase == "Failed" and decision.status.reason == "DeadlineExceeded"
+    assert decision.status.condition("Stalled").status == "False"

@@ -11,14 +11,19 @@ import yaml
 
 from hybridflow.spec import RLHFJob, parse_job_manifest
 from hybridflow_operator.status import (
+    ACTIVE_TIME_ANNOTATION,
     CONDITION_TYPES,
     OPERATOR_OWNED_KEYS,
+    STOPPED_ANNOTATION,
+    ActiveTime,
     Condition,
     ObservedRayJob,
     Progress,
     RetryPolicy,
     RLHFJobStatus,
     StatusDecision,
+    active_seconds,
+    close_running_period,
     desired_status,
     invalid_spec_status,
     remaining_deadline_seconds,
@@ -47,18 +52,33 @@ def rayjob(
     suspend: bool = False,
     reason: str = "",
     message: str = "",
+    start: datetime | None = T0,
+    end: datetime | None = None,
+    generation: int = 1,
+    record: ActiveTime | None = None,
+    queue: str | None = None,
+    stopped: str = "",
 ) -> ObservedRayJob:
+    """A RayJob as KubeRay leaves it (``start``: its startTime), with the operator's records."""
+    annotations = {STOPPED_ANNOTATION: stopped} if stopped else {}
+    if record is not None:
+        annotations[ACTIVE_TIME_ANNOTATION] = record.to_annotation()
+    status: dict[str, Any] = {"jobDeploymentStatus": deployment, "jobStatus": ray, "reason": reason}
+    status["message"] = message
+    if start is not None:
+        status["startTime"] = start.isoformat()
+    if end is not None:
+        status["endTime"] = end.isoformat()
     return ObservedRayJob.from_body(
         {
-            "metadata": {"name": name},
-            "spec": {"suspend": suspend},
-            "status": {
-                "jobDeploymentStatus": deployment,
-                "jobStatus": ray,
-                "reason": reason,
-                "message": message,
-                "startTime": "2026-01-02T03:04:05Z",
+            "metadata": {
+                "name": name,
+                "generation": generation,
+                "labels": {"kueue.x-k8s.io/queue-name": queue} if queue else {},
+                "annotations": annotations,
             },
+            "spec": {"suspend": suspend},
+            "status": status,
         }
     )
 
@@ -273,9 +293,10 @@ def test_user_suspension_and_resume() -> None:
 def test_kueue_queued_job() -> None:
     queued_job = job(queueName="team-a")
     first = step(RLHFJobStatus(), None, queued_job)
-    assert first.status.phase == "Pending"
+    assert first.status.phase == "Queued"  # its RayJob is created suspended for Kueue
+    assert [e.reason for e in first.events] == ["Queued"]
     new = step(first.status, rayjob(deployment="", suspend=True), queued_job)
-    assert new.status.phase == "Queued"
+    assert new.status.phase == "Queued" and new.events == ()  # the RayJob appearing: no second Event
     held = step(new.status, rayjob(deployment="Suspended", suspend=True), queued_job)
     assert held.status.phase == "Queued" and held.status.condition("Suspended") is not None
     assert held.events == ()
@@ -287,20 +308,108 @@ def test_kueue_queued_job() -> None:
 # --------------------------------------------------------------------------- deadline and TTL
 
 
-def test_active_deadline_counts_across_attempts() -> None:
+def test_active_deadline_counts_running_time_across_attempts() -> None:
+    """The budget is spent only while an attempt runs: the wait between attempts does not count."""
     the_job = job(activeDeadlineSeconds=3600)
     status = step(RLHFJobStatus(), None, the_job).status
-    assert remaining_deadline_seconds(the_job.spec, status, T0) == 3600
-    status = step(status, rayjob(deployment="Running", ray="RUNNING"), the_job).status
-    later = T0 + timedelta(seconds=1000)
-    failed = rayjob(deployment="Failed", reason="AppFailed")
-    retry = decide([failed], status, the_job, at=later)
-    assert retry.start_attempt == 2
-    assert remaining_deadline_seconds(the_job.spec, retry.status, later) == 2600
-    expired = decide([failed], retry.status, the_job, at=T0 + timedelta(seconds=3600))
+    assert remaining_deadline_seconds(the_job.spec, [], T0) == 3600
+    running = rayjob(deployment="Running", ray="RUNNING")
+    at = T0 + timedelta(seconds=1000)
+    decision = decide([running], step(status, running, the_job).status, the_job, at=at)
+    assert decision.recheck_after_seconds == 2600  # the deadline schedules the next pass
+    failed = rayjob(deployment="Failed", reason="AppFailed", end=at)
+    retry = decide([failed], decision.status, the_job, at=at + timedelta(hours=5))
+    assert retry.start_attempt == 2 and retry.recheck_after_seconds is None
+    assert remaining_deadline_seconds(the_job.spec, [failed], at + timedelta(hours=5)) == 2600
+    second_start = at + timedelta(hours=5)
+    second = rayjob("Running", "RUNNING", name="grpo-tiny-2", start=second_start)
+    going = decide([failed, second], retry.status, the_job, at=second_start + timedelta(seconds=2599))
+    assert going.status.phase == "Running" and going.recheck_after_seconds == 1
+    expired = decide([failed, second], going.status, the_job, at=second_start + timedelta(seconds=2600))
     assert expired.status.phase == "Failed" and expired.status.reason == "DeadlineExceeded"
-    assert expired.start_attempt is None
-    assert remaining_deadline_seconds(job().spec, status, later) is None
+    assert expired.stop_rayjob == "grpo-tiny-2" and expired.start_attempt is None
+    assert expired.status.completion_time == second_start + timedelta(seconds=2600)
+    assert remaining_deadline_seconds(job().spec, [failed], at) is None
+
+
+def test_time_suspended_or_queued_does_not_count_toward_the_deadline() -> None:
+    """batch/v1 Job semantics: a suspended job's clock stands still, and it schedules no recheck."""
+    the_job = job(activeDeadlineSeconds=600)
+    status = step(RLHFJobStatus(), None, the_job).status
+    running = rayjob("Running", "RUNNING")
+    suspended_at = T0 + timedelta(seconds=400)
+    record = close_running_period(running, suspended_at)  # written with the user's suspend
+    assert record.seconds == 400 and record.started == T0 and record.period_end == suspended_at
+    held = rayjob("Suspended", suspend=True, generation=2, record=record)
+    for later in (suspended_at, T0 + timedelta(days=3)):
+        decision = decide([held], status, job(activeDeadlineSeconds=600, suspend=True), at=later)
+        assert decision.status.phase == "Suspended" and decision.recheck_after_seconds is None
+        assert decision.stop_rayjob is None and decision.record_active_time is None
+    resumed_at = T0 + timedelta(days=3)
+    resumed = rayjob("Running", "RUNNING", start=resumed_at, generation=3, record=record)
+    decision = decide([resumed], status, the_job, at=resumed_at + timedelta(seconds=50))
+    assert decision.status.phase == "Running" and decision.recheck_after_seconds == 150
+    assert decision.status.start_time == T0  # the first start, kept by the record
+    expired = decide([resumed], decision.status, the_job, at=resumed_at + timedelta(seconds=200))
+    assert expired.status.reason == "DeadlineExceeded" and expired.stop_rayjob == "grpo-tiny-1"
+
+
+def test_a_job_queued_in_kueue_spends_no_budget_until_admitted() -> None:
+    """KubeRay passes a RayJob created suspended through Initializing (setting startTime) on its way to
+    Suspended; at its first generation it has never been let run."""
+    the_job = job(activeDeadlineSeconds=600, queueName="team-a")
+    status = step(RLHFJobStatus(), None, the_job).status
+    queued = rayjob("Suspended", suspend=True, queue="team-a")
+    decision = decide([queued], status, the_job, at=T0 + timedelta(hours=2))
+    assert decision.status.phase == "Queued" and decision.recheck_after_seconds is None
+    assert decision.record_active_time is None and active_seconds([queued], T0 + timedelta(hours=2)) == 0
+    assert decision.status.start_time is None
+    admitted_at = T0 + timedelta(hours=2)
+    admitted = rayjob("Running", "RUNNING", start=admitted_at, generation=2, queue="team-a")
+    running = decide([admitted], decision.status, the_job, at=admitted_at + timedelta(seconds=100))
+    assert running.recheck_after_seconds == 500
+
+    # Kueue preempts it: a suspension the operator did not write, so it records the period itself.
+    preempted = rayjob("Suspended", suspend=True, start=admitted_at, generation=3, queue="team-a")
+    seen_at = admitted_at + timedelta(seconds=300)
+    held = decide([preempted], running.status, the_job, at=seen_at)
+    assert held.status.phase == "Queued" and held.recheck_after_seconds is None
+    assert held.record_active_time == ActiveTime(
+        seconds=300, started=admitted_at, period_start=admitted_at, period_end=seen_at
+    )
+    recorded = rayjob(
+        "Suspended",
+        suspend=True,
+        start=admitted_at,
+        generation=3,
+        queue="team-a",
+        record=held.record_active_time,
+    )
+    later = decide([recorded], held.status, the_job, at=seen_at + timedelta(hours=1))
+    assert (
+        later.record_active_time is None and active_seconds([recorded], seen_at + timedelta(hours=1)) == 300
+    )
+
+
+def test_completion_time_comes_from_the_rayjob_not_the_stored_status() -> None:
+    """``status.completionTime`` is writable by the workload's token; the TTL must not trust it."""
+    the_job = job(ttlSecondsAfterFinished=60)
+    status = step(RLHFJobStatus(), None, the_job).status
+    ended = T0 + timedelta(seconds=90)
+    done = rayjob("Complete", "SUCCEEDED", end=ended)
+    forged = status.model_copy(update={"phase": "Succeeded", "completion_time": T0 + timedelta(days=365)})
+    decision = decide([done], forged, the_job, at=ended + timedelta(seconds=5))
+    assert decision.status.completion_time == ended
+    assert ttl_remaining_seconds(the_job.spec, decision.status, ended + timedelta(seconds=5)) == 55
+
+    # A job the operator stopped at its deadline ended when the stop's record says.
+    deadline_job = job(activeDeadlineSeconds=60)
+    stopped_at = T0 + timedelta(seconds=75)
+    record = close_running_period(rayjob("Running", "RUNNING"), stopped_at)
+    stopped = rayjob("Suspended", suspend=True, generation=2, record=record, stopped="DeadlineExceeded")
+    for at in (stopped_at, stopped_at + timedelta(hours=1)):
+        final = decide([stopped], forged, deadline_job, at=at)
+        assert final.status.phase == "Failed" and final.status.completion_time == stopped_at
 
 
 def test_ttl_counts_from_completion() -> None:

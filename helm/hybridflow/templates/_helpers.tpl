@@ -65,6 +65,9 @@ permissions the job Role it creates grants, which it must hold itself): no more,
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create"]
 {{- end -}}
 
 {{/*
@@ -75,4 +78,14 @@ release's namespace. Also derived from the code by the chart's tests.
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
   verbs: ["get", "create", "update"]
+{{- end -}}
+
+
+{{/* The KubeRay operator's pod labels as key=value,key=value (HYBRIDFLOW_KUBERAY_POD_LABELS). */}}
+{{- define "hybridflow.kuberayPodLabels" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := .Values.kuberayOperatorPodLabels -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
 {{- end -}}

@@ -3,8 +3,8 @@
 No API calls, no clock, no randomness: the same inputs give identical dicts, so the
 reconcile can compare desired with observed and write nothing when they agree. Children, in
 creation order (:func:`build_children`): the ConfigMap with the runtime config, the
-ServiceAccount, Role and RoleBinding the controller uses to push progress, and the RayJob of
-the current attempt. Every child is owned by the RLHFJob (see ``metadata``).
+ServiceAccount, Role and RoleBinding the controller uses to push progress, the NetworkPolicy
+that keeps the job's Ray cluster to itself, and the RayJob of the current attempt. Every child is owned by the RLHFJob (see ``metadata``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from hybridflow.spec import RLHFJob
 from hybridflow_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_PATH, CONFIG_PATH, build_configmap
 from hybridflow_operator.builders.metadata import JobRef, owner_reference
+from hybridflow_operator.builders.network_policy import build_network_policy
 from hybridflow_operator.builders.rayjob import (
     ENTRYPOINT,
     RayJobDefaults,
@@ -31,6 +32,7 @@ __all__ = [
     "RayJobDefaults",
     "build_children",
     "build_configmap",
+    "build_network_policy",
     "build_rayjob",
     "build_role",
     "build_role_binding",
@@ -51,13 +53,15 @@ def build_children(
     """Every child of ``job`` for ``attempt``, in the order to create them.
 
     The RBAC objects come before the RayJob so the head pod's ServiceAccount exists when
-    KubeRay creates the pod (a pod naming a missing ServiceAccount is rejected).
+    KubeRay creates the pod (a pod naming a missing ServiceAccount is rejected), and the
+    NetworkPolicy before it so the Ray ports are never open, not even while the pods start.
     """
     return [
         build_configmap(job, owner),
         build_service_account(owner),
         build_role(owner),
         build_role_binding(owner),
+        build_network_policy(owner, kuberay_pod_labels=dict(defaults.kuberay_pod_labels)),
         build_rayjob(
             job, owner, attempt=attempt, defaults=defaults, active_deadline_seconds=active_deadline_seconds
         ),

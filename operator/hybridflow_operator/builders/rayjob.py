@@ -119,6 +119,9 @@ class RayJobDefaults:
     """The runtime image used when ``spec.image`` is unset."""
     head_cpu: str = "2"
     head_memory: str = "8Gi"
+    kuberay_pod_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "kuberay-operator"),)
+    """How the KubeRay operator's pods are labelled: the job's NetworkPolicy admits them to the
+    Ray dashboard port (``builders.network_policy``)."""
 
 
 RUN_AS_USER = 1000
@@ -418,6 +421,10 @@ def build_rayjob(
     if deadline is not None:
         rayjob_spec["activeDeadlineSeconds"] = deadline
     rayjob_spec["rayClusterSpec"] = {
+        # Ray's token authentication (Ray >= 2.52, KubeRay >= 1.5.1): KubeRay generates a token
+        # Secret for the cluster and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container,
+        # so the dashboard, job API and GCS answer only requests that carry it.
+        "authOptions": {"mode": "token"},
         "headGroupSpec": _head_group(spec, owner, attempt, image, defaults),
         "workerGroupSpecs": [
             _worker_group(spec, pool, owner, attempt, image) for pool in spec.resource_pools

@@ -53,8 +53,9 @@ def progress_line(report: StepReport) -> str:
     """The plain progress line of a step (logs, CI, pods; a terminal gets a live bar instead)."""
     eta = f"{int(report.eta_seconds // 60)}m{int(report.eta_seconds % 60):02d}s"
     metrics = report.metrics
+    # A job with no KL term (kl.coef 0) has no reference model: no "kl nan" in its line.
+    kl = f"| kl {metrics['kl/actor_ref']:.4f} " if "kl/actor_ref" in metrics else ""
     return (
         f"step {report.step}/{report.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} "
-        f"| kl {metrics.get('kl/actor_ref', float('nan')):.4f} "
-        f"| {metrics.get('perf/tokens_per_second', 0.0):.0f} tok/s | ETA {eta}"
+        f"{kl}| {metrics.get('perf/tokens_per_second', 0.0):.0f} tok/s | ETA {eta}"
     )

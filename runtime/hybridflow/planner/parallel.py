@@ -50,7 +50,7 @@ def training_layouts(
     model: ModelShape, gpus: int, gpus_per_node: int, workload: Workload
 ) -> tuple[ModelLayoutChoice, ...]:
     """Every valid training layout of ``model`` on ``gpus`` GPUs (see the module docstring)."""
-    if workload.backend == "fsdp":
+    if workload.backend == "fsdp" or not workload.model_parallel_training:
         return (ModelLayoutChoice(1, 1, gpus),)
     return _megatron_layouts(model, gpus, gpus_per_node)
 

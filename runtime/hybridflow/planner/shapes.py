@@ -161,6 +161,9 @@ class Workload:
     reward: ModelShape | None = None
     cost: ModelShape | None = None
     backend: Literal["fsdp", "megatron"] = "megatron"
+    model_parallel_training: bool = True
+    """Whether megatron may train with ``t*p > 1``: only where the rollout can follow through the
+    3D-HybridEngine (``rollout.engine: torch``; the spec's ``hybrid-engine-needs-torch-engine``)."""
     param_bytes: int = 2
     micro_batch_sequences: int = 8
     update_epochs: int = 1

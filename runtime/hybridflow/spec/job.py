@@ -135,7 +135,11 @@ class RLHFJobSpec(SpecModel):
     active_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
-        description="Wall-clock limit of the whole job, restarts included; when exceeded the job fails.",
+        description=(
+            "Limit on the job's running time, summed over its attempts (each from KubeRay starting its "
+            "cluster to its end); time suspended, queued in Kueue or waiting between attempts does not "
+            "count. When exceeded the job fails (DeadlineExceeded)."
+        ),
     )
     stall_timeout_seconds: int = Field(
         default=1800,
@@ -153,13 +157,14 @@ class RLHFJobSpec(SpecModel):
         ge=0,
         description="Delete the RLHFJob this long after it succeeds or fails. Default: keep it.",
     )
-    startup_timeout_seconds: int | None = Field(
-        default=None,
+    startup_timeout_seconds: int = Field(
+        default=1800,
         ge=1,
         description=(
-            "Seconds an attempt may take from its RayJob's creation until the controller runs (image "
-            "pulls, scheduling, cluster start); past it KubeRay fails the attempt, which is retried. "
-            "Default: no limit."
+            "Seconds an attempt may take from KubeRay starting its cluster until the job is submitted "
+            "(scheduling, image pulls, cluster start; time queued or suspended does not count); past it "
+            "KubeRay fails the attempt (PreRunningDeadlineExceeded), which is retried, so a RayJob that "
+            "never gets its pods does not stay Initializing for ever."
         ),
     )
     keep_cluster_seconds_after_finished: int = Field(
@@ -367,6 +372,31 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
     )
 
 
+def _rollout_parallel_needs_megatron_rule(kind: Literal["tensor", "pipeline"]) -> CrossFieldRule[RLHFJobSpec]:
+    """Generation-time model parallelism exists only as the megatron 3D-HybridEngine's layout.
+
+    With FSDP the rollout loads the actor's full weights into one engine per rank, wherever
+    the rollout runs (the runtime places it on the actor's pool, ``trainer/roles.py``).
+    """
+    field = f"{kind}ParallelSize"
+
+    def size(spec: RLHFJobSpec) -> int:
+        return spec.rollout.tensor_parallel_size if kind == "tensor" else spec.rollout.pipeline_parallel_size
+
+    return CrossFieldRule[RLHFJobSpec](
+        name=f"rollout-{kind}-parallel-needs-megatron",
+        node_path="spec",
+        field_path=f".rollout.{field}",
+        cel=f"self.training.backend == 'megatron' || self.rollout.{field} == 1",
+        message=(
+            f"must be 1 with backend 'fsdp': each rank generates with the full weights; {kind} "
+            "parallel generation needs backend 'megatron' (the 3D-HybridEngine)"
+        ),
+        holds=lambda spec: spec.training.backend == "megatron" or size(spec) == 1,
+        observed=lambda spec: f"{size(spec)} with backend {spec.training.backend!r}",
+    )
+
+
 def _auto_placement_settings(spec: RLHFJobSpec) -> list[str]:
     """The settings ``placement: auto`` would override, as ``field=value`` (empty: none set)."""
     found = [
@@ -520,7 +550,7 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         node_path="spec",
         field_path=".rollout.tensorParallelSize",
         cel=(
-            f"{_ROLLOUT_ON_OWN_POOL} || "
+            f"self.training.backend != 'megatron' || {_ROLLOUT_ON_OWN_POOL} || "
             "self.training.tensorParallelSize % self.rollout.tensorParallelSize == 0"
         ),
         message=(
@@ -528,7 +558,8 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             "so the 3D-HybridEngine can reshard the actor's weights in place"
         ),
         holds=lambda spec: (
-            not _rollout_colocated(spec)
+            spec.training.backend != "megatron"
+            or not _rollout_colocated(spec)
             or spec.training.tensor_parallel_size % spec.rollout.tensor_parallel_size == 0
         ),
         observed=lambda spec: (
@@ -541,7 +572,7 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         node_path="spec",
         field_path=".rollout.pipelineParallelSize",
         cel=(
-            f"{_ROLLOUT_ON_OWN_POOL} || "
+            f"self.training.backend != 'megatron' || {_ROLLOUT_ON_OWN_POOL} || "
             "self.training.pipelineParallelSize % self.rollout.pipelineParallelSize == 0"
         ),
         message=(
@@ -549,11 +580,33 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             "so the 3D-HybridEngine can reshard the actor's weights in place"
         ),
         holds=lambda spec: (
-            not _rollout_colocated(spec)
+            spec.training.backend != "megatron"
+            or not _rollout_colocated(spec)
             or spec.training.pipeline_parallel_size % spec.rollout.pipeline_parallel_size == 0
         ),
         observed=lambda spec: (
             f"{spec.rollout.pipeline_parallel_size} with training.pipelineParallelSize "
+            f"{spec.training.pipeline_parallel_size}"
+        ),
+    ),
+    *(_rollout_parallel_needs_megatron_rule(kind) for kind in ("tensor", "pipeline")),
+    CrossFieldRule[RLHFJobSpec](
+        name="hybrid-engine-needs-torch-engine",
+        node_path="spec",
+        field_path=".rollout.engine",
+        cel=f"self.training.backend != 'megatron' || {_TRAIN_MODEL_PARALLEL} == 1 || self.rollout.engine == 'torch'",
+        message=(
+            "must be 'torch' with backend 'megatron' and tensorParallelSize * pipelineParallelSize > 1: "
+            "the 3D-HybridEngine generates from the actor's own shards with the tensor-parallel torch "
+            "engine; vllm serves megatron only at 1 * 1 (it loads the full weights)"
+        ),
+        holds=lambda spec: (
+            spec.training.backend != "megatron"
+            or _train_model_parallel(spec) == 1
+            or spec.rollout.engine == "torch"
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.engine!r} with training {spec.training.tensor_parallel_size} * "
             f"{spec.training.pipeline_parallel_size}"
         ),
     ),
@@ -594,6 +647,28 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             f"{spec.rollout.max_staleness} with roles.rollout {spec.roles.rollout!r} and roles.actor "
             f"{spec.roles.actor!r}"
         ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="parameter-offload-needs-own-engine-weights",
+        node_path="spec",
+        field_path=".training.offloadDuringGeneration.parameters",
+        cel=(
+            "!self.training.offloadDuringGeneration.parameters || self.training.backend != 'fsdp' || "
+            "self.rollout.engine != 'torch' || "
+            f"self.resourcePools.all(p, p.name != self.roles.actor || {_POOL_GPUS} > 1)"
+        ),
+        message=(
+            "cannot be true with backend 'fsdp', rollout engine 'torch' and a one-GPU actor pool: the "
+            "engine then generates from the actor's own parameters; offload optimizerState only, or use "
+            "engine 'vllm'"
+        ),
+        holds=lambda spec: (
+            not spec.training.offload_during_generation.parameters
+            or spec.training.backend != "fsdp"
+            or spec.rollout.engine != "torch"
+            or all(pool.world_size > 1 for pool in _pools_named(spec, spec.roles.actor))
+        ),
+        observed=lambda spec: "true with the torch engine on a one-GPU actor pool",
     ),
     CrossFieldRule[RLHFJobSpec](
         name="auto-placement-one-pool",

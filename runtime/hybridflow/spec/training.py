@@ -17,15 +17,36 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
 
+class OffloadSpec(SpecModel):
+    """What the actor moves to host memory while the rollout generates, and brings back after."""
+
+    parameters: bool = Field(
+        default=False,
+        description=(
+            "The actor's parameters (its FSDP shards, or megatron's parameters) and gradient buffers. "
+            "Not with the torch engine on a one-GPU actor pool, which generates from those very "
+            "parameters."
+        ),
+    )
+    optimizer_state: bool = Field(
+        default=False,
+        description=(
+            "The actor's optimizer state: AdamW's two moments (twice the fp32 parameters) and, with "
+            "megatron in bf16, its fp32 main weights."
+        ),
+    )
+
+
 class TrainingSpec(SpecModel):
     """Steps, batch sizes, optimizer, precision and training-time parallelism."""
 
     backend: Literal["fsdp", "megatron"] = Field(
         default="fsdp",
         description=(
-            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism only, tensorParallelSize and "
-            "pipelineParallelSize must be 1) or 'megatron' (Megatron-core: tensor and pipeline "
-            "parallelism, the 3D-HybridEngine reshards to the rollout's layout)."
+            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism only; the training and rollout "
+            "tensorParallelSize and pipelineParallelSize must be 1) or 'megatron' (Megatron-core: "
+            "tensor and pipeline parallelism; with tensorParallelSize * pipelineParallelSize > 1 the "
+            "3D-HybridEngine reshards to the rollout's layout and generates with rollout.engine 'torch')."
         ),
     )
     total_steps: int = Field(
@@ -64,6 +85,17 @@ class TrainingSpec(SpecModel):
             "row counts. Never changes the result (global loss counts)."
         ),
     )
+    pack_sequences: bool = Field(
+        default=False,
+        description=(
+            "backend 'fsdp' only: run the log-prob, value and update passes on packed sequences: each "
+            "micro-batch's rows laid end to end as one row of real tokens, positions restarting per "
+            "sequence, attention kept within each sequence (block-diagonal mask; flash-attention's "
+            "variable-length kernel on CUDA with bf16 where installed), so no compute goes to padding. "
+            "Results equal the padded layout's up to floating-point summation order. With "
+            "maxTokensPerMicroBatch the budget then counts real tokens."
+        ),
+    )
     learning_rate: float = Field(
         default=1e-6,
         gt=0,
@@ -95,6 +127,23 @@ class TrainingSpec(SpecModel):
             "fp32 either way."
         ),
     )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each decoder layer's activations in the backward pass instead of keeping them "
+            "from the forward: activation memory of about one layer instead of all of them, for about "
+            "one more forward pass of compute per update. Same gradients either way. FSDP: transformers' "
+            "gradient checkpointing (non-reentrant); megatron: full recompute of every layer."
+        ),
+    )
+    offload_during_generation: OffloadSpec = Field(
+        default=OffloadSpec(),
+        description=(
+            "Frees the device memory of the actor's training state for generation (KV cache, the "
+            "engine's weights): moved to pinned host memory after the weight sync and back after "
+            "generation, every step; results are the same, each step pays two host copies."
+        ),
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
@@ -121,6 +170,15 @@ TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
         message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
         holds=lambda training: training.backend == "fsdp" or training.max_tokens_per_micro_batch is None,
         observed=lambda training: f"{training.max_tokens_per_micro_batch} with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="packing-needs-fsdp",
+        node_path="spec.training",
+        field_path=".packSequences",
+        cel="self.backend == 'fsdp' || !self.packSequences",
+        message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
+        holds=lambda training: training.backend == "fsdp" or not training.pack_sequences,
+        observed=lambda training: f"true with backend {training.backend!r}",
     ),
     CrossFieldRule[TrainingSpec](
         name="warmup-within-total-steps",

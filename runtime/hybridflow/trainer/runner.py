@@ -45,7 +45,7 @@ from hybridflow.trainer.overlap import (
     pool_idle_fractions,
     save_in_flight,
 )
-from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools, uses_hybrid_engine
+from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
 
 __all__ = [
     "ALGORITHM_STEPS",
@@ -108,8 +108,9 @@ def run_training(
     says yes, the step just finished is checkpointed (unless it already was) and the run returns
     with ``preempted`` set, so the next run resumes at the following step.
     """
+    # Layouts the backends cannot run never get here: the spec's rules refuse them (validate,
+    # admission, and the planner's output under placement auto, which is validated again).
     step_fn = step_function(spec.algorithm.name)
-    _check_parallel_layout(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or spec.models.actor.path)
     dataset = PromptDataset.from_spec(spec.data, tokenizer)
     sampler = PromptSampler(dataset, seed=spec.data.seed, shuffle=spec.data.shuffle)
@@ -228,31 +229,6 @@ def run_training(
     return RunSummary(start, last, resumed, history)
 
 
-def _check_parallel_layout(spec: RLHFJobSpec) -> None:
-    """Refuse model-parallel layouts the chosen backend cannot run, naming the fields."""
-    training, rollout = spec.training, spec.rollout
-    if training.backend == "fsdp":
-        layout = {
-            "spec.training.tensorParallelSize": training.tensor_parallel_size,
-            "spec.training.pipelineParallelSize": training.pipeline_parallel_size,
-            "spec.rollout.tensorParallelSize": rollout.tensor_parallel_size,
-            "spec.rollout.pipelineParallelSize": rollout.pipeline_parallel_size,
-        }
-        unsupported = [f"{field}: {value}" for field, value in layout.items() if value != 1]
-        if unsupported:
-            raise UnsupportedAlgorithmError(
-                f"{', '.join(unsupported)}: the FSDP backend shards by data parallelism only; set these "
-                "to 1, or set spec.training.backend: megatron for tensor/pipeline parallelism"
-            )
-        return
-    if uses_hybrid_engine(spec) and rollout.engine != "torch":
-        raise UnsupportedAlgorithmError(
-            f"spec.rollout.engine: {rollout.engine!r}: with spec.training.backend 'megatron' and "
-            "tensor/pipeline parallelism, the 3D-HybridEngine generates with the tensor-parallel torch "
-            "engine only; set spec.rollout.engine: torch"
-        )
-
-
 def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Step metrics from the rollout ranks' ``transition_stats``: per rank, and the worst rank.
 
@@ -273,6 +249,10 @@ def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             if figure in s:
                 metrics[f"reshard/rank{rank}/{figure}"] = s[figure]
     metrics["reshard/seconds"] = max(metrics[f"reshard/rank{rank}/seconds"] for rank, _ in ranks)
+    offloads = [s for _, s in ranks if "offloaded_bytes" in s]
+    if offloads:  # spec.training.offloadDuringGeneration: the slowest rank's two copies
+        metrics["offload/seconds"] = max(s["offload_seconds"] + s["reload_seconds"] for s in offloads)
+        metrics["offload/bytes_per_rank"] = max(s["offloaded_bytes"] for s in offloads)
     for figure in ("bytes_sent", "bytes_received", "peak_memory_bytes", "redundant_bytes"):
         values = [s[figure] for _, s in ranks if figure in s]
         if values:

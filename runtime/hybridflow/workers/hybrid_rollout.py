@@ -46,7 +46,7 @@ from hybridflow.resharding import DecoderSpec, decoder_layout, hybridflow_plan
 from hybridflow.resharding.meter import PeakMemory
 from hybridflow.resharding.transfer import GenerationShard, Resharder, SubgroupCache, TrainingShard
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.rollout import pack_responses, prompt_token_ids, sampling_params
+from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
 from hybridflow.workers.weight_push import wants_rollout_log_probs
 
 __all__ = ["HybridRolloutWorker", "eos_token_ids"]
@@ -145,9 +145,10 @@ class HybridRolloutWorker(Worker):
             self.spec, prompts, stream=self.ctx.coord.dp, return_logprobs=wants_rollout_log_probs(self.spec)
         )
         prompt_ids = prompt_token_ids(prompts)
-        self.engine.wake_up()
-        output = self.engine.generate(prompt_ids, params)
-        self.engine.sleep()
+        with actor_offloaded(self.spec, self.ctx, self._stats):
+            self.engine.wake_up()
+            output = self.engine.generate(prompt_ids, params)
+            self.engine.sleep()
         self._release()
         version = int(self.ctx.colocated("actor").policy_version)
         return pack_responses(

@@ -30,6 +30,7 @@ import torch
 from megatron.core import parallel_state
 
 from hybridflow.backends import megatron as mb
+from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.layout import Block
@@ -64,7 +65,7 @@ def parameter_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
 class _MegatronPolicyModel(Worker):
     """This rank's GPTModel stage of a causal LM, scoring response tokens; shared by actor and reference."""
 
-    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, trained: bool) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
@@ -72,7 +73,11 @@ class _MegatronPolicyModel(Worker):
         self.layout = mb.initialize_parallel_state(
             tp_size=training.tensor_parallel_size, pp_size=training.pipeline_parallel_size, seed=training.seed
         )
-        self.model: Any = mb.load_causal_lm(model_path, dtype=parameter_dtype(spec, ctx))
+        self.model: Any = mb.load_causal_lm(
+            model_path,
+            dtype=parameter_dtype(spec, ctx),
+            activation_checkpointing=trained and training.activation_checkpointing,
+        )
         self.micro_batch_size = training.micro_batch_size_per_gpu
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
 
@@ -94,7 +99,7 @@ class MegatronReferenceWorker(_MegatronPolicyModel):
     """The frozen initial policy, for the KL term."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.reference_or_actor.path)
+        super().__init__(ctx, spec, spec.models.reference_or_actor.path, trained=False)
         self.model.requires_grad_(False)
 
     @register(DP_SPLIT)
@@ -106,7 +111,7 @@ class MegatronActorWorker(_MegatronPolicyModel):
     """The trained policy: megatron DDP over the DP group, AdamW, the job's LR schedule."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.actor.path)
+        super().__init__(ctx, spec, spec.models.actor.path, trained=True)
         training = spec.training
         self.model = mb.wrap_data_parallel(self.model)
         self.optimizer = mb.build_optimizer(self.model, learning_rate=training.learning_rate)
@@ -117,6 +122,23 @@ class MegatronActorWorker(_MegatronPolicyModel):
             schedule=training.lr_schedule,
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+        self.offload = DeviceOffload("the actor's training state")
+
+    def offload_for_generation(self) -> OffloadStats | None:
+        """As :meth:`hybridflow.workers.policy.ActorWorker.offload_for_generation`.
+
+        Under the 3D-HybridEngine the rollout calls it after packing this rank's training shard
+        (a copy) and resharding it, so generation never reads the offloaded parameters.
+        """
+        choice = self.spec.training.offload_during_generation
+        parameters, optimizer_state = mb.offload_tensors(self.model, self.optimizer)
+        tensors = (parameters if choice.parameters else []) + (
+            optimizer_state if choice.optimizer_state else []
+        )
+        return self.offload.offload(tensors) if tensors else None
+
+    def reload_after_generation(self) -> OffloadStats | None:
+        return self.offload.reload() if self.offload.is_offloaded else None
 
     @register(DP_SPLIT)
     def compute_log_probs(self, batch: Batch) -> Batch:

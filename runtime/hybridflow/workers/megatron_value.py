@@ -43,7 +43,11 @@ class MegatronCriticWorker(Worker):
         mb.initialize_parallel_state(
             tp_size=training.tensor_parallel_size, pp_size=training.pipeline_parallel_size, seed=training.seed
         )
-        model = mb.load_value_model(spec.models.critic.path, dtype=parameter_dtype(spec, ctx))
+        model = mb.load_value_model(
+            spec.models.critic.path,
+            dtype=parameter_dtype(spec, ctx),
+            activation_checkpointing=training.activation_checkpointing,
+        )
         self.model: Any = mb.wrap_data_parallel(model)
         self.optimizer = mb.build_optimizer(self.model, learning_rate=training.critic_learning_rate)
         self.scheduler = mb.build_lr_scheduler(

@@ -132,7 +132,7 @@ def trim_padding(micro: Batch) -> Batch:
 
 
 def token_budget_micro_batches(
-    mini: Batch, max_tokens: int, *, dp_sum: DPSum, dp_size: int, dp_rank: int
+    mini: Batch, max_tokens: int, *, dp_sum: DPSum, dp_size: int, dp_rank: int, packed: bool = False
 ) -> list[Batch]:
     """This rank's micro-batches of about ``max_tokens`` (padded) tokens each, trimmed of padding.
 
@@ -144,6 +144,10 @@ def token_budget_micro_batches(
     largest any rank needs, capped by the fewest rows any rank has; one all-reduce settles both.
     A rank that needs fewer splits its largest micro-batches; one that needs more than the cap
     merges its smallest (and exceeds the budget).
+
+    ``packed`` (``spec.training.packSequences``): the pass runs on the rows' real tokens laid end
+    to end, so a micro-batch takes rows while the sum of their real lengths stays within the
+    budget instead.
     """
     response_len = int(mini.tensors["responses"].shape[1])
     attention = mini.tensors["attention_mask"] != 0
@@ -154,17 +158,23 @@ def token_budget_micro_batches(
     order = torch.argsort(prompt_lengths + response_extents, descending=True, stable=True)
     ordered = mini.rows(order.numpy())
     groups: list[list[int]] = []
-    prompt_width = response_width = 0
+    prompt_width = response_width = real_tokens = 0
     for index, (prompt, response) in enumerate(
         zip(prompt_lengths[order].tolist(), response_extents[order].tolist(), strict=True)
     ):
         wider = (max(prompt_width, prompt, 1), max(response_width, response))
-        if groups and (len(groups[-1]) + 1) * (wider[0] + wider[1]) <= max_tokens:
+        if packed:  # real tokens, end to end
+            cost = real_tokens + prompt + response
+        else:  # rows x the widest row, after trimming
+            cost = (len(groups[-1]) + 1) * (wider[0] + wider[1]) if groups else 0
+        if groups and cost <= max_tokens:
             groups[-1].append(index)
             prompt_width, response_width = wider
+            real_tokens += prompt + response
         else:
             groups.append([index])
             prompt_width, response_width = max(prompt, 1), response
+            real_tokens = prompt + response
     # One collective for max(needed) and min(rows): a one-hot column per rank, summed.
     table = torch.zeros((2, dp_size), dtype=torch.float64)
     table[:, dp_rank] = torch.tensor([float(len(groups)), float(len(ordered))])
@@ -186,5 +196,10 @@ def update_micro_batches(spec: RLHFJobSpec, ctx: WorkerContext, mini: Batch, dp_
     if budget is None:
         return mini.chunk_by_size(spec.training.micro_batch_size_per_gpu)
     return token_budget_micro_batches(
-        mini, budget, dp_sum=dp_sum, dp_size=ctx.mesh.dp_size, dp_rank=ctx.coord.dp
+        mini,
+        budget,
+        dp_sum=dp_sum,
+        dp_size=ctx.mesh.dp_size,
+        dp_rank=ctx.coord.dp,
+        packed=spec.training.pack_sequences,
     )

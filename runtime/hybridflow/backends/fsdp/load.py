@@ -31,7 +31,24 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 ATTN_IMPLEMENTATION = "sdpa"
-"""The attention kernel every model loaded here uses; see the module docstring for why."""
+"""The attention kernel every model loaded here uses by default; see the module docstring for why."""
+
+
+def attention_implementation(device: torch.device, *, packed: bool, bf16: bool) -> str:
+    """The kernel for a trained or scoring model: flash-attention 2 for packed bf16 passes on CUDA.
+
+    Packed rows (:func:`~hybridflow.backends.fsdp.logprobs.pack_sequences`) need the attention
+    to stay within each sequence: flash-attention's variable-length kernel does that from the
+    restarting position ids without any mask, where installed (it computes in bf16/fp16 only);
+    everywhere else sdpa gets transformers' block-diagonal causal mask.
+    """
+    if packed and bf16 and device.type == "cuda":
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return ATTN_IMPLEMENTATION
+
 
 _HEAD_PREFIXES = ("lm_head.", "score.")
 """Checkpoint keys a backbone may leave unused: the LM head of a causal-LM directory, or the
@@ -86,7 +103,9 @@ def _check_loading_info(directory: Path, info: dict[str, Any], allowed_unexpecte
         )
 
 
-def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_causal_lm(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ATTN_IMPLEMENTATION
+) -> nn.Module:
     """The causal LM in ``path`` (an HF directory) on the CPU, in ``dtype``, in eval mode.
 
     Called by the actor and reference workers on every rank before sharding. Keep ``dtype``
@@ -98,7 +117,8 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> n
     (``attention_dropout`` 0), so the workers' ``train()`` / ``eval()`` switches change no output;
     a config with dropout would make the update pass's log-probs differ from the old log-probs
     of the same weights (PPO's ratio would not start at 1). ``config.use_cache`` is turned off,
-    since training forwards never decode.
+    since training forwards never decode. ``attn_implementation``: sdpa, or what
+    :func:`attention_implementation` picks for packed passes.
     """
     directory = _model_dir(path)
     with _quiet_load_report():
@@ -106,7 +126,7 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> n
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             directory,
             dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
+            attn_implementation=attn_implementation,
             local_files_only=True,
             output_loading_info=True,
         )
@@ -154,7 +174,7 @@ class ValueModel(nn.Module):
         return config
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
     ) -> torch.Tensor:
         hidden = self.backbone(
             input_ids=input_ids,
@@ -168,7 +188,9 @@ class ValueModel(nn.Module):
         return values
 
 
-def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> ValueModel:
+def load_value_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ATTN_IMPLEMENTATION
+) -> ValueModel:
     """A :class:`ValueModel` whose backbone is the decoder of the causal LM in ``path``.
 
     Called by the critic workers on every rank before sharding. ``path`` is an ordinary
@@ -178,13 +200,14 @@ def load_value_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
     value head, so the model scores as it was trained to (the reward worker reads the value at the
     last response token). Eval mode and ``use_cache=False`` as in :func:`load_causal_lm`.
     Resuming a trained critic goes through the DCP checkpoint, not through this function.
+    ``attn_implementation`` as in :func:`load_causal_lm`.
     """
     directory = _model_dir(path)
     with _quiet_load_report():
         loaded: Any = AutoModel.from_pretrained(
             directory,
             dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
+            attn_implementation=attn_implementation,
             local_files_only=True,
             output_loading_info=True,
         )

@@ -20,9 +20,17 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.backends.offload import optimizer_state_tensors
 from hybridflow.backends.schedule import LRSchedule, build_lr_scheduler, lr_factor
 
-__all__ = ["LRSchedule", "build_lr_scheduler", "build_optimizer", "clip_grad_norm_and_step", "lr_factor"]
+__all__ = [
+    "LRSchedule",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "clip_grad_norm_and_step",
+    "lr_factor",
+    "offload_tensors",
+]
 
 
 def build_optimizer(
@@ -93,3 +101,30 @@ def clip_grad_norm_and_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def offload_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters and gradients, optimizer state) of a sharded model: this rank's local shards.
+
+    For :class:`~hybridflow.backends.offload.DeviceOffload`. Every FSDP unit is resharded first
+    (``FSDPModule.reshard``): a unit left unsharded after a no-grad forward registers its
+    all-gathered parameters on the module, and those are FSDP's to free, not ours to move; the
+    shards are what persists between passes.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    parameters = []
+    for parameter in model.parameters():
+        parameters.append(_local(parameter))
+        if parameter.grad is not None:
+            parameters.append(_local(parameter.grad))
+    return parameters, [_local(tensor) for tensor in optimizer_state_tensors(optimizer)]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

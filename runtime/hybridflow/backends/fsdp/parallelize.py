@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["decoder_layers", "shard_model"]
+__all__ = ["decoder_layers", "enable_activation_checkpointing", "shard_model"]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -48,7 +48,37 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     )
 
 
-def shard_model(model: nn.Module, *, device: torch.device, mixed_precision: bool = False) -> nn.Module:
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer's activations in backward (transformers' gradient checkpointing).
+
+    Called before :func:`shard_model` (``shard_model(..., activation_checkpointing=True)`` does
+    it): the layers must still be the plain HF classes. The checkpoint is non-reentrant
+    (``use_reentrant=False``), the variant that composes with FSDP2: the layer's FSDP
+    pre-forward hook runs inside the checkpointed call and, during the recompute, sees the
+    pre-backward state and leaves the unsharding to FSDP's pre-backward hook. It applies only
+    in train mode (HF checks ``self.training``), so scoring passes are unchanged; the
+    gradients equal those without it (``tests/unit/test_fsdp_backend.py``).
+
+    ``model`` is an HF ``PreTrainedModel`` or a :class:`~hybridflow.backends.fsdp.load.ValueModel`
+    (its ``backbone`` is one); anything else raises ``TypeError`` naming the class.
+    """
+    target = model if hasattr(model, "gradient_checkpointing_enable") else getattr(model, "backbone", None)
+    enable = getattr(target, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise TypeError(
+            f"{type(model).__name__} is neither a Hugging Face model nor a value model around one: "
+            "activation checkpointing needs transformers' gradient_checkpointing_enable"
+        )
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
     """Shard ``model`` with FSDP2 across every rank of the default process group; returns it.
 
     Collective: every rank of the default group calls it, with the same (identically loaded)
@@ -65,11 +95,16 @@ def shard_model(model: nn.Module, *, device: torch.device, mixed_precision: bool
     parameters, gradients and optimizer state stay in the model's own dtype (load fp32 for
     training). Meant for GPUs; on CPU it works too but buys nothing. Outputs (logits, values)
     come back in bf16 then; :mod:`~hybridflow.backends.fsdp.logprobs` upcasts them to fp32.
+
+    ``activation_checkpointing``: :func:`enable_activation_checkpointing` first
+    (``spec.training.activationCheckpointing``).
     """
     if not dist.is_initialized():
         raise RuntimeError(
             "shard_model needs torch.distributed to be initialised (the worker joins its group first)"
         )
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -110,6 +110,7 @@ from hybridflow.backends.megatron.optim import (
     build_optimizer,
     clip_grad_norm_and_step,
     forward_backward,
+    offload_tensors,
 )
 from hybridflow.backends.megatron.parallelize import (
     ParallelLayout,
@@ -148,6 +149,7 @@ __all__ = [
     "load_value_model",
     "local_shards",
     "model_info",
+    "offload_tensors",
     "padded_vocab_size",
     "save_train_state",
     "token_logprobs_and_entropy",

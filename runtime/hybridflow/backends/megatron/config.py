@@ -187,7 +187,13 @@ class DecoderArch:
     # -- megatron-core arguments ---------------------------------------------------------
 
     def transformer_config_kwargs(
-        self, *, tp_size: int, pp_size: int, dtype: torch.dtype, variable_seq_lengths: bool
+        self,
+        *,
+        tp_size: int,
+        pp_size: int,
+        dtype: torch.dtype,
+        variable_seq_lengths: bool,
+        activation_checkpointing: bool = False,
     ) -> dict[str, Any]:
         """Keyword arguments of megatron-core's ``TransformerConfig`` for this decoder.
 
@@ -196,10 +202,22 @@ class DecoderArch:
         comment on ``perform_initialization`` for why the initialisation cannot be skipped.
         ``dtype`` bfloat16 selects megatron's mixed precision (bf16 parameters, fp32
         main weights in the optimizer); float32 trains in fp32.
+
+        ``activation_checkpointing`` (``spec.training.activationCheckpointing``): megatron's full
+        recompute, every layer on its own (``recompute_granularity="full"``, ``"uniform"``, one
+        layer per checkpoint): only each layer's input stays alive between forward and backward,
+        and backward runs the layer's forward again under megatron's RNG tracker (so dropout, were
+        there any, would draw the same masks). Selective recompute (the attention core only) saves
+        less with these unfused kernels.
         """
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype} is not supported; use torch.float32 or torch.bfloat16")
-        return {
+        recompute: dict[str, Any] = (
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if activation_checkpointing
+            else {}
+        )
+        return recompute | {
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "ffn_hidden_size": self.intermediate_size,

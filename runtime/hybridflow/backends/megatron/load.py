@@ -123,6 +123,7 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     value_head: bool = False,
     vocab_multiple: int = 1,
+    activation_checkpointing: bool = False,
 ) -> GPTModel:
     """This rank's stage of a GPTModel for ``arch`` in the current parallel state, randomly initialised.
 
@@ -131,6 +132,8 @@ def build_gpt_model(
     :meth:`DecoderArch.transformer_config_kwargs`). ``value_head`` swaps the LM head for a
     :class:`ValueHead` (zero). ``vocab_multiple`` is megatron's ``make_vocab_size_divisible_by``
     (see :func:`~hybridflow.backends.megatron.config.padded_vocab_size`).
+    ``activation_checkpointing``: recompute every layer in backward (see
+    :meth:`DecoderArch.transformer_config_kwargs`).
 
     Pipeline parallelism sends ``[seq, micro_batch, hidden]`` activations whose shape is
     exchanged per micro-batch (``variable_seq_lengths``), so micro-batches of one call may differ
@@ -141,7 +144,11 @@ def build_gpt_model(
     arch.check_parallel(tp_size=tp_size, pp_size=pp_size)
     config = TransformerConfig(
         **arch.transformer_config_kwargs(
-            tp_size=tp_size, pp_size=pp_size, dtype=dtype, variable_seq_lengths=pp_size > 1
+            tp_size=tp_size,
+            pp_size=pp_size,
+            dtype=dtype,
+            variable_seq_lengths=pp_size > 1,
+            activation_checkpointing=activation_checkpointing,
         )
     )
     padded = padded_vocab_size(arch.vocab_size, tp_size, vocab_multiple)
@@ -265,7 +272,11 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 
 
 def load_causal_lm(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, vocab_multiple: int = 1
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    vocab_multiple: int = 1,
+    activation_checkpointing: bool = False,
 ) -> GPTModel:
     """The causal LM in ``path`` (a local HF directory) as this rank's GPTModel stage, in eval mode.
 
@@ -274,13 +285,19 @@ def load_causal_lm(
     matters for dropout, which these models do not have.
     """
     arch = DecoderArch.from_directory(path)
-    model = build_gpt_model(arch, dtype=dtype, vocab_multiple=vocab_multiple)
+    model = build_gpt_model(
+        arch, dtype=dtype, vocab_multiple=vocab_multiple, activation_checkpointing=activation_checkpointing
+    )
     load_hf_weights(model, path)
     return model.eval()
 
 
 def load_value_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, vocab_multiple: int = 1
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    vocab_multiple: int = 1,
+    activation_checkpointing: bool = False,
 ) -> GPTModel:
     """A critic: the decoder of the model in ``path`` with a :class:`ValueHead` on the last stage.
 
@@ -289,6 +306,12 @@ def load_value_model(
     the FSDP backend's ``load_value_model``.
     """
     arch = DecoderArch.from_directory(path)
-    model = build_gpt_model(arch, dtype=dtype, value_head=True, vocab_multiple=vocab_multiple)
+    model = build_gpt_model(
+        arch,
+        dtype=dtype,
+        value_head=True,
+        vocab_multiple=vocab_multiple,
+        activation_checkpointing=activation_checkpointing,
+    )
     load_hf_weights(model, path)
     return model.eval()

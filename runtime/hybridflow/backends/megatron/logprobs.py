@@ -16,14 +16,11 @@ differs is where the logits live:
   megatron's schedule (:mod:`~hybridflow.backends.megatron.pipeline`) and the results are
   broadcast over each PP group, so every rank returns them, as under FSDP.
 
-The differentiable all-reduce sums forward and passes the gradient through unchanged. That is
-exact under one rule, which the code keeps: a reduced value is consumed only by computations
-every TP rank performs identically (so each rank's loss is the same function of the reduced
-values, and the gradient of a rank's own partial sum is the incoming gradient), never by a
-rank-local one. The entropy is therefore written ``log Z - (sum exp(z) z) / Z`` with both sums
-reduced first; the textbook ``log Z - sum(p z)`` with ``p = exp(z) / Z`` computed per rank would
-feed the reduced ``Z`` into a rank-local sum, and the identity backward would then drop the
-other ranks' share of its gradient.
+No fp32 ``[B, R, V/t]`` tensor exists: the log-softmax and entropy run a chunk of positions at
+a time (as :mod:`hybridflow.rlmath.logits` does for FSDP), in one autograd function whose
+backward is written out (``d log p(y)/dz_j = [j = y] - p_j``, ``dH/dz_j = p_j (E_p[z] - z_j)``),
+so backward recomputes each chunk's softmax from three saved numbers per position and needs no
+collective: no rank can ever wait in backward for a peer that recomputes in another order.
 
 Both public scoring functions are collectives over the whole world (every rank, same number of
 micro-batches; the ranks of a DP replica with the same rows) and run under ``torch.no_grad()``;
@@ -46,6 +43,7 @@ from hybridflow.backends.megatron.pipeline import (
     response_columns,
     run_micro_batches,
 )
+from hybridflow.rlmath.logits import DEFAULT_CHUNK_TOKENS
 
 __all__ = [
     "logprob_head",
@@ -56,25 +54,94 @@ __all__ = [
 ]
 
 
-class _SumOverTensorParallel(torch.autograd.Function):
-    """All-reduce (sum) over the TP group; the backward passes the gradient through (see the module docstring)."""
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """Log-probs and entropy of flattened ``[N, V/t]`` logits, fp32 one chunk of positions at a time.
+
+    Forward: per chunk, the fp32 tempered logits give this rank's max, sum of exponentials,
+    target logit and ``sum(exp(z) z)``; two all-reduces over the TP group (the max, then the
+    three sums for every position at once) complete them. Saved for backward: the logits
+    themselves (the caller holds them anyway) and three fp32 numbers per position (max,
+    ``log Z``, ``E_p[z]``), never an fp32 ``[N, V/t]`` tensor.
+
+    Backward needs no communication: with ``p = softmax(z)`` over the whole vocabulary (this
+    rank's columns recomputed from the saved per-position numbers),
+    ``d log p(y) / dz_j = [j = y] - p_j`` and ``dH / dz_j = p_j (E_p[z] - z_j)``, both local to
+    the column: the gradients of the textbook log-softmax over the whole (unpadded) vocabulary,
+    sliced to this rank's columns (padding columns get 0).
+    """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        reduced = tensor.clone()
-        dist.all_reduce(reduced, group=parallel_state.get_tensor_model_parallel_group())
-        return reduced
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_size: int,
+        first: int,
+        temperature: float,
+        with_entropy: bool,
+        chunk_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        positions, per_rank = logits.shape
+        valid = torch.arange(first, first + per_rank, device=logits.device) < vocab_size
+        local_targets = targets - first
+        mine = (local_targets >= 0) & (local_targets < per_rank)
+        picked_columns = local_targets.clamp(0, per_rank - 1)
+        chunks = [slice(start, start + chunk_tokens) for start in range(0, positions, chunk_tokens)]
+
+        def tempered(rows: slice) -> torch.Tensor:
+            z = logits[rows].float()
+            if temperature != 1.0:
+                z = z / temperature
+            return z.masked_fill(~valid, float("-inf"))
+
+        maxes = torch.cat([tempered(rows).amax(dim=-1) for rows in chunks]) if chunks else logits.new_zeros(0)
+        maxes = maxes.float()
+        group = parallel_state.get_tensor_model_parallel_group()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if tp_size > 1:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.zeros((positions, 3), dtype=torch.float32, device=logits.device)
+        for rows in chunks:
+            shifted = tempered(rows) - maxes[rows, None]
+            exp = shifted.exp()
+            sums[rows, 0] = exp.sum(dim=-1)
+            picked = shifted.gather(-1, picked_columns[rows, None]).squeeze(-1)
+            sums[rows, 1] = torch.where(mine[rows], picked, torch.zeros_like(picked))
+            if with_entropy:
+                # The padding columns' -inf is zeroed before multiplying (0 * -inf is NaN).
+                sums[rows, 2] = (exp * torch.where(valid, shifted, torch.zeros_like(shifted))).sum(dim=-1)
+        if tp_size > 1:
+            dist.all_reduce(sums, group=group)
+        log_z = sums[:, 0].log()
+        log_probs = sums[:, 1] - log_z
+        expected_z = sums[:, 2] / sums[:, 0]  # E_p[z - max]
+        entropy = log_z - expected_z if with_entropy else torch.zeros_like(log_probs)
+        ctx.save_for_backward(logits, picked_columns, mine, valid, maxes, log_z, expected_z)
+        ctx.settings = (temperature, with_entropy, chunk_tokens)
+        return log_probs, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _tp_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return tensor
-    reduced: torch.Tensor = _SumOverTensorParallel.apply(tensor)
-    return reduced
+    def backward(ctx: Any, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[Any, ...]:
+        logits, picked_columns, mine, valid, maxes, log_z, expected_z = ctx.saved_tensors
+        temperature, with_entropy, chunk_tokens = ctx.settings
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            z = logits[rows].float()
+            if temperature != 1.0:
+                z = z / temperature
+            shifted = torch.where(valid, z - maxes[rows, None], torch.zeros_like(z))
+            p = torch.where(valid, (shifted - log_z[rows, None]).exp(), torch.zeros_like(z))
+            g_lp = grad_log_probs[rows].float()
+            grad_z = -p * g_lp[:, None]
+            own = torch.where(mine[rows], g_lp, torch.zeros_like(g_lp))
+            grad_z.scatter_add_(-1, picked_columns[rows, None], own[:, None])
+            if with_entropy:
+                grad_z += grad_entropy[rows].float()[:, None] * p * (expected_z[rows, None] - shifted)
+            if temperature != 1.0:
+                grad_z = grad_z / temperature
+            grad_logits[rows] = grad_z.to(logits.dtype)
+        return grad_logits, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_and_entropy(
@@ -84,43 +151,36 @@ def vocab_parallel_logprobs_and_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log p(target)`` and the entropy from this TP rank's slice of the logits ``[..., P/t]``.
 
     ``targets`` (``[...]``, global token ids) and the leading dimensions of ``logits`` match.
     ``vocab_size`` is the HF vocabulary: columns at or past it are padding and get probability
-    0. Collective over the TP group (all TP ranks, same shapes); differentiable. Computed in
-    fp32 whatever the logits' dtype, after dividing by ``temperature``.
+    0. Collective over the TP group (all TP ranks, same shapes); differentiable, with no
+    collective in backward. Computed in fp32 whatever the logits' dtype, after dividing by
+    ``temperature``, ``chunk_tokens`` positions at a time (as :mod:`hybridflow.rlmath.logits`
+    does for FSDP): only one chunk's fp32 ``[chunk, P/t]`` temporaries exist at once, in forward
+    and in backward. ``chunk_tokens`` changes memory, never the result.
     """
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    per_rank = logits.shape[-1]
-    first = tp_rank * per_rank
-    columns = torch.arange(first, first + per_rank, device=logits.device)
-    valid = columns < vocab_size
-    if not bool(valid.all()):
-        logits = logits.masked_fill(~valid, float("-inf"))
-    maxes = logits.detach().amax(dim=-1, keepdim=True)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    shifted = logits - maxes
-    exp = shifted.exp()
-    sum_exp = _tp_sum(exp.sum(dim=-1))
-    log_z = sum_exp.log()
-    local_targets = targets - first
-    mine = (local_targets >= 0) & (local_targets < per_rank)
-    picked = shifted.gather(-1, local_targets.clamp(0, per_rank - 1).unsqueeze(-1)).squeeze(-1)
-    log_probs = _tp_sum(torch.where(mine, picked, torch.zeros_like(picked))) - log_z
-    if not with_entropy:
-        return log_probs, None
-    # H = log Z - sum(exp(z) * z) / Z, with both sums reduced before they meet: see the module
-    # docstring for why no rank-local value may depend on a reduced one. The padding columns'
-    # -inf is zeroed before multiplying (0 * -inf is NaN, in the forward and the gradient).
-    weighted = (exp * torch.where(valid, shifted, torch.zeros_like(shifted))).sum(dim=-1)
-    entropy = log_z - _tp_sum(weighted) / sum_exp
-    return log_probs, entropy
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the leading dimensions"
+        )
+    first = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    log_probs, entropy = _VocabParallelLogProbs.apply(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        vocab_size,
+        first,
+        temperature,
+        with_entropy,
+        chunk_tokens,
+    )
+    log_probs = log_probs.reshape(targets.shape)
+    return log_probs, entropy.reshape(targets.shape) if with_entropy else None
 
 
 def logprob_head(*, response_len: int, temperature: float, with_entropy: bool, vocab_size: int) -> Any:

@@ -45,6 +45,7 @@ from torch import nn
 from hybridflow.backends.megatron.load import model_info, unwrap
 from hybridflow.backends.megatron.logprobs import logprob_head, value_head
 from hybridflow.backends.megatron.pipeline import MicroBatch, check_layout, run_micro_batches
+from hybridflow.backends.offload import optimizer_state_tensors
 from hybridflow.backends.schedule import LRSchedule
 from hybridflow.backends.schedule import build_lr_scheduler as _build_torch_lr_scheduler
 
@@ -54,6 +55,7 @@ __all__ = [
     "build_optimizer",
     "clip_grad_norm_and_step",
     "forward_backward",
+    "offload_tensors",
     "torch_optimizer",
 ]
 
@@ -214,3 +216,34 @@ def clip_grad_norm_and_step(
     zero_grad_buffer: Callable[[], None] = model.zero_grad_buffer  # type: ignore[assignment]
     zero_grad_buffer()
     return norm
+
+
+def offload_tensors(
+    model: nn.Module, optimizer: MegatronOptimizer
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters and gradient buffers, optimizer state) of this rank's stage, for offloading.
+
+    For :class:`~hybridflow.backends.offload.DeviceOffload`, which moves storages: megatron's
+    DDP keeps every ``main_grad`` as a view of its flat gradient buffer (and, where it has one,
+    every parameter as a view of a flat parameter buffer), so listing the views moves the
+    buffers whole. The optimizer's part is Adam's state plus, under bf16, the fp32 main
+    weights of ``Float16OptimizerWithFloat16Params`` (its param groups' tensors that are not
+    model parameters; in fp32 the groups hold the model's own parameters, which are not
+    optimizer state).
+    """
+    parameters: list[torch.Tensor] = []
+    for parameter in model.parameters():
+        parameters.append(parameter)
+        for grad in (getattr(parameter, "main_grad", None), parameter.grad):
+            if isinstance(grad, torch.Tensor):
+                parameters.append(grad)
+    inner = torch_optimizer(optimizer)
+    own = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    state = optimizer_state_tensors(inner)
+    for group in inner.param_groups:
+        for main in group["params"]:
+            if main.untyped_storage().data_ptr() not in own:
+                state.append(main)
+                if main.grad is not None:
+                    state.append(main.grad)
+    return parameters, state

@@ -1,0 +1,56 @@
+"""The job's NetworkPolicy: its Ray cluster answers only its own pods, KubeRay and metrics scrapes.
+
+A Ray head serves the dashboard and the job-submission API (8265), the client server (10001)
+and the GCS (6379); whoever reaches them can submit code that runs with the job's GPUs,
+volumes and credentials. The policy selects every pod of the job (head, workers, submitter:
+they all carry the job's labels) and admits ingress from:
+
+* the job's own pods, on every port (Ray's node-to-node traffic uses many ports);
+* the KubeRay operator's pods, in any namespace, on the dashboard port only: KubeRay asks the
+  head's job API for the job's state;
+* anyone, on the metrics ports (the controller's ``hf-metrics`` and Ray's own), which serve
+  figures, not control.
+
+Egress is left open: the controller talks to the API server and the job may read its data
+from wherever the user put it. A cluster whose network plugin does not enforce NetworkPolicy
+ignores the object; Ray's token authentication (``authOptions`` on the RayJob's cluster,
+``hybridflow_operator.builders.rayjob``) guards the same ports there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridflow_operator.builders.metadata import JobRef, child_metadata, job_labels
+from hybridflow_operator.names import child_names
+
+NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
+RAY_DASHBOARD_PORT = 8265
+METRICS_PORTS = (8080, 8081)
+"""Ray's own metrics (KubeRay's ``metrics`` port) and the controller's ``hf-metrics``."""
+
+
+def build_network_policy(owner: JobRef, *, kuberay_pod_labels: Mapping[str, str]) -> dict[str, Any]:
+    """The NetworkPolicy of ``owner``'s pods (see the module docstring); ``kuberay_pod_labels``
+    are the KubeRay operator pods' labels (``RayJobDefaults.kuberay_pod_labels``)."""
+    own_pods = {"matchLabels": job_labels(owner)}
+    return {
+        "apiVersion": NETWORK_POLICY_API_VERSION,
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(child_names(owner.name).network_policy, owner),
+        "spec": {
+            "podSelector": own_pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": own_pods}]},
+                {
+                    "from": [
+                        {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(kuberay_pod_labels)}}
+                    ],
+                    "ports": [{"protocol": "TCP", "port": RAY_DASHBOARD_PORT}],
+                },
+                {"ports": [{"protocol": "TCP", "port": port} for port in METRICS_PORTS]},
+            ],
+        },
+    }
