@@ -460,6 +460,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     ``"applied"`` applies the write, then answers 503 (it died before the answer came back).
     The callable may also act, e.g. kill the writer's process, before it answers."""
     _watch_epoch: int = attrs.field(default=0, init=False)
+    # Lookup indexes over kmock's store, so that a request costs the same with 20 or 20,000
+    # objects: the keys of each resource (for lists and RBAC) and the key of each uid (for the
+    # garbage collector's "does an owner still exist"). Kept by _store(); rebuilt whenever the
+    # store's size says something else changed it (kmock's own writes, a test's `del`).
+    _keys_by_resource: dict[kmock.resource, dict[ObjectKey, None]] = attrs.field(factory=dict, init=False)
+    _key_by_uid: dict[str, ObjectKey] = attrs.field(factory=dict, init=False)
+    _indexed_count: int = attrs.field(default=-1, init=False)
+    # RoleBindings that have named a ServiceAccount as a subject, by (binding namespace, SA
+    # namespace, SA name): candidates only, each re-checked against the binding as it is now.
+    _bindings_by_subject: dict[tuple[str, str, str], set[ObjectKey]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -614,11 +624,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
 
     def _rules_for(self, namespace: str, sa_namespace: str, sa_name: str) -> list[JsonObject]:
-        bindings = kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings")
         roles = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
+        self._refresh_indexes()
+        candidates = sorted(self._bindings_by_subject.get((namespace, sa_namespace, sa_name), ()), key=str)
         rules: list[JsonObject] = []
-        for binding in self._live_objects(bindings):
-            if binding["metadata"].get("namespace") != namespace:
+        for binding in (self._live_object(key) for key in candidates):
+            if binding is None or binding["metadata"].get("namespace") != namespace:
                 continue
             if not any(
                 s.get("kind") == "ServiceAccount"
@@ -797,6 +808,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         owner_uids = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
         if not owner_uids:
             return
+        if any(self._uid_is_live(uid) for uid in owner_uids if uid):
+            return
+        # The index may lag an object written past _store(): confirm against the whole store.
         live_uids = {o.raw["metadata"].get("uid") for o in self._objects.values() if not o.deleted}
         if not owner_uids & live_uids:
             self._delete(key, obj, propagation="Background")
@@ -1038,10 +1052,50 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return self._objects[key].raw
 
     def _store(self, key: ObjectKey, obj: JsonObject) -> None:
+        self._refresh_indexes()
+        self._index_subjects(key, obj)
         if key in self._objects:
             self._objects[key].history.append(obj)
         else:
             self._objects[key] = obj
+            self._keys_by_resource.setdefault(key[0], {})[key] = None
+            self._indexed_count += 1
+        uid = obj.get("metadata", {}).get("uid")
+        if uid:
+            self._key_by_uid[uid] = key
+
+    def _index_subjects(self, key: ObjectKey, obj: JsonObject) -> None:
+        if key[0].group != "rbac.authorization.k8s.io" or key[0].plural != "rolebindings":
+            return
+        namespace = key[1] or ""
+        for subject in obj.get("subjects") or []:
+            if subject.get("kind") == "ServiceAccount":
+                where = (namespace, subject.get("namespace", namespace), subject.get("name", ""))
+                self._bindings_by_subject.setdefault(where, set()).add(key)
+
+    def _refresh_indexes(self) -> None:
+        """Rebuild the lookup indexes if the store changed other than through _store()."""
+        if self._indexed_count == len(self._objects):
+            return
+        self._keys_by_resource = {}
+        self._key_by_uid = {}
+        self._bindings_by_subject = {}
+        for key, stored in list(self._objects.items()):
+            self._keys_by_resource.setdefault(key[0], {})[key] = None
+            if stored.deleted:
+                continue
+            self._index_subjects(key, stored.raw)
+            uid = stored.raw.get("metadata", {}).get("uid")
+            if uid:
+                self._key_by_uid[uid] = key
+        self._indexed_count = len(self._objects)
+
+    def _uid_is_live(self, uid: str) -> bool:
+        """Whether an object with this uid exists now (by the index; a miss is not proof)."""
+        self._refresh_indexes()
+        key = self._key_by_uid.get(uid)
+        current = self._live_object(key) if key is not None else None
+        return current is not None and current["metadata"].get("uid") == uid
 
     def _next_resource_version(self) -> str:
         # One counter for all resources, like etcd's revision: monotonic across every write.
@@ -1090,7 +1144,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     def _live_objects(self, resource: kmock.resource) -> list[JsonObject]:
         """The resource's existing objects, ordered by namespace and name (etcd's key order)."""
-        live = [obj.raw for key, obj in list(self._objects.items()) if key[0] == resource and not obj.deleted]
+        self._refresh_indexes()
+        keys = list(self._keys_by_resource.get(resource, {}))
+        live = [raw for raw in (self._live_object(key) for key in keys) if raw is not None]
         return sorted(live, key=lambda raw: (raw["metadata"].get("namespace") or "", raw["metadata"]["name"]))
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[rendering.Payload]:
