@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from hybridflow.backends.api import TrainingBackend, training_backend
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
@@ -44,6 +45,11 @@ class _ValueRole(Worker):
         name = self.backend_name or spec.training.backend
         self.backend: TrainingBackend = training_backend(name)(spec, ctx.torch_device)
         self.backend.load(model_path, kind="value", learning_rate=learning_rate)
+
+    @property
+    def model(self) -> nn.Module:
+        """The backend's module (checks and tests read it)."""
+        return self.backend.model
 
     def _scored(self, batch: Batch) -> torch.Tensor:
         return self.backend.values(batch.tensors)
