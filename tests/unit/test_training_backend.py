@@ -117,5 +117,5 @@ def test_a_frozen_fsdp_model_scores_like_the_backend_functions_and_refuses_to_tr
         backend.values(batch)
     with pytest.raises(RuntimeError, match="frozen"):
         backend.clip_and_step(max_grad_norm=1.0)
-    with pytest.raises(UnsupportedByBackend, match="needs spec.training.backend 'megatron'"):
+    with pytest.raises(UnsupportedByBackend, match=r"needs spec\.training\.backend 'megatron'"):
         backend.training_shard([])
