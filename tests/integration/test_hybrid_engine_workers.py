@@ -127,17 +127,16 @@ def test_roles_follow_the_training_backend() -> None:
     pytest.importorskip("megatron.core")
     from hybridflow.trainer.roles import job_roles
     from hybridflow.workers.hybrid_rollout import HybridRolloutWorker
-    from hybridflow.workers.megatron_policy import MegatronActorWorker, MegatronReferenceWorker
-    from hybridflow.workers.megatron_value import MegatronCriticWorker
-    from hybridflow.workers.policy import ActorWorker
+    from hybridflow.workers.policy import ActorWorker, ReferenceWorker
     from hybridflow.workers.rollout import RolloutWorker
+    from hybridflow.workers.value import CriticWorker
 
     fsdp = job_roles(job_spec())
     assert fsdp["actor"].worker_cls is ActorWorker and fsdp["actor"].mesh is None
     assert fsdp["rollout"].worker_cls is RolloutWorker
     roles = job_roles(job_spec(backend="megatron", tensorParallelSize=2))
-    assert roles["actor"].worker_cls is MegatronActorWorker
-    assert roles["reference"].worker_cls is MegatronReferenceWorker
+    assert roles["actor"].worker_cls is ActorWorker
+    assert roles["reference"].worker_cls is ReferenceWorker
     assert roles["rollout"].worker_cls is HybridRolloutWorker
     actor_mesh, rollout_mesh = roles["actor"].mesh, roles["rollout"].mesh
     assert actor_mesh is not None and rollout_mesh is not None
@@ -145,9 +144,9 @@ def test_roles_follow_the_training_backend() -> None:
     assert (rollout_mesh.pp_size, rollout_mesh.tp_size, rollout_mesh.dp_size) == (1, 1, 4)
     assert "critic" not in roles  # GRPO
     ppo = job_roles(job_spec("ppo-tiny.yaml", backend="megatron", tensorParallelSize=2))
-    assert ppo["critic"].worker_cls is MegatronCriticWorker and ppo["critic"].mesh == actor_mesh
+    assert ppo["critic"].worker_cls is CriticWorker and ppo["critic"].mesh == actor_mesh
     plain = job_roles(job_spec(backend="megatron"))  # t*p == 1: the bucketed weight sync
-    assert plain["actor"].worker_cls is MegatronActorWorker
+    assert plain["actor"].worker_cls is ActorWorker
     assert plain["rollout"].worker_cls is RolloutWorker
 
 

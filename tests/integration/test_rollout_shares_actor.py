@@ -123,8 +123,8 @@ def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, w
         ids = torch.randint(0, 200, (2, 12))
         loss = actor.model(input_ids=ids).logits.float().logsumexp(-1).mean()
         loss.backward()
-        actor.optimizer.step()
-        actor.optimizer.zero_grad()
+        actor.backend.optimizer.step()
+        actor.backend.optimizer.zero_grad()
         outcome["synced_bytes_after"] = rollout.sync_weights()
         outcome["greedy_after"] = [engine_greedy(), hf_greedy()]
         outcome["offload_stats"] = rollout.transition_stats()
@@ -132,7 +132,7 @@ def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, w
             p.to_local().untyped_storage().nbytes() > 0 for p in actor.model.parameters()
         ) and all(
             v.untyped_storage().nbytes() > 0
-            for state in actor.optimizer.state.values()
+            for state in actor.backend.optimizer.state.values()
             for v in (t.to_local() if hasattr(t, "to_local") else t for t in state.values())
         )
         outcome["local_parameter_bytes"] = actor.local_parameter_bytes()

@@ -237,7 +237,7 @@ def _state_bytes(actor: ActorWorker) -> int:
     tensors = [p.to_local() for p in actor.model.parameters()]
     tensors += [
         v.to_local() if hasattr(v, "to_local") else v
-        for st in actor.optimizer.state.values()
+        for st in actor.backend.optimizer.state.values()
         for v in st.values()
     ]
     for tensor in tensors:
@@ -276,7 +276,7 @@ def test_offload_only_the_optimizer_state_when_asked(model_dir: Path, tmp_path: 
         stats = actor.offload_for_generation()
         assert stats is not None
         assert all(p.to_local().untyped_storage().nbytes() > 0 for p in actor.model.parameters())
-        moments = [v for st in actor.optimizer.state.values() for v in st.values() if v.dim() > 0]
+        moments = [v for st in actor.backend.optimizer.state.values() for v in st.values() if v.dim() > 0]
         assert moments and all(v.to_local().untyped_storage().nbytes() == 0 for v in moments)
         actor.reload_after_generation()
         actor.update_policy(_rollout(1))

@@ -66,27 +66,19 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     reads it (``kl.coef > 0``). With ``spec.training.backend: megatron`` the
     actor, reference and critic train/score under ``DeviceMesh.training(pp, tp)`` of their pools, and
     (``t*p > 1``) the rollout generates under the HybridFlow generation mesh derived from the
-    actor's. The worker modules are imported only for the backend in use: megatron-core is not
-    installed everywhere FSDP runs.
+    actor's. The actor, reference and critic classes are the same for every backend (they look
+    ``spec.training.backend`` up in :func:`hybridflow.backends.api.training_backend`, which imports
+    only that backend: megatron-core is not installed everywhere FSDP runs); only the meshes differ.
     """
     kwargs = {"spec": spec}
     training = spec.training
-    actor_cls: type[Worker] = ActorWorker
-    reference_cls: type[Worker] = ReferenceWorker
     rollout_cls: type[Worker] = RolloutWorker
-    critic_cls: type[Worker] = CriticWorker
     actor_mesh = reference_mesh = rollout_mesh = critic_mesh = None
     if training.backend == "megatron":
-        from hybridflow.workers.megatron_policy import MegatronActorWorker, MegatronReferenceWorker
-
-        actor_cls, reference_cls = MegatronActorWorker, MegatronReferenceWorker
         pp, tp = training.pipeline_parallel_size, training.tensor_parallel_size
         actor_mesh = DeviceMesh.training(_pool_size(spec, "actor"), pp=pp, tp=tp)
         reference_mesh = DeviceMesh.training(_pool_size(spec, "reference"), pp=pp, tp=tp)
         if spec.models.critic is not None:
-            from hybridflow.workers.megatron_value import MegatronCriticWorker
-
-            critic_cls = MegatronCriticWorker
             critic_mesh = DeviceMesh.training(_pool_size(spec, "critic"), pp=pp, tp=tp)
         if uses_hybrid_engine(spec):
             from hybridflow.workers.hybrid_rollout import HybridRolloutWorker
@@ -97,15 +89,15 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
             )
     actor_pool = spec.pool("actor").name
     roles = {
-        "actor": RoleSpec(actor_cls, actor_pool, mesh=actor_mesh, kwargs=kwargs),
+        "actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs),
         "rollout": RoleSpec(rollout_cls, spec.pool("rollout").name, mesh=rollout_mesh, kwargs=kwargs),
     }
     if needs_reference(spec):
         roles["reference"] = RoleSpec(
-            reference_cls, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs
+            ReferenceWorker, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs
         )
     if spec.models.critic is not None:
-        roles["critic"] = RoleSpec(critic_cls, spec.pool("critic").name, mesh=critic_mesh, kwargs=kwargs)
+        roles["critic"] = RoleSpec(CriticWorker, spec.pool("critic").name, mesh=critic_mesh, kwargs=kwargs)
     if spec.models.reward is not None:
         roles["reward"] = RoleSpec(RewardModelWorker, spec.pool("reward").name, kwargs=kwargs)
     if spec.models.cost is not None:

@@ -1,16 +1,28 @@
-"""Policy roles on the FSDP2 backend: the trained actor and the frozen reference.
+"""Policy roles on any training backend: the trained actor and the frozen reference.
 
 Both receive rollout batches laid out by :func:`hybridflow.engines.layout.response_tensors`
 (``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``) split by
 DP rank, and both compute per-token log-probs of the response tokens. The actor also trains:
 ``update_policy`` runs ``ppo_epochs`` passes over the batch in mini-batches (one optimizer step
 each) made of micro-batches (gradient accumulation), then steps the LR schedule once per RL step.
+The model itself lives in a :class:`~hybridflow.backends.api.TrainingBackend` named by
+``spec.training.backend``: FSDP2 over a data-parallel mesh, or megatron-core over
+:meth:`DeviceMesh.training` with the job's TP/PP sizes (deployed by
+:func:`hybridflow.trainer.roles.job_roles`), where ``DP_SPLIT`` gives every rank of one DP
+group (its TP and PP ranks) the same rows and collects from TP rank 0 of the last stage.
 
-The actor exposes :meth:`ActorWorker.weight_buckets` to the colocated rollout role (not to the
-controller): a collective iteration over the full weights, bucket by bucket. To a rollout on a
-pool of its own it pushes the same buckets with ``push_weights`` (``workers/weight_push.py``).
-Its ``policy_version`` is the number of updates it has made (the LR schedule's step count, so
-a checkpoint restores it): what the rollout stamps on every sample.
+Protocol, on every rank of the pool: the constructor loads this rank's shard (collective:
+FSDP shards, megatron initialises its parallel state, which roles colocated in one process
+share, so they must use one layout). Scoring and training calls are collective over the
+backend's groups; the controller's protocols call every rank, as they must.
+
+The actor serves the colocated rollout role (not the controller): :meth:`ActorWorker.weight_buckets`
+is a collective iteration over the full weights, bucket by bucket; under megatron with
+``t*p > 1``, :meth:`ActorWorker.training_shard` hands this rank's HF slices to the
+3D-HybridEngine (:mod:`hybridflow.workers.hybrid_rollout`). To a rollout on a pool of its own it
+pushes the buckets with ``push_weights`` (``workers/weight_push.py``). Its ``policy_version`` is
+the number of updates it has made (the LR schedule's step count, so a checkpoint restores it):
+what the rollout stamps on every sample.
 
 With ``rollout_log_probs`` in the batch the update reports the rollout-vs-trainer gap, and with
 ``spec.rollout.importanceSampling`` on it weights each token's loss by the truncated ratio of
@@ -21,31 +33,22 @@ the update's own first forward, the same weights) to the rollout's (the behaviou
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
 
-from hybridflow.backends.fsdp import (
-    attention_implementation,
-    build_lr_scheduler,
-    build_optimizer,
-    clip_grad_norm_and_step,
-    iter_full_weight_buckets,
-    load_causal_lm,
-    load_train_state,
-    offload_tensors,
-    packed_token_logprobs_and_entropy,
-    save_train_state,
-    shard_model,
-    token_logprobs_and_entropy,
-)
+from hybridflow.backends.api import TrainingBackend, training_backend
 from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
+from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
+from hybridflow.resharding.transfer import TrainingShard
+from hybridflow.rlmath.aggregation import LossNormalizer
 from hybridflow.rlmath.objectives import actor_objective
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import (
@@ -67,77 +70,34 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _model_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> tuple[torch.dtype, bool]:
-    """(parameter dtype, FSDP mixed precision). bf16 compute only on CUDA; CPU runs fp32."""
-    mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
-    return torch.float32, mixed
-
-
-def _model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    return (
-        batch.tensors["input_ids"].to(device),
-        batch.tensors["attention_mask"].to(device),
-        batch.tensors["position_ids"].to(device),
-        int(batch.tensors["responses"].shape[1]),
-    )
-
-
 class _PolicyModel(Worker):
-    """A sharded causal LM that scores response tokens; shared by actor and reference."""
+    """A causal LM on the job's backend that scores response tokens; shared by actor and reference."""
 
-    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, trained: bool) -> None:
+    def __init__(
+        self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, learning_rate: float | None
+    ) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + ctx.rank)
-        dtype, mixed = _model_dtype(spec, ctx)
-        self.packed = spec.training.pack_sequences
-        attention = attention_implementation(ctx.torch_device, packed=self.packed, bf16=mixed)
-        self.model = shard_model(
-            load_causal_lm(model_path, dtype=dtype, attn_implementation=attention),
-            device=ctx.torch_device,
-            mixed_precision=mixed,
-            activation_checkpointing=trained and spec.training.activation_checkpointing,
-        )
-        self.micro_batch_size = spec.training.micro_batch_size_per_gpu
+        self.backend: TrainingBackend = training_backend(spec.training.backend)(spec, ctx.torch_device)
+        self.backend.load(model_path, kind="causal-lm", learning_rate=learning_rate)
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
 
-    def _log_probs(self, batch: Batch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids, attention_mask, position_ids, response_len = _model_inputs(batch, self.ctx.torch_device)
-        if self.packed:  # spec.training.packSequences: one row of real tokens per micro-batch
-            return packed_token_logprobs_and_entropy(
-                self.model,
-                input_ids,
-                attention_mask,
-                response_len=response_len,
-                temperature=self.temperature,
-                with_entropy=with_entropy,
-            )
-        return token_logprobs_and_entropy(
-            self.model,
-            input_ids,
-            attention_mask,
-            position_ids,
-            response_len=response_len,
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-        )
+    @property
+    def model(self) -> nn.Module:
+        """The backend's module (a colocated torch engine with ``t_g = 1`` generates from it in place)."""
+        return self.backend.model
 
     def _score(self, batch: Batch, field: str) -> Batch:
-        self.model.eval()
-        pieces = []
-        with torch.no_grad():
-            for micro in batch.chunk_by_size(self.micro_batch_size):
-                log_probs, _ = self._log_probs(micro, with_entropy=False)
-                pieces.append(log_probs.float().cpu())
-        return Batch({field: torch.cat(pieces)})
+        log_probs, _ = self.backend.log_probs(batch.tensors, temperature=self.temperature, with_entropy=False)
+        return Batch({field: log_probs})
 
 
 class ReferenceWorker(_PolicyModel):
     """The frozen initial policy, for the KL term."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.reference_or_actor.path, trained=False)
-        self.model.requires_grad_(False)
+        super().__init__(ctx, spec, spec.models.reference_or_actor.path, learning_rate=None)
 
     @register(DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
@@ -145,29 +105,22 @@ class ReferenceWorker(_PolicyModel):
 
 
 class ActorWorker(_PolicyModel):
-    """The trained policy."""
+    """The trained policy: AdamW and the job's LR schedule on the backend's data-parallel group."""
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, spec.models.actor.path, trained=True)
-        training = spec.training
-        self.optimizer = build_optimizer(self.model, learning_rate=training.learning_rate)
-        self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            warmup_steps=training.warmup_steps,
-            total_steps=training.total_steps,
-            schedule=training.lr_schedule,
-        )
-        self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+        super().__init__(ctx, spec, spec.models.actor.path, learning_rate=spec.training.learning_rate)
+        self.local_mini_batch = spec.training.mini_batch_size // ctx.mesh.dp_size
         self.offload = DeviceOffload("the actor's training state")
 
     def offload_for_generation(self) -> OffloadStats | None:
         """Move what ``spec.training.offloadDuringGeneration`` names to host memory (None: nothing).
 
-        Called by the colocated rollout after the weight sync, before generating; the actor
+        Called by the colocated rollout after the weight sync (under the 3D-HybridEngine, after
+        packing and resharding this rank's training shard, a copy), before generating; the actor
         computes nothing until :meth:`reload_after_generation` (:mod:`hybridflow.backends.offload`).
         """
         choice = self.spec.training.offload_during_generation
-        parameters, optimizer_state = offload_tensors(self.model, self.optimizer)
+        parameters, optimizer_state = self.backend.offload_tensors()
         tensors = (parameters if choice.parameters else []) + (
             optimizer_state if choice.optimizer_state else []
         )
@@ -190,58 +143,64 @@ class ActorWorker(_PolicyModel):
         :mod:`hybridflow.workers.mini_batches`) the detached log-probs of the update's own
         forward are the old ones. Each micro-batch's loss is its share of the mini-batch's
         (global counts over micro-batches and DP ranks), so the split never changes the result.
+        After each epoch the epochs stop early once the k3 KL passes ``algorithm.targetKl``.
         """
         algo = self.spec.algorithm
         use_kl_loss = algo.kl.mode == "loss" and "ref_log_probs" in batch.tensors
         on_policy = "old_log_probs" not in batch.tensors
+        with_behaviour = "rollout_log_probs" in batch.tensors
         max_weight = importance_weight_cap(self.spec)
-        self.model.train()
-        totals: dict[str, list[float]] = {}
-        device = self.ctx.torch_device
+        fields = ["response_mask", "advantages"]
+        fields += [] if on_policy else ["old_log_probs"]
+        fields += ["ref_log_probs"] if use_kl_loss else []
+        fields += ["rollout_log_probs"] if with_behaviour else []
         dp_size = self.ctx.mesh.dp_size
-        dp_sum = dp_sum_over(None, device)
+        dp_sum = dp_sum_over(self.backend.dp_group(), self.ctx.torch_device)
         minis = local_mini_batches(batch, self.local_mini_batch, on_policy=on_policy, epochs=algo.ppo_epochs)
         normalizers = global_normalizers(minis, dp_size=dp_size, dp_sum=dp_sum)
+        totals: dict[str, list[float]] = {}
         for _ in range(algo.ppo_epochs):
             epoch_k3: list[float] = []
             for mini, normalizer in zip(minis, normalizers, strict=True):
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in update_micro_batches(self.spec, self.ctx, mini, dp_sum):
-                    log_probs, entropy = self._log_probs(micro, with_entropy=True)
-                    old_log_probs = (
-                        log_probs.detach() if on_policy else micro.tensors["old_log_probs"].to(device)
-                    )
-                    loss, stats = actor_objective(
+
+                def loss_fn(
+                    log_probs: torch.Tensor,
+                    entropy: torch.Tensor | None,
+                    micro: Mapping[str, torch.Tensor],
+                    normalizer: LossNormalizer = normalizer,
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
+                    return actor_objective(
                         algo,
                         log_probs,
                         entropy,
-                        old_log_probs=old_log_probs,
-                        advantages=micro.tensors["advantages"].to(device),
-                        response_mask=micro.tensors["response_mask"].to(device),
-                        ref_log_probs=micro.tensors["ref_log_probs"].to(device) if use_kl_loss else None,
+                        old_log_probs=log_probs.detach() if on_policy else micro["old_log_probs"],
+                        advantages=micro["advantages"],
+                        response_mask=micro["response_mask"],
+                        ref_log_probs=micro["ref_log_probs"] if use_kl_loss else None,
                         normalizer=normalizer,
-                        behaviour_log_probs=(
-                            micro.tensors["rollout_log_probs"].to(device)
-                            if "rollout_log_probs" in micro.tensors
-                            else None
-                        ),
+                        behaviour_log_probs=micro["rollout_log_probs"] if with_behaviour else None,
                         max_importance_weight=max_weight,
                     )
-                    loss.backward()
+
+                micro_batches = update_micro_batches(self.spec, self.ctx, mini, dp_sum)
+                for stats in self.backend.forward_backward(
+                    [micro.tensors for micro in micro_batches],
+                    loss_fn,
+                    fields=fields,
+                    temperature=self.temperature,
+                ):
                     for name, value in stats.items():
-                        totals.setdefault(name, []).append(float(value))
-                    epoch_k3.append(float(stats["actor/approx_kl_k3"]))
-                grad_norm = clip_grad_norm_and_step(
-                    self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
-                )
+                        totals.setdefault(name, []).append(value)
+                    epoch_k3.append(stats["actor/approx_kl_k3"])
+                grad_norm = self.backend.clip_and_step(max_grad_norm=self.spec.training.max_grad_norm)
                 totals.setdefault("actor/grad_norm", []).append(grad_norm)
             totals.setdefault("actor/epochs", [0.0])[0] += 1
             if kl_exceeded(algo.target_kl, epoch_k3, dp_size=dp_size, dp_sum=dp_sum):
                 break
         metrics = {name: float(np.mean(values)) for name, values in totals.items()}
-        metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["actor/lr"] = self.backend.learning_rate
         metrics.update(device_metrics("actor"))
-        self.scheduler.step()
+        self.backend.step_lr_schedule()
         return metrics
 
     def weight_buckets(
@@ -251,34 +210,52 @@ class ActorWorker(_PolicyModel):
 
         Collective: every rank iterates in lockstep. ``meter`` counts the gathers' bytes.
         """
-        return iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, meter=meter)
+        return self.backend.weight_buckets(bucket_bytes, dtype=dtype, meter=meter)
+
+    def training_shard(self, blocks: Sequence[Block]) -> TrainingShard:
+        """This rank's slices as the resharding plan's training shard (``RankPlan.training``; megatron only).
+
+        Local, no communication. Called by the colocated 3D-HybridEngine rollout before each
+        transition; the shard is a copy the rollout frees after generation.
+        """
+        return self.backend.training_shard(blocks)
+
+    def training_shard_copy_bytes(self, shard: TrainingShard) -> int:
+        """Bytes of ``shard`` whose storage is not one of the model's parameter storages (megatron only)."""
+        return self.backend.training_shard_copy_bytes(shard)
 
     @property
     def policy_version(self) -> int:
         """Updates made so far (``update_policy`` steps the LR schedule once each; checkpoints keep it)."""
-        return int(self.scheduler.last_epoch)
+        return self.backend.lr_steps
 
     @register(BROADCAST)
     def push_weights(self) -> dict[str, float]:
         """Send the current weights to the rollout's pool over the ``weights`` bridge (collective).
 
-        The rollout's ``receive_weights`` must be submitted with it (``workers/weight_push.py``).
+        The rollout's ``receive_weights`` must be submitted with it (``workers/weight_push.py``);
+        under megatron the spec allows a rollout on its own pool only with ``t*p == 1``, where
+        every rank holds the whole model.
         """
         buckets = self.weight_buckets(WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx))
         return send_pushed_weights(self.ctx, buckets)
 
     def local_parameter_bytes(self) -> int:
         """Bytes of this rank's own parameter shards (what it keeps aside while an engine holds a full copy)."""
-        storages = {}
-        for param in self.model.parameters():
-            storage = (param.to_local() if isinstance(param, DTensor) else param).untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()  # a storage shared by views counts once
-        return sum(storages.values())
+        return self.backend.local_parameter_bytes()
+
+    @register(BROADCAST)
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The actor's current full HF weights, from every rank (collective).
+
+        For checks and export, not the training loop: every rank assembles and returns the whole model.
+        """
+        return self.backend.full_state_dict()
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:
-        save_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+        self.backend.save_state(Path(directory))
 
     @register(BROADCAST)
     def load_checkpoint(self, directory: str) -> None:
-        load_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+        self.backend.load_state(Path(directory))

@@ -1,32 +1,30 @@
-"""Value-model roles on the FSDP2 backend: the critic (trained), the reward and cost models (frozen).
+"""Value-model roles: the critic (trained), the reward and cost models (frozen).
 
-All run a decoder backbone with a scalar head. The critic predicts a value per response token
-and trains with the clipped value loss; the reward and cost models score each sequence by their
-value at the last response token.
+All run a decoder backbone with a scalar head on a :class:`~hybridflow.backends.api.TrainingBackend`.
+The critic predicts a value per response token and trains with the clipped value loss, on
+``spec.training.backend`` (under megatron, the mesh is :meth:`DeviceMesh.training` of the
+critic's pool with the job's TP/PP sizes, deployed by :func:`hybridflow.trainer.roles.job_roles`;
+colocated with the actor it shares the process's megatron parallel state, hence the same
+layout). The reward and cost models score each sequence by their value at the last response
+token; they and Safe-RLHF's cost critic stay on FSDP whatever the job's backend (small models,
+pure data parallel over their pools).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch import nn
 
-from hybridflow.backends.fsdp import (
-    attention_implementation,
-    build_lr_scheduler,
-    build_optimizer,
-    clip_grad_norm_and_step,
-    load_train_state,
-    load_value_model,
-    packed_token_values,
-    save_train_state,
-    shard_model,
-    token_values,
-)
+from hybridflow.backends.api import TrainingBackend, training_backend
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.device import device_metrics
 from hybridflow.rlmath import core
+from hybridflow.rlmath.aggregation import LossNormalizer
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import dp_sum_over, global_normalizers, update_micro_batches
 from hybridflow.workers.policy import seed_everything
@@ -35,51 +33,32 @@ __all__ = ["CostCriticWorker", "CostModelWorker", "CriticWorker", "RewardModelWo
 
 
 class _ValueRole(Worker):
-    trained = False
-    """Whether the role trains (the critics): only those get activation checkpointing."""
+    backend_name: ClassVar[str | None] = None
+    """The backend the role runs on; None: ``spec.training.backend`` (the trained critic's)."""
 
-    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str) -> None:
+    def __init__(
+        self, ctx: WorkerContext, spec: RLHFJobSpec, model_path: str, *, learning_rate: float | None
+    ) -> None:
         super().__init__(ctx)
         self.spec = spec
         seed_everything(spec.training.seed + 7919 + ctx.rank)
-        mixed = spec.training.precision == "bf16" and ctx.torch_device.type == "cuda"
-        self.packed = spec.training.pack_sequences
-        attention = attention_implementation(ctx.torch_device, packed=self.packed, bf16=mixed)
-        self.model = shard_model(
-            load_value_model(model_path, attn_implementation=attention),
-            device=ctx.torch_device,
-            mixed_precision=mixed,
-            activation_checkpointing=self.trained and spec.training.activation_checkpointing,
-        )
-        self.micro_batch_size = spec.training.micro_batch_size_per_gpu
+        name = self.backend_name or spec.training.backend
+        self.backend: TrainingBackend = training_backend(name)(spec, ctx.torch_device)
+        self.backend.load(model_path, kind="value", learning_rate=learning_rate)
 
-    def _values(self, batch: Batch) -> torch.Tensor:
-        device = self.ctx.torch_device
-        if self.packed:  # spec.training.packSequences
-            return packed_token_values(
-                self.model,
-                batch.tensors["input_ids"].to(device),
-                batch.tensors["attention_mask"].to(device),
-                response_len=int(batch.tensors["responses"].shape[1]),
-            )
-        return token_values(
-            self.model,
-            batch.tensors["input_ids"].to(device),
-            batch.tensors["attention_mask"].to(device),
-            batch.tensors["position_ids"].to(device),
-            response_len=int(batch.tensors["responses"].shape[1]),
-        )
+    @property
+    def model(self) -> nn.Module:
+        """The backend's module (checks and tests read it)."""
+        return self.backend.model
 
     def _scored(self, batch: Batch) -> torch.Tensor:
-        self.model.eval()
-        with torch.no_grad():
-            return torch.cat(
-                [self._values(m).float().cpu() for m in batch.chunk_by_size(self.micro_batch_size)]
-            )
+        return self.backend.values(batch.tensors)
 
 
 class _SequenceScorer(_ValueRole):
     """A frozen scalar-head model that scores each sequence by its value at the last response token."""
+
+    backend_name = "fsdp"
 
     def _sequence_scores(self, batch: Batch) -> torch.Tensor:
         values = self._scored(batch)
@@ -92,8 +71,7 @@ class RewardModelWorker(_SequenceScorer):
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
         if spec.models.reward is None:
             raise ValueError("the reward role needs spec.models.reward")
-        super().__init__(ctx, spec, spec.models.reward.path)
-        self.model.requires_grad_(False)
+        super().__init__(ctx, spec, spec.models.reward.path, learning_rate=None)
 
     @register(DP_SPLIT)
     def compute_scores(self, batch: Batch) -> Batch:
@@ -106,8 +84,7 @@ class CostModelWorker(_SequenceScorer):
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
         if spec.models.cost is None:
             raise ValueError("the cost role needs spec.models.cost")
-        super().__init__(ctx, spec, spec.models.cost.path)
-        self.model.requires_grad_(False)
+        super().__init__(ctx, spec, spec.models.cost.path, learning_rate=None)
 
     @register(DP_SPLIT)
     def compute_costs(self, batch: Batch) -> Batch:
@@ -118,19 +95,12 @@ class CriticWorker(_ValueRole):
     """The reward critic: a value per response token, trained towards the GAE returns."""
 
     metric_prefix = "critic"
-    trained = True
 
     def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
-        super().__init__(ctx, spec, self.initial_model_path(spec))
-        training = spec.training
-        self.optimizer = build_optimizer(self.model, learning_rate=training.critic_learning_rate)
-        self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            warmup_steps=training.warmup_steps,
-            total_steps=training.total_steps,
-            schedule=training.lr_schedule,
+        super().__init__(
+            ctx, spec, self.initial_model_path(spec), learning_rate=spec.training.critic_learning_rate
         )
-        self.local_mini_batch = training.mini_batch_size // ctx.mesh.dp_size
+        self.local_mini_batch = spec.training.mini_batch_size // ctx.mesh.dp_size
 
     @staticmethod
     def initial_model_path(spec: RLHFJobSpec) -> str:
@@ -146,49 +116,56 @@ class CriticWorker(_ValueRole):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss updates; micro-batch losses are shares of the mini-batch's (global counts)."""
         algo = self.spec.algorithm
-        device = self.ctx.torch_device
-        self.model.train()
+        prefix = self.metric_prefix
         totals: dict[str, list[float]] = {}
         minis = batch.chunk_by_size(self.local_mini_batch)
-        dp_sum = dp_sum_over(None, device)
+        dp_sum = dp_sum_over(self.backend.dp_group(), self.ctx.torch_device)
         normalizers = global_normalizers(minis, dp_size=self.ctx.mesh.dp_size, dp_sum=dp_sum)
         for _ in range(algo.ppo_epochs):
             for mini, normalizer in zip(minis, normalizers, strict=True):
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in update_micro_batches(self.spec, self.ctx, mini, dp_sum):
-                    values = self._values(micro)
-                    old_values = micro.tensors["values"].to(device)
-                    returns = micro.tensors["returns"].to(device)
-                    mask = micro.tensors["response_mask"].to(device).float()
+
+                def loss_fn(
+                    values: torch.Tensor,
+                    entropy: torch.Tensor | None,
+                    micro: Mapping[str, torch.Tensor],
+                    normalizer: LossNormalizer = normalizer,
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
+                    del entropy  # a value model has none
+                    mask = micro["response_mask"].float()
                     loss, clipfrac = core.value_loss_clipped(
                         values,
-                        old_values,
-                        returns,
+                        micro["values"],
+                        micro["returns"],
                         mask,
                         algo.value_clip,
                         aggregation=algo.loss_aggregation,
                         normalizer=normalizer,
                     )
-                    loss.backward()
                     local_loss, _ = core.value_loss_clipped(
-                        values.detach(), old_values, returns, mask, algo.value_clip
+                        values.detach(), micro["values"], micro["returns"], mask, algo.value_clip
                     )
-                    totals.setdefault(f"{self.metric_prefix}/value_loss", []).append(float(local_loss))
-                    totals.setdefault(f"{self.metric_prefix}/clipfrac", []).append(float(clipfrac))
-                norm = clip_grad_norm_and_step(
-                    self.model, self.optimizer, self.scheduler, max_grad_norm=self.spec.training.max_grad_norm
-                )
-                totals.setdefault(f"{self.metric_prefix}/grad_norm", []).append(norm)
-        self.scheduler.step()
-        return {name: float(np.mean(v)) for name, v in totals.items()} | device_metrics(self.metric_prefix)
+                    return loss, {f"{prefix}/value_loss": local_loss, f"{prefix}/clipfrac": float(clipfrac)}
+
+                micro_batches = update_micro_batches(self.spec, self.ctx, mini, dp_sum)
+                for stats in self.backend.forward_backward(
+                    [micro.tensors for micro in micro_batches],
+                    loss_fn,
+                    fields=("response_mask", "values", "returns"),
+                ):
+                    for name, value in stats.items():
+                        totals.setdefault(name, []).append(value)
+                norm = self.backend.clip_and_step(max_grad_norm=self.spec.training.max_grad_norm)
+                totals.setdefault(f"{prefix}/grad_norm", []).append(norm)
+        self.backend.step_lr_schedule()
+        return {name: float(np.mean(v)) for name, v in totals.items()} | device_metrics(prefix)
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:
-        save_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+        self.backend.save_state(Path(directory))
 
     @register(BROADCAST)
     def load_checkpoint(self, directory: str) -> None:
-        load_train_state(Path(directory), self.model, self.optimizer, self.scheduler)
+        self.backend.load_state(Path(directory))
 
 
 class CostCriticWorker(CriticWorker):
@@ -200,6 +177,7 @@ class CostCriticWorker(CriticWorker):
     """
 
     metric_prefix = "cost_critic"
+    backend_name = "fsdp"
 
     @staticmethod
     def initial_model_path(spec: RLHFJobSpec) -> str:

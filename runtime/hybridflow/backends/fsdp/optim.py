@@ -1,13 +1,14 @@
 """The optimizer, the learning-rate schedule and the clipped optimizer step of a trained role.
 
-Protocol with the workers (:mod:`hybridflow.workers.policy`, :mod:`hybridflow.workers.value`):
+Protocol with the caller (:mod:`hybridflow.backends.fsdp.training`, which the workers of
+:mod:`hybridflow.workers.policy` and :mod:`hybridflow.workers.value` drive):
 
 * :func:`build_optimizer` and :func:`build_lr_scheduler` run once, after
   :func:`~hybridflow.backends.fsdp.parallelize.shard_model`, so the optimizer holds the
   ``DTensor`` shards and its state is sharded like them (ZeRO-3 for free).
-* Per mini-batch the worker zeroes the gradients, accumulates ``backward()`` over micro-batches,
+* Per mini-batch the caller zeroes the gradients, accumulates ``backward()`` over micro-batches,
   then calls :func:`clip_grad_norm_and_step` (a collective: every rank, once per mini-batch).
-* Per RL step (one rollout and all its updates) the worker calls ``scheduler.step()`` itself,
+* Per RL step (one rollout and all its updates) the caller runs ``scheduler.step()`` itself,
   once: ``total_steps`` and ``warmup_steps`` count RL steps, as ``TrainingSpec`` documents and
   as in veRL. :func:`clip_grad_norm_and_step` therefore never steps the scheduler.
 """

@@ -8,7 +8,7 @@ What it is
 Actor, reference and critic models as megatron-core ``GPTModel`` stages (tensor, pipeline and
 data parallel through megatron's ``parallel_state``), loaded from and exported to HF Qwen2/Llama
 checkpoints. Same file set and, where the concepts coincide, the same function names and
-contracts as :mod:`hybridflow.backends.fsdp`, so a worker switches backends by import; the
+contracts as :mod:`hybridflow.backends.fsdp`; the
 megatron-only steps are :func:`initialize_parallel_state` (before loading) and
 :func:`wrap_data_parallel` (before building the optimizer), and the train step is one
 :func:`forward_backward` call per mini-batch instead of a ``backward()`` per micro-batch.
@@ -82,8 +82,10 @@ Known limits
   on CPU they run only under the test shim (the product has no CPU branch).
 * Saving a checkpoint starts megatron's writer processes (a spawned multiprocessing manager per
   rank, once per process): a few seconds on small CPU machines.
-* The Ray workers are in ``hybridflow.workers.megatron_policy`` and ``megatron_value``; with
-  ``spec.training.backend: megatron`` and t*p > 1 the rollout reshards through the 3D-HybridEngine
+* The workers (:mod:`hybridflow.workers.policy`, :mod:`hybridflow.workers.value`) drive it
+  through :class:`~hybridflow.backends.megatron.training.MegatronTrainingBackend`, the
+  :class:`~hybridflow.backends.api.TrainingBackend` of ``spec.training.backend: megatron``; with
+  t*p > 1 the rollout reshards through the 3D-HybridEngine
   (``hybridflow.workers.hybrid_rollout``).
 """
 

@@ -1,0 +1,121 @@
+"""The training backend registry and the FSDP backend's contract edges (one process, gloo world of one).
+
+* ``training_backend`` names every backend the spec accepts and refuses others, naming the field.
+* A frozen model (loaded without a learning rate) has no gradients and refuses to train.
+* What FSDP cannot do (the 3D-HybridEngine's training shard) fails with an error naming the backend
+  that can, not with an attribute error deep in the rollout.
+* Scoring through the backend equals the backend functions on the same rows (micro-batches of
+  ``microBatchSizePerGpu`` concatenated).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.backends.api import BACKEND_NAMES, UnsupportedByBackend, training_backend
+from hybridflow.backends.fsdp import token_logprobs_and_entropy
+from hybridflow.backends.fsdp.training import FSDPTrainingBackend
+from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.spec.training import TrainingSpec
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("training-backend") / "qwen2", "qwen2", seed=3)
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _spec(model_dir: Path) -> RLHFJobSpec:
+    return RLHFJobSpec.model_validate(
+        {
+            "models": {"actor": {"path": str(model_dir)}},
+            "data": {"trainFiles": ["/data/prompts.jsonl"]},
+            "algorithm": {"name": "grpo", "samplesPerPrompt": 2},
+            "training": {
+                "totalSteps": 2,
+                "promptsPerStep": 2,
+                "miniBatchSize": 4,
+                "microBatchSizePerGpu": 2,
+                "precision": "fp32",
+            },
+            "rewards": [{"function": "target_char"}],
+        }
+    )
+
+
+def _batch(rows: int = 5, prompt: int = 4, response: int = 3) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 200, (rows, prompt + response), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0  # a left-padded prompt
+    input_ids[0, :2] = PAD_TOKEN_ID
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": input_ids[:, prompt:],
+        "response_mask": torch.ones(rows, response, dtype=torch.long),
+    }
+
+
+def test_the_registry_names_every_backend_the_spec_accepts() -> None:
+    field = TrainingSpec.model_fields["backend"].annotation
+    assert set(BACKEND_NAMES) == set(typing.get_args(field))
+    assert training_backend("fsdp") is FSDPTrainingBackend
+    with pytest.raises(
+        ValueError, match=r"spec.training.backend: 'deepspeed' is not one of 'fsdp', 'megatron'"
+    ):
+        training_backend("deepspeed")
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_frozen_fsdp_model_scores_like_the_backend_functions_and_refuses_to_train(model_dir: Path) -> None:
+    backend = training_backend("fsdp")(_spec(model_dir), torch.device("cpu"))
+    backend.load(str(model_dir), kind="causal-lm", learning_rate=None)
+    assert not any(p.requires_grad for p in backend.model.parameters())
+    batch = _batch()
+    log_probs, entropy = backend.log_probs(batch, temperature=1.0, with_entropy=True)
+    assert entropy is not None and log_probs.shape == entropy.shape == (5, 3)
+    with torch.no_grad():
+        expected = torch.cat(
+            [
+                token_logprobs_and_entropy(
+                    backend.model,
+                    batch["input_ids"][start : start + 2],
+                    batch["attention_mask"][start : start + 2],
+                    batch["position_ids"][start : start + 2],
+                    response_len=3,
+                    with_entropy=False,
+                )[0]
+                for start in range(0, 5, 2)
+            ]
+        )
+    assert torch.equal(log_probs, expected)
+    with pytest.raises(ValueError, match="causal LM; use log_probs"):
+        backend.values(batch)
+    with pytest.raises(RuntimeError, match="frozen"):
+        backend.clip_and_step(max_grad_norm=1.0)
+    with pytest.raises(UnsupportedByBackend, match=r"needs spec\.training\.backend 'megatron'"):
+        backend.training_shard([])
