@@ -248,3 +248,37 @@ def test_grpo_with_vllm_tensor_parallel_2_learns(tmp_path: Path) -> None:
             assert row[f"reshard/rank{rank}/bytes_received"] > 0
             assert row[f"reshard/rank{rank}/peak_memory_bytes"] > 0
             assert row[f"reshard/rank{rank}/seconds"] > 0
+
+
+# --------------------------------------------------------------------------- wiring (no processes)
+
+
+def vllm_spec(backend: str, training_tp: int, rollout_tp: int, gpus: int = 4) -> Any:
+    from hybridflow.spec.manifest import parse_job_manifest
+
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-vllm.yaml").read_text())
+    doc["spec"]["training"].update({"backend": backend, "tensorParallelSize": training_tp})
+    doc["spec"]["rollout"]["tensorParallelSize"] = rollout_tp
+    doc["spec"]["resourcePools"][0]["gpusPerNode"] = gpus
+    return parse_job_manifest(doc, "test").spec
+
+
+def test_vllm_rollout_roles_get_consecutive_tensor_parallel_groups() -> None:
+    from hybridflow.spec import SpecError
+    from hybridflow.trainer.roles import job_roles
+    from hybridflow.workers.rollout import RolloutWorker
+    from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker, check_contiguous_tp_groups
+
+    fsdp = job_roles(vllm_spec("fsdp", 1, 2))["rollout"]
+    assert fsdp.worker_cls is ShardedVLLMRolloutWorker and fsdp.mesh is not None
+    assert fsdp.mesh.groups("tp") == [[0, 1], [2, 3]]  # two data-parallel replicas of t_g 2
+    assert job_roles(vllm_spec("fsdp", 1, 1))["rollout"].worker_cls is RolloutWorker
+    if importlib.util.find_spec("megatron.core") is not None:
+        for training_tp, rollout_tp in ((2, 2), (2, 1), (4, 4)):
+            role = job_roles(vllm_spec("megatron", training_tp, rollout_tp))["rollout"]
+            assert role.worker_cls is ShardedVLLMRolloutWorker and role.mesh is not None
+            check_contiguous_tp_groups(role.mesh)
+    with pytest.raises(SpecError, match=r"spec.rollout.tensorParallelSize: must be 1 or spec.training"):
+        vllm_spec("megatron", 4, 2)
+    with pytest.raises(SpecError, match=r"spec.rollout.tensorParallelSize: must divide the actor pool"):
+        vllm_spec("fsdp", 1, 3)

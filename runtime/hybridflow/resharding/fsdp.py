@@ -209,7 +209,7 @@ class FSDPResharder:
                 )
         itemsize = torch.empty((), dtype=dtype).element_size()
         for indices in self._buckets(bucket_bytes, itemsize):
-            outgoing: dict[int, list[torch.Tensor]] = {}
+            outgoing: dict[int, list[tuple[FSDPPiece, torch.Tensor]]] = {}
             incoming: dict[int, list[FSDPPiece]] = {}
             blocks: dict[int, torch.Tensor] = {}
             for index in indices:
@@ -223,12 +223,19 @@ class FSDPResharder:
                         _block_view(block, want, piece).copy_(_local_view(local, piece, local_start))
                     elif piece.src == me:
                         outgoing.setdefault(piece.dst, []).append(
-                            _local_view(local, piece, local_start).to(dtype).reshape(-1)
+                            (piece, _local_view(local, piece, local_start))
                         )
                     elif piece.dst == me:
                         incoming.setdefault(piece.src, []).append(piece)
             device = next(iter(blocks.values())).device
-            sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
+            sends: dict[int, torch.Tensor] = {}
+            for dst, parts in outgoing.items():  # one flat message per peer, cast while copying in
+                flat = torch.empty(sum(piece.numel for piece, _ in parts), dtype=dtype, device=device)
+                offset = 0
+                for piece, view in parts:
+                    flat[offset : offset + piece.numel].view(piece.shape).copy_(view)
+                    offset += piece.numel
+                sends[dst] = flat
             receives = {
                 src: torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
                 for src, pieces in incoming.items()
