@@ -4,7 +4,8 @@
   ``torch.distributed`` world, each rank loading only its shard (no tensor of a full
   vocab-parallel weight is built while loading), greedy output equal to HF.
 * One scenario process (``vllm_tp_scenario.py``, its own Ray with 2 simulated GPUs) deploys the
-  job's roles for FSDP2 and megatron (``t = 2``) actors with ``t_g`` in {1, 2} and compares
+  job's roles for FSDP2 and megatron (``t = 2``) actors with ``t_g`` in {1, 2}, and megatron at
+  ``p = 2`` with ``t_g = 1``, and compares
   greedy generation with HF after the first sync and after each of two GRPO steps.
 * ``hybridflow run`` of the vLLM demo manifest with ``rollout.tensorParallelSize: 2`` learns.
 """
@@ -36,7 +37,7 @@ pytestmark = [
 HERE = Path(__file__).resolve().parent
 TESTS_DIR = HERE.parent
 ROOT = TESTS_DIR.parent
-CASES = ("fsdp-tg2", "fsdp-tg1", "megatron-tg2", "megatron-tg1")
+CASES = ("fsdp-tg2", "fsdp-tg1", "megatron-tg2", "megatron-tg1", "megatron-p2-tg1")
 
 
 def remove_shm_leftovers() -> None:
@@ -201,6 +202,12 @@ def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> 
         # t_g = 1: the whole model; t_g = 2 writes half of every split weight and the norms whole.
         assert tg2["loaded_bytes"] < tg1["loaded_bytes"] < 2 * tg2["loaded_bytes"]
         assert tg1["bytes_received"] > 0
+    for stages, gathered_tg1 in zip(
+        scenario["megatron-p2-tg1"]["checks"][-1]["transition"], gathered, strict=True
+    ):
+        # p 2 -> one vLLM stage: each rank receives the other stage (its norms included) and holds the model.
+        assert stages["loaded_bytes"] == gathered_tg1["loaded_bytes"]
+        assert stages["bytes_received"] > 0
 
 
 # --------------------------------------------------------------------------- a learning job

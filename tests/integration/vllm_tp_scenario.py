@@ -1,7 +1,7 @@
 """Test-only scenario: vLLM rollout shards in real Ray worker groups, run as its own process.
 
 ``python vllm_tp_scenario.py WORK_DIR CASE...`` (CASE is ``<backend>-tg<t_g>``, e.g. ``fsdp-tg2``,
-``megatron-tg1``) writes a tiny model and prompts under WORK_DIR, starts its own embedded Ray (2
+``megatron-tg1`` (megatron at t 2), ``megatron-p2-tg1`` (megatron at p 2)) writes a tiny model and prompts under WORK_DIR, starts its own embedded Ray (2
 simulated GPUs, one pool; worker processes apply the megatron CPU shim at start-up, this
 directory must be on ``PYTHONPATH``), and for each case deploys actor + rollout (+ reference)
 through :func:`hybridflow.trainer.roles.job_roles` with ``rollout.engine: vllm``. It compares
@@ -46,6 +46,8 @@ def manifest(work: Path, backend: str, t_g: int) -> dict[str, Any]:
     )
     if backend == "megatron":
         spec["training"]["tensorParallelSize"] = 2
+    elif backend == "megatron-p2":  # pipeline-parallel training, generation gathered over the stages
+        spec["training"].update({"backend": "megatron", "pipelineParallelSize": 2})
     spec["outputDir"] = str(work / f"out-{backend}-{t_g}")
     return doc
 
@@ -58,7 +60,7 @@ def remove_shm_leftovers() -> None:
 
 
 def full_weights(workers: Any, backend: str, work: Path) -> dict[str, Any]:
-    if backend == "megatron":
+    if backend.startswith("megatron"):
         return dict(workers.actor.full_state_dict()[0])
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
