@@ -27,6 +27,13 @@ RMSNorm weights Megatron replicates on every TP rank move only when ``p_g < p`` 
 from the plan, ``docs/hybrid-engine.md``) and with ``M`` = the whole model for the flat ZeRO-3
 all-gather. Weights travel in bf16 (the engine dtype on GPUs).
 
+FSDP2 ``d8 -> t_g 2`` (``fsdp_layouts``): every rank holds FSDP2's row shard of every parameter
+(``Shard(0)``, ``torch.chunk`` sizes); ``hybridflow`` is
+:class:`~hybridflow.resharding.fsdp.FSDPResharder` with generation TP rank ``r // (d/t_g)``
+(each rank's rows inside its generation block), streaming buckets and keeping the generation
+shard it builds (as an engine would hold it); ``allgather`` is the same ZeRO-3 collective as
+above. Its formula column is the plan's own per-rank bytes (there is no Table 2 row for FSDP).
+
 ``--quick`` (or ``HYBRIDFLOW_BENCH_QUICK=1``): a small model and one timed run, for CI; the
 JSON line has the same keys. The last line printed is one JSON object.
 """
@@ -51,6 +58,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding import DecoderSpec, build_plan, decoder_layout, table2
+from hybridflow.resharding.fsdp import FSDPResharder, fsdp_generation_plan, fsdp_rows, strided_tp_ranks
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter, loopback_rx_bytes
 from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
 
@@ -80,6 +88,10 @@ LAYOUTS = [
     ("t4d2-tg1", 1, 4, 1, 1),
 ]
 DESIGNS = ("hybridflow", "vanilla", "allgather", "raw")
+# (name, t_g): FSDP2 over all 8 ranks -> generation tensor parallel t_g.
+FSDP_LAYOUTS = [("fsdp-d8-tg2", 2)]
+FSDP_DESIGNS = ("hybridflow", "allgather")
+FSDP_BUCKET_BYTES = 16 << 20
 LOOPBACK_TOLERANCE = 0.05
 
 
@@ -171,6 +183,70 @@ class Transitions:
         )
 
 
+class FSDPTransitions:
+    """One rank's FSDP2 -> ``t_g`` transition: the shard exchange, or the ZeRO-3 all-gather of the model."""
+
+    def __init__(self, rank: int, layout: Any, t_g: int) -> None:
+        self.rank = rank
+        self.meter = TrafficMeter()
+        plan = fsdp_generation_plan(layout, WORLD_SIZE, t_g, strided_tp_ranks(WORLD_SIZE, t_g))
+        self.plan = plan
+        self.resharder = FSDPResharder(plan, rank, meter=self.meter)
+        generator = torch.Generator().manual_seed(rank)
+        self.local: dict[str, torch.Tensor] = {}
+        for param in layout:
+            start, stop = fsdp_rows(param.shape[0], WORLD_SIZE, rank)
+            self.local[param.name] = torch.randn((stop - start, *param.shape[1:]), generator=generator).to(
+                DTYPE
+            )
+        total = layout.total_bytes // layout.itemsize
+        self.zero3_numel = -(-total // WORLD_SIZE)
+        self.zero3 = torch.randn(self.zero3_numel, generator=generator).to(DTYPE)
+
+    def run(self, design: str) -> dict[str, Any]:
+        before = self.meter.total
+        with PeakMemory("cpu") as probe:
+            start = time.perf_counter()
+            if design == "hybridflow":
+                held = []
+                for bucket in self.resharder.generation_buckets(
+                    self.local, bucket_bytes=FSDP_BUCKET_BYTES, dtype=DTYPE
+                ):
+                    held.extend(tensor for _, tensor in bucket)  # what the engine would keep
+            else:
+                held = [torch.empty(self.zero3_numel * WORLD_SIZE, dtype=DTYPE)]
+                self.meter.all_gather_into_tensor(held[0], self.zero3, None)
+            seconds = time.perf_counter() - start
+        del held
+        wire = self.meter.total - before
+        # Redundant while generating: the FSDP shard (hybridflow: its rows the engine copied; the
+        # trainer keeps its own) vs the ZeRO-3 partition kept aside next to the gathered model.
+        kept = sum(t.nbytes for t in self.local.values()) if design == "hybridflow" else self.zero3.nbytes
+        return _run_record(seconds, wire.sent, wire.received, probe.bytes, 0, kept)
+
+
+def _timed_rounds(
+    rank: int, transitions: Any, designs: tuple[str, ...], name: str, repeats: int
+) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    # Designs alternate inside each round so that the noise of a shared machine hits them alike.
+    for round_ in range(repeats + 1):
+        for design in designs:
+            dist.barrier()
+            lo_before = loopback_rx_bytes() if rank == 0 else None
+            dist.barrier()
+            record = transitions.run(design)
+            dist.barrier()
+            lo_after = loopback_rx_bytes() if rank == 0 else None
+            if round_ == 0:
+                continue
+            record.update({"layout": name, "design": design, "rank": rank, "round": round_})
+            if lo_before is not None and lo_after is not None:
+                record["loopback_rx"] = lo_after - lo_before
+            records.append(record)
+    return records
+
+
 def run_rank(rank: int, port: int, spec_json: str, repeats: int, out_path: str) -> None:
     """One rank: every layout x design, a warm-up round then timed rounds; rank 0 writes all records."""
     torch.set_num_threads(1)
@@ -186,22 +262,12 @@ def run_rank(rank: int, port: int, spec_json: str, repeats: int, out_path: str) 
     records: list[dict[str, Any]] = []
     for name, p, t, p_g, t_g in LAYOUTS:
         transitions = Transitions(rank, layout, p, t, p_g, t_g, groups)
-        # Designs alternate inside each round so that the noise of a shared machine hits them alike.
-        for round_ in range(repeats + 1):
-            for design in DESIGNS:
-                dist.barrier()
-                lo_before = loopback_rx_bytes() if rank == 0 else None
-                dist.barrier()
-                record = transitions.run(design)
-                dist.barrier()
-                lo_after = loopback_rx_bytes() if rank == 0 else None
-                if round_ == 0:
-                    continue
-                record.update({"layout": name, "design": design, "rank": rank, "round": round_})
-                if lo_before is not None and lo_after is not None:
-                    record["loopback_rx"] = lo_after - lo_before
-                records.append(record)
+        records.extend(_timed_rounds(rank, transitions, DESIGNS, name, repeats))
         del transitions
+    for name, t_g in FSDP_LAYOUTS:
+        fsdp = FSDPTransitions(rank, layout, t_g)
+        records.extend(_timed_rounds(rank, fsdp, FSDP_DESIGNS, name, repeats))
+        del fsdp
     everyone: list[Any] = [None] * WORLD_SIZE
     dist.all_gather_object(everyone, records)
     if rank == 0:
@@ -314,6 +380,58 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
                 / designs["vanilla"]["transition_seconds_median"],
             }
         )
+    fsdp_layouts = []
+    for name, t_g in FSDP_LAYOUTS:
+        plan = fsdp_generation_plan(layout, WORLD_SIZE, t_g, strided_tp_ranks(WORLD_SIZE, t_g))
+        figures_by_design: dict[str, Any] = {}
+        for design in FSDP_DESIGNS:
+            mine = [r for r in records if r["layout"] == name and r["design"] == design]
+            rounds = sorted({r["round"] for r in mine})
+            seconds = [max(r["seconds"] for r in mine if r["round"] == k) for k in rounds]
+            peaks = [r["peak_memory"] for r in mine if r["peak_memory"] is not None]
+            planned = (
+                [plan.bytes_received(rank) for rank in range(WORLD_SIZE)]
+                if design == "hybridflow"
+                else [
+                    exact(
+                        table2(
+                            "allgather",
+                            p=1,
+                            t=1,
+                            d=WORLD_SIZE,
+                            p_g=1,
+                            t_g=1,
+                            model_bytes=layout.itemsize
+                            * WORLD_SIZE
+                            * -(-layout.total_bytes // layout.itemsize // WORLD_SIZE),
+                        ).traffic
+                    )
+                ]
+                * WORLD_SIZE
+            )
+            figures_by_design[design] = {
+                "wire_received_bytes_per_rank_max": max(r["wire_received"] for r in mine),
+                "wire_sent_bytes_per_rank_max": max(r["wire_sent"] for r in mine),
+                "peak_memory_bytes_per_rank_max": max(peaks) if peaks else None,
+                "redundant_bytes_per_rank_max": max(r["redundant"] for r in mine),
+                "transition_seconds_median": statistics.median(seconds),
+                "formula": {"traffic_by_rank": planned},
+                "traffic_error_bytes": max(abs(r["wire_received"] - planned[r["rank"]]) for r in mine),
+                "loopback": [],
+                "peak_param_bytes_per_rank_max": max(peaks) if peaks else None,
+            }
+        fsdp_layouts.append(
+            {
+                "name": name,
+                "train": {"fsdp": WORLD_SIZE},
+                "generation": {"t_g": t_g},
+                "designs": figures_by_design,
+                "seconds_ratio_hybridflow_over_allgather": figures_by_design["hybridflow"][
+                    "transition_seconds_median"
+                ]
+                / figures_by_design["allgather"]["transition_seconds_median"],
+            }
+        )
     main = next(entry for entry in out_layouts if entry["name"] == "t4d2-tg2")["designs"]
     loop_errors = [
         abs(check["relative_error"])
@@ -321,8 +439,14 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
         for figures in entry["designs"].values()
         for check in figures["loopback"]
     ]
+    fsdp_main = fsdp_layouts[0]["designs"]
     return {
         "layouts": out_layouts,
+        "fsdp_layouts": fsdp_layouts,
+        "traffic_ratio_allgather_over_hybridflow_fsdp_d8_tg2": fsdp_main["allgather"][
+            "wire_received_bytes_per_rank_max"
+        ]
+        / fsdp_main["hybridflow"]["wire_received_bytes_per_rank_max"],
         "traffic_ratio_allgather_over_hybridflow_t4d2_tg2": main["allgather"][
             "wire_received_bytes_per_rank_max"
         ]
@@ -337,7 +461,11 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
         / main["allgather"]["transition_seconds_median"],
         "hybridflow_seconds_over_raw_collective": main["hybridflow"]["transition_seconds_median"]
         / main["raw"]["transition_seconds_median"],
-        "redundant_bytes_hybridflow": max(r["redundant"] for r in records if r["design"] == "hybridflow"),
+        "redundant_bytes_hybridflow": max(
+            r["redundant"]
+            for r in records
+            if r["design"] == "hybridflow" and r["layout"] in {name for name, *_ in LAYOUTS}
+        ),
         "max_traffic_error_bytes": max(
             figures.get("traffic_error_bytes", 0)
             for entry in out_layouts
@@ -406,7 +534,7 @@ def main() -> None:
         f"{'layout':<13}{'design':<11}{'recv MB':>9}{'formula':>9}{'peak MB':>9}{'+reused':>9}{'seconds':>9}{'lo err':>8}",
         file=sys.stderr,
     )
-    for entry in summary["layouts"]:
+    for entry in [*summary["layouts"], *summary["fsdp_layouts"]]:
         for design, figures in entry["designs"].items():
             formula = max(figures.get("formula", {}).get("traffic_by_rank", [0]))
             peak = figures["peak_memory_bytes_per_rank_max"]

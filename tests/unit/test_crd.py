@@ -425,10 +425,18 @@ INVALID_SPECS: dict[str, list[Callable[[Manifest], None]]] = {
     "ppo without a critic": [_set("spec.algorithm.name", "ppo")],
     "tensor parallel over the pool": [_set("spec.training.tensorParallelSize", 4)],
     "tensor-parallel generation on fsdp": [_set("spec.rollout.tensorParallelSize", 2)],
-    "hybrid engine with vllm": [
+    "vllm tensor parallel neither 1 nor the training's": [
         _set("spec.training.backend", "megatron"),
-        _set("spec.training.tensorParallelSize", 2),
+        _set("spec.training.tensorParallelSize", 4),
+        _set("spec.resourcePools.0.gpusPerNode", 4),
+        _set("spec.rollout.tensorParallelSize", 2),
+        _set("spec.rollout.engine", "vllm"),
+    ],
+    "vllm with pipeline-parallel generation": [
+        _set("spec.training.backend", "megatron"),
+        _set("spec.training.pipelineParallelSize", 2),
         _set("spec.resourcePools.0.gpusPerNode", 2),
+        _set("spec.rollout.pipelineParallelSize", 2),
         _set("spec.rollout.engine", "vllm"),
     ],
     "parameter offload from the engine's own weights": [

@@ -486,28 +486,50 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         "data-parallel size 4 on pool 'critic'",
     ),
     "rollout-tensor-parallel-divides-training": (
-        _all(_set("training.backend", "megatron"), _set("rollout.tensorParallelSize", 2)),
+        _all(
+            _set("training.backend", "megatron"),
+            _set("rollout.tensorParallelSize", 2),
+            _set("rollout.engine", "torch"),
+        ),
         "2 with training.tensorParallelSize 1",
     ),
     "rollout-pipeline-parallel-divides-training": (
-        _all(_set("training.backend", "megatron"), _set("rollout.pipelineParallelSize", 2)),
+        _all(
+            _set("training.backend", "megatron"),
+            _set("rollout.pipelineParallelSize", 2),
+            _set("rollout.engine", "torch"),
+        ),
         "2 with training.pipelineParallelSize 1",
     ),
     "rollout-tensor-parallel-needs-megatron": (
-        _set("rollout.tensorParallelSize", 2),
-        "2 with backend 'fsdp'",
+        _all(_set("rollout.tensorParallelSize", 2), _set("rollout.engine", "torch")),
+        "2 with backend 'fsdp' and engine 'torch'",
     ),
     "rollout-pipeline-parallel-needs-megatron": (
-        _set("rollout.pipelineParallelSize", 2),
+        _all(_set("rollout.pipelineParallelSize", 2), _set("rollout.engine", "torch")),
         "2 with backend 'fsdp'",
     ),
-    "hybrid-engine-needs-torch-engine": (
+    "vllm-generates-without-pipeline-parallel": (
         _all(
             _set("training.backend", "megatron"),
-            _set("training.tensorParallelSize", 2),
+            _set("training.pipelineParallelSize", 2),
+            _set("rollout.pipelineParallelSize", 2),
             _set("resourcePools", [_pool("default", 2)]),
         ),
-        "'vllm' with training 2 * 1",
+        "2 with engine 'vllm'",
+    ),
+    "vllm-tensor-parallel-is-one-or-training": (
+        _all(
+            _set("training.backend", "megatron"),
+            _set("training.tensorParallelSize", 4),
+            _set("rollout.tensorParallelSize", 2),
+            _set("resourcePools", [_pool("default", 4)]),
+        ),
+        "2 with training.tensorParallelSize 4",
+    ),
+    "vllm-tensor-parallel-divides-actor-pool": (
+        _all(_set("rollout.tensorParallelSize", 3), _set("resourcePools", [_pool("default", 2)])),
+        "3 with [2] GPUs",
     ),
     "rollout-own-pool-holds-whole-model": (
         _all(

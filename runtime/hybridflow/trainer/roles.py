@@ -12,7 +12,14 @@ from hybridflow.workers.rollout import RolloutWorker
 from hybridflow.workers.value import CostCriticWorker, CostModelWorker, CriticWorker, RewardModelWorker
 from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
 
-__all__ = ["JobWorkers", "job_bridges", "job_roles", "resource_pools", "uses_hybrid_engine"]
+__all__ = [
+    "JobWorkers",
+    "job_bridges",
+    "job_roles",
+    "resource_pools",
+    "uses_hybrid_engine",
+    "uses_sharded_vllm",
+]
 
 
 def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
@@ -52,6 +59,19 @@ def uses_hybrid_engine(spec: RLHFJobSpec) -> bool:
     )
 
 
+def uses_sharded_vllm(spec: RLHFJobSpec) -> bool:
+    """Whether a colocated vLLM rollout receives per-rank shards (:mod:`hybridflow.workers.vllm_rollout`).
+
+    With ``rollout.tensorParallelSize > 1``, or a megatron actor with ``t*p > 1`` (whose ranks
+    hold no full weights to load). Otherwise a vLLM rollout loads the actor's full weights.
+    """
+    return (
+        spec.rollout.engine == "vllm"
+        and not spec.rollout_has_own_pool
+        and (spec.rollout.tensor_parallel_size > 1 or uses_hybrid_engine(spec))
+    )
+
+
 def _pool_size(spec: RLHFJobSpec, role: RoleName) -> int:
     pool = spec.pool(role)
     return pool.nodes * pool.gpus_per_node
@@ -80,13 +100,23 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
         reference_mesh = DeviceMesh.training(_pool_size(spec, "reference"), pp=pp, tp=tp)
         if spec.models.critic is not None:
             critic_mesh = DeviceMesh.training(_pool_size(spec, "critic"), pp=pp, tp=tp)
-        if uses_hybrid_engine(spec):
+        if uses_sharded_vllm(spec):
+            from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker
+
+            rollout_cls = ShardedVLLMRolloutWorker
+            rollout_mesh = DeviceMesh.generation(actor_mesh, pp=1, tp=spec.rollout.tensor_parallel_size)
+        elif uses_hybrid_engine(spec):
             from hybridflow.workers.hybrid_rollout import HybridRolloutWorker
 
             rollout_cls = HybridRolloutWorker
             rollout_mesh = DeviceMesh.generation(
                 actor_mesh, pp=spec.rollout.pipeline_parallel_size, tp=spec.rollout.tensor_parallel_size
             )
+    elif uses_sharded_vllm(spec):
+        from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker
+
+        rollout_cls = ShardedVLLMRolloutWorker
+        rollout_mesh = DeviceMesh.training(_pool_size(spec, "actor"), tp=spec.rollout.tensor_parallel_size)
     actor_pool = spec.pool("actor").name
     roles = {
         "actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs),

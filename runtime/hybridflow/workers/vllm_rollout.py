@@ -1,0 +1,205 @@
+"""The rollout role on vLLM with tensor parallelism: each rank's engine holds, and receives, only its shard.
+
+Deployed (by :func:`hybridflow.trainer.roles.job_roles`) on the actor's pool when
+``rollout.engine: vllm`` and the generation is model-parallel (``rollout.tensorParallelSize
+t_g > 1``) or the megatron actor is (``t*p > 1``). One vLLM engine shard per rank joins the
+workers' ``torch.distributed`` world (:class:`~hybridflow.engines.vllm_engine.VLLMRolloutEngine`
+with ``tensor_parallel_size=t_g``); its TP groups are consecutive ranks, so the generation mesh
+must put generation TP groups there (checked at construction):
+
+* FSDP2 actor: ``DeviceMesh.training(world, tp=t_g)``. Each rank receives, from the ranks that
+  hold its rows, only the part of its ``1/t_g`` generation block it lacks
+  (:mod:`hybridflow.resharding.fsdp`), bucket by bucket, in the engine's dtype, and writes each
+  bucket straight into vLLM's sharded parameters.
+* Megatron actor ``(p, t, d)``: ``DeviceMesh.generation(training, pp=1, tp=t_g)``, the
+  3D-HybridEngine's layout (micro-DP groups exchange their training shards,
+  :class:`~hybridflow.resharding.transfer.Resharder`); its generation TP groups are consecutive
+  ranks when ``t_g`` is 1 or ``t`` (the spec allows only these with vLLM). The generation
+  shard, HF-named blocks of generation TP rank ``j``, is vLLM rank ``j``'s shard, written in.
+
+Protocol per RL step, every rank taking part in each call (as
+:class:`~hybridflow.workers.rollout.RolloutWorker`):
+
+1. ``sync_weights`` (controller, before generation; collective over the actor's ranks).
+2. ``generate_sequences`` (``DP_SPLIT`` on the generation mesh: both ranks of a TP group get
+   the same prompts and, through the replica's seed stream ``coord.dp``, the same seeds; the
+   output comes from TP rank 0). The colocated actor is offloaded around generation as the spec
+   chooses; the engine then sleeps at level 2 (weights and KV cache released on GPUs), so the
+   next generation needs a sync first (done here if the controller did not).
+3. ``transition_stats``: this rank's figures of the last sync, measured from the process:
+   ``to_generation_seconds``, ``bytes_sent``/``bytes_received`` (the
+   :class:`~hybridflow.resharding.meter.TrafficMeter`), ``loaded_bytes`` (written into vLLM),
+   ``peak_memory_bytes`` (:class:`~hybridflow.resharding.meter.PeakMemory`), ``packed_copy_bytes``
+   (megatron: the packed copy of the training shard, freed before generation),
+   ``redundant_bytes`` (the actor's parameter bytes left in place while the engine generates
+   from its own shard: 0 once ``offloadDuringGeneration.parameters`` moved them).
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoTokenizer
+
+from hybridflow.backends.fsdp.weights import hf_name
+from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, DeviceMesh, Worker, WorkerContext, register
+from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+from hybridflow.resharding import DecoderSpec, ReshardingError, decoder_layout, hybridflow_plan
+from hybridflow.resharding.fsdp import FSDPResharder, fsdp_generation_plan
+from hybridflow.resharding.meter import PeakMemory, TrafficMeter
+from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.hybrid_rollout import eos_token_ids
+from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
+from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, wants_rollout_log_probs
+
+__all__ = ["ShardedVLLMRolloutWorker", "check_contiguous_tp_groups"]
+
+
+def check_contiguous_tp_groups(mesh: DeviceMesh) -> None:
+    """Raise :class:`ReshardingError` unless generation TP rank ``j`` of every group is global rank ``k*t_g + j``.
+
+    vLLM builds its TP groups from consecutive ranks of the world and gives rank ``r`` TP rank
+    ``r % t_g``; the generation shard a rank receives must be that one.
+    """
+    t_g = mesh.tp_size
+    wrong = [rank for rank, coord in enumerate(mesh.coords) if coord.tp != rank % t_g or coord.pp != 0]
+    if wrong:
+        raise ReshardingError(
+            f"the generation layout {mesh.describe()} puts rank {wrong[0]} at TP rank "
+            f"{mesh.coords[wrong[0]].tp}, but vLLM's tensor-parallel groups are consecutive ranks "
+            f"(rank r has TP rank r % {t_g}); use rollout.tensorParallelSize 1 or equal to "
+            "training.tensorParallelSize"
+        )
+
+
+class ShardedVLLMRolloutWorker(Worker):
+    """Generates with one vLLM shard per rank from the colocated actor (FSDP2 or megatron)."""
+
+    def __init__(self, ctx: WorkerContext, spec: RLHFJobSpec) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        actor_path = spec.models.actor.path
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or actor_path)
+        self.eos_ids = eos_token_ids(actor_path) or [int(self.tokenizer.eos_token_id)]
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.eos_ids[0])
+        check_contiguous_tp_groups(ctx.mesh)
+        self.t_g = ctx.mesh.tp_size
+        self.dtype = engine_dtype(spec, ctx)
+        decoder = DecoderSpec.from_hf_config(AutoConfig.from_pretrained(actor_path))
+        self.meter = TrafficMeter()
+        self.megatron = spec.training.backend == "megatron"
+        if self.megatron:
+            train = DeviceMesh.training(
+                ctx.world_size, pp=spec.training.pipeline_parallel_size, tp=spec.training.tensor_parallel_size
+            )
+            self.plan = hybridflow_plan(decoder_layout(decoder), train, ctx.mesh)
+            # Collective over the world: the micro-DP groups.
+            self.resharder = Resharder(self.plan, ctx.rank, SubgroupCache(), self.meter)
+        else:
+            layout = decoder_layout(decoder, itemsize=self.dtype.itemsize)
+            tp_ranks = tuple(coord.tp for coord in ctx.mesh.coords)
+            self.fsdp = FSDPResharder(
+                fsdp_generation_plan(layout, ctx.world_size, self.t_g, tp_ranks), ctx.rank, meter=self.meter
+            )
+        rollout = spec.rollout
+        # Collective over the world: vLLM creates its groups and agrees on free memory.
+        self.engine = VLLMRolloutEngine(
+            actor_path,
+            max_model_len=spec.data.max_prompt_tokens + rollout.max_response_tokens,
+            dtype=self.dtype,
+            device=ctx.torch_device,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            # The same on every rank of a TP group: its ranks must sample alike.
+            seed=spec.training.seed * 1000 + ctx.coord.dp,
+            tensor_parallel_size=self.t_g,
+        )
+        self._stats: dict[str, float] = {}
+        self._synced = False
+
+    def _load_megatron(self) -> tuple[int, int]:
+        actor = self.ctx.colocated("actor")
+        shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
+        if shard.dtype != self.dtype:  # weights travel in the engine's dtype
+            shard = TrainingShard(
+                shard.blocks,
+                shard.buffer("partitioned").to(self.dtype),
+                shard.buffer("replicated").to(self.dtype),
+            )
+        copied = actor.training_shard_copy_bytes(shard)
+        generation, _ = self.resharder.to_generation(shard, measure_memory=False)
+        loaded = self.engine.load_shard((name, generation.tensor(name)) for name in generation.names())
+        self.resharder.to_training(generation, shard)
+        return loaded, copied
+
+    def _load_fsdp(self) -> int:
+        model = self.ctx.colocated("actor").model
+        local = {
+            hf_name(name): (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+            for name, tensor in model.state_dict().items()
+        }
+        loaded = 0
+        for bucket in self.fsdp.generation_buckets(local, bucket_bytes=WEIGHT_BUCKET_BYTES, dtype=self.dtype):
+            loaded += self.engine.load_shard(bucket)
+        return loaded
+
+    @register(BROADCAST)
+    def sync_weights(self) -> int:
+        """Deliver this rank's generation shard into its vLLM shard (collective); returns the bytes written."""
+        self.engine.wake_up()
+        wire_before = self.meter.total
+        copied = 0
+        start = time.perf_counter()
+        with PeakMemory(self.ctx.torch_device) as probe:
+            if self.megatron:
+                loaded, copied = self._load_megatron()
+            else:
+                loaded = self._load_fsdp()
+        seconds = time.perf_counter() - start
+        wire = self.meter.total - wire_before
+        self._synced = True
+        self._stats = {
+            "to_generation_seconds": seconds,
+            "bytes_sent": float(wire.sent),
+            "bytes_received": float(wire.received),
+            "loaded_bytes": float(loaded),
+            "packed_copy_bytes": float(copied),
+        }
+        if probe.bytes is not None:
+            self._stats["peak_memory_bytes"] = float(probe.bytes)
+        return loaded
+
+    @register(BROADCAST)
+    def transition_stats(self) -> dict[str, float]:
+        """This rank's figures of the last sync and generation (empty before the first)."""
+        return dict(self._stats)
+
+    @register(DP_SPLIT)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """As :meth:`RolloutWorker.generate_sequences`, decoded by this rank's TP group."""
+        if not self._synced:
+            self.sync_weights()
+        params = sampling_params(
+            self.spec, prompts, stream=self.ctx.coord.dp, return_logprobs=wants_rollout_log_probs(self.spec)
+        )
+        prompt_ids = prompt_token_ids(prompts)
+        actor = self.ctx.colocated("actor")
+        with actor_offloaded(self.spec, self.ctx, self._stats):
+            self.engine.wake_up()
+            kept = actor.local_parameter_bytes()  # measured here: offloaded storages are 0 bytes now
+            output = self.engine.generate(prompt_ids, params)
+            self.engine.sleep(level=2)  # weights and KV cache go (on GPUs); the next sync reloads them
+            self._synced = False
+        self._stats["redundant_bytes"] = float(kept)
+        return pack_responses(
+            self.spec,
+            self.tokenizer,
+            self.pad_id,
+            prompts,
+            prompt_ids,
+            output,
+            params.n,
+            policy_version=int(actor.policy_version),
+        )

