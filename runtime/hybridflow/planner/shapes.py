@@ -162,8 +162,10 @@ class Workload:
     cost: ModelShape | None = None
     backend: Literal["fsdp", "megatron"] = "megatron"
     model_parallel_training: bool = True
-    """Whether megatron may train with ``t*p > 1``: only where the rollout can follow through the
-    3D-HybridEngine (``rollout.engine: torch``; the spec's ``hybrid-engine-needs-torch-engine``)."""
+    """Whether the search may give megatron ``t*p > 1``. With ``rollout.engine: vllm`` it does not:
+    vLLM takes megatron's shards only at ``t_g = 1`` or ``t_g = t`` with ``p_g = 1`` (the spec's
+    ``vllm-tensor-parallel-is-one-or-training`` and ``vllm-generates-without-pipeline-parallel``),
+    pairings this search does not enumerate yet, so it plans data-parallel training there."""
     param_bytes: int = 2
     micro_batch_sequences: int = 8
     update_epochs: int = 1
