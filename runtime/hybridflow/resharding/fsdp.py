@@ -28,6 +28,7 @@ Execution (:class:`FSDPResharder`), per rank, collective over the actor's ranks 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -79,10 +80,7 @@ class FSDPPiece:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
 from hybridflow.workers.weight_push import wants_rollout_log_probs
 
-__all__ = ["HybridRolloutWorker", "eos_token_ids"]
+__all__ = ["HybridRolloutWorker", "actor_tokenizer", "eos_token_ids"]
 
 
 def eos_token_ids(model_path: str) -> list[int]:
@@ -65,6 +65,15 @@ def eos_token_ids(model_path: str) -> list[int]:
     return [int(found)] if isinstance(found, int) else [int(token) for token in found]
 
 
+def actor_tokenizer(spec: RLHFJobSpec) -> tuple[Any, list[int], int]:
+    """The actor's tokenizer, its eos ids (generation config first, then the tokenizer's) and the pad id."""
+    actor = spec.models.actor
+    tokenizer = AutoTokenizer.from_pretrained(actor.tokenizer_path or actor.path)
+    eos_ids = eos_token_ids(actor.path) or [int(tokenizer.eos_token_id)]
+    pad = tokenizer.pad_token_id
+    return tokenizer, eos_ids, int(pad if pad is not None else eos_ids[0])
+
+
 class HybridRolloutWorker(Worker):
     """Generates with the generation layout ``p_g-t_g`` from the colocated megatron actor's shards."""
 
@@ -72,10 +81,7 @@ class HybridRolloutWorker(Worker):
         super().__init__(ctx)
         self.spec = spec
         actor_path = spec.models.actor.path
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or actor_path)
-        self.eos_ids = eos_token_ids(actor_path) or [int(self.tokenizer.eos_token_id)]
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else self.eos_ids[0])
+        self.tokenizer, self.eos_ids, self.pad_id = actor_tokenizer(spec)
         self.decoder = DecoderSpec.from_hf_config(AutoConfig.from_pretrained(actor_path))
         train = DeviceMesh.training(
             ctx.world_size, pp=spec.training.pipeline_parallel_size, tp=spec.training.tensor_parallel_size

@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from hybridflow.backends.fsdp.weights import hf_name
 from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, DeviceMesh, Worker, WorkerContext, register
@@ -50,7 +50,7 @@ from hybridflow.resharding.fsdp import FSDPResharder, fsdp_generation_plan
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.hybrid_rollout import eos_token_ids
+from hybridflow.workers.hybrid_rollout import actor_tokenizer
 from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
 from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, wants_rollout_log_probs
 
@@ -81,10 +81,7 @@ class ShardedVLLMRolloutWorker(Worker):
         super().__init__(ctx)
         self.spec = spec
         actor_path = spec.models.actor.path
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.models.actor.tokenizer_path or actor_path)
-        self.eos_ids = eos_token_ids(actor_path) or [int(self.tokenizer.eos_token_id)]
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else self.eos_ids[0])
+        self.tokenizer, self.eos_ids, self.pad_id = actor_tokenizer(spec)
         check_contiguous_tp_groups(ctx.mesh)
         self.t_g = ctx.mesh.tp_size
         self.dtype = engine_dtype(spec, ctx)
