@@ -129,12 +129,14 @@ class TrainingBackend(Protocol):
         *,
         fields: Sequence[str],
         temperature: float = 1.0,
+        entropy_grad: bool = True,
     ) -> list[dict[str, float]]:
         """Zero the gradients, then forward and backward every micro-batch; each one's metrics, on every rank.
 
         ``fields`` are the micro-batch fields ``loss_fn`` reads (moved to the device). The
         gradients are those of the sum of the losses, averaged over DP ranks. Collective; one
-        call per optimizer step.
+        call per optimizer step. ``entropy_grad=False`` (no entropy bonus in the loss) hands
+        ``loss_fn`` an entropy without a graph, so backward never runs through it.
         """
         ...
 

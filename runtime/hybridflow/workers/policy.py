@@ -188,6 +188,7 @@ class ActorWorker(_PolicyModel):
                     loss_fn,
                     fields=fields,
                     temperature=self.temperature,
+                    entropy_grad=algo.entropy_coef != 0,  # otherwise the entropy is only a metric
                 ):
                     for name, value in stats.items():
                         totals.setdefault(name, []).append(value)

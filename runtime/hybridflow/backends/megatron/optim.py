@@ -141,6 +141,7 @@ def forward_backward(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ) -> list[dict[str, float]]:
     """Forward and backward every micro-batch through the pipeline; returns each one's metrics on every rank.
 
@@ -150,7 +151,7 @@ def forward_backward(
     ``sum(loss_fn(...)[0] over micro-batches)``, averaged over DP ranks: the same as calling
     ``backward()`` on each micro-batch's loss under FSDP, so a worker's loss scaling (e.g.
     ``len(micro) / len(mini)``) carries over unchanged. Collective; see the module docstring
-    for the once-per-step rule.
+    for the once-per-step rule. ``entropy_grad=False`` hands ``loss_fn`` the entropy detached.
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
@@ -172,7 +173,10 @@ def forward_backward(
     def head(output: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         _, results = read_out(output, micro)
         outputs = results["values"] if info.value_head else results["log_probs"]
-        loss, metrics = loss_fn(outputs, results.get("entropy"), micro)
+        entropy = results.get("entropy")
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        loss, metrics = loss_fn(outputs, entropy, micro)
         return loss, {
             name: torch.as_tensor(value, dtype=torch.float32).detach() for name, value in metrics.items()
         }

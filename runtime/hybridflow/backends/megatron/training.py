@@ -154,8 +154,13 @@ class MegatronTrainingBackend:
         *,
         fields: Sequence[str],
         temperature: float = 1.0,
+        entropy_grad: bool = True,
     ) -> list[dict[str, float]]:
-        """All micro-batches through megatron's schedule; the gradients are zero from the last step."""
+        """All micro-batches through megatron's schedule; the gradients are zero from the last step.
+
+        The vocab-parallel head computes log-probs and entropy in one fused autograd function;
+        with ``entropy_grad=False`` the entropy reaches ``loss_fn`` detached (its gradient is 0).
+        """
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
         self.model.train()
@@ -167,6 +172,7 @@ class MegatronTrainingBackend:
             loss_fn,
             response_len=int(micro_batches[0]["responses"].shape[1]),
             temperature=temperature,
+            entropy_grad=entropy_grad,
         )
 
     def clip_and_step(self, *, max_grad_norm: float) -> float:
