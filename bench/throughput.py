@@ -12,7 +12,9 @@ in this process's run:
 
 Tokens per step are prompt + response tokens (attention mask), as the paper counts them; tokens
 per second is their sum over the measured steps divided by those steps' wall time; the first
-``WARMUP`` steps (allocation, first-call compilation of kernels) are not measured. Per phase:
+``WARMUP`` steps (allocation, first-call compilation of kernels) are not measured, nor is hybridflow's
+last step, which also writes the run's final checkpoint (the plain loop saves nothing; a job's
+periodic checkpoints are off here, ``intervalSteps`` beyond the run). Per phase:
 mean seconds per step (generate, reward, update; hybridflow also weight sync and log-probs).
 ``ratio_vs_plain_loop`` = best hybridflow tokens/s over plain-loop tokens/s (target >= 1.2).
 ``--quick`` (CI) measures 2 steps after 1 warmup instead of 6 after 2. The last line printed is
@@ -151,8 +153,9 @@ def job_spec(workdir: Path, model: Path, data: Path, gpus: int, steps: int) -> R
 
 
 def hybridflow_run(spec: RLHFJobSpec, warmup: int) -> dict[str, Any]:
+    """Steps after ``warmup`` up to the last one, which saves the final checkpoint (not measured)."""
     summary = run_training(spec, on_step=lambda line: print(f"[{spec.output_dir}] {line}", file=sys.stderr))
-    measured = summary.metrics[warmup:]
+    measured = summary.metrics[warmup:-1]
     walls = [m["perf/step_seconds"] for m in measured]
     phase_names = sorted({k.removeprefix("timing/") for m in measured for k in m if k.startswith("timing/")})
     return {
@@ -190,7 +193,7 @@ def main() -> None:
     init_local_ray(resource_pools(job_spec(workdir, model, data, 2, 1), simulated=True))
     for gpus in (1, 2):
         figures[f"hybridflow_{gpus}gpu"] = hybridflow_run(
-            job_spec(workdir, model, data, gpus, warmup + steps), warmup
+            job_spec(workdir, model, data, gpus, warmup + steps + 1), warmup
         )
     plain = figures["plain_loop"]["tokens_per_second"]
     best = max(figures[f"hybridflow_{g}gpu"]["tokens_per_second"] for g in (1, 2))
