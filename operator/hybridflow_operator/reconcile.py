@@ -36,6 +36,9 @@ can run any number of times: a pass that finds the world as it wants it writes n
    patch of its own after Kueue suspended it (``hybridflow_operator.status``, "The deadline clock");
 7. patch the status (operator-owned keys only, against the status the operator last wrote, so a
    cache that lags behind our own write causes no second write) and emit the decision's events.
+   A brand-new job's first status waits for KubeRay's first status of its RayJob, up to
+   ``status.PENDING_WRITE_DELAY_SECONDS`` (``StatusDecision.hold_status_seconds``): a Pending
+   that KubeRay replaces within a second is a write per job nobody sees.
 
 Every failed request, including the status patch and the Events of step 7, is also returned in
 ``ReconcileResult.failures``, which the caller logs with the API's reason and counts in its
@@ -307,4 +310,8 @@ def reconcile(
     recheck = decision.recheck_after_seconds
     ttl = ttl_remaining_seconds(spec, status, now)
     recheck = _min(recheck, ttl)
+    if decision.hold_status_seconds is not None and problem is None and not retry and not events:
+        # A new job's first status waits for KubeRay's first word (status.pending_hold_seconds):
+        # the pass its RayJob event triggers writes it, or the recheck writes Pending.
+        return ReconcileResult(status.phase, writes, recheck, status=current, failures=tuple(failures))
     return finish(status, tuple(events), recheck, failed=problem is not None or retry)
