@@ -752,6 +752,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # pick a reaction it checks `request in reaction_source`, which filters the whole request
         # log. A finished request is dropped from that log (writes stay in self._writes), so the
         # log holds only requests still in flight (open watches) and a request costs O(1).
+        # So a reaction sliced by count (`emulator['get /x'][:1]`) counts only requests in
+        # flight, and never runs out; filter by what the request says instead.
         self._requests[:] = [r for r in self._requests if r is not request]
 
     @staticmethod
