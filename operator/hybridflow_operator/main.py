@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
@@ -147,7 +147,7 @@ class JobCache:
         if deleted:
             self.children[key].pop(child, None)
         else:
-            self.children[key][child] = dict(body)
+            self.children[key][child] = _cached_form(body)
         return key
 
     def relevant_job_change(self, key: JobKey, body: Mapping[str, Any]) -> bool:
@@ -170,10 +170,49 @@ class JobCache:
         return stored != _owned_status(old.get("status"))
 
 
+def _cached_form(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the cache keeps of a child: everything a pass reads of it.
+
+    A RayJob keeps its metadata, ``spec.suspend`` and status (``ObservedRayJob`` reads no more):
+    its pod templates, nine tenths of it, are the operator's own output and never read back,
+    and at thousands of jobs they were most of the operator's memory and of what each of the
+    garbage collector's full passes walked. Other children are kept whole (a ConfigMap's data is
+    compared with what it should hold).
+    """
+    raw = dict(body)
+    if raw.get("kind") != "RayJob":
+        return raw
+    spec = raw.get("spec") or {}
+    return {
+        "apiVersion": raw.get("apiVersion"),
+        "kind": "RayJob",
+        "metadata": raw.get("metadata") or {},
+        "spec": {"suspend": spec.get("suspend", False)},
+        "status": raw.get("status") or {},
+    }
+
+
 def _owned_status(status: object) -> dict[str, Any]:
     if not isinstance(status, Mapping):
         return {}
     return {key: status.get(key) for key in OPERATOR_OWNED_KEYS if status.get(key) not in (None, [], {})}
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's diff base, kept empty: it serves on.create/on.update/on.resume handlers, and this
+    operator has none (every handler is on.event, and :class:`JobCache` tells what changed). kopf
+    still builds one for every event it processes, a deep copy of the whole body (a RayJob's pod
+    templates included) and a second one to clean it; an empty one costs nothing. Nothing is
+    stored on any object."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return kopf.BodyEssence()
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
 
 
 class Scheduler:
@@ -321,7 +360,7 @@ def register(
         # The reconcile writes status itself; kopf must not add its own annotations or events.
         settings.posting.enabled = False
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="hybridflow.io")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="hybridflow.io")
+        settings.persistence.diffbase_storage = NoDiffBase()
         for group, version, plural, _kind in CHILD_KINDS:
             # Server-side filtering: the operator never lists or watches other ConfigMaps, Roles...
             settings.watching.label_selectors[(group, plural) if group else (version, plural)] = (
