@@ -3,15 +3,17 @@
 The double (tests/kube: CRD schemas and CEL, KubeRay v1.7's RayJob schema, Kubernetes' own
 schemas, RBAC for ServiceAccount tokens) runs in this process; the operator runs as its own
 process (``python -m hybridflow_operator``, as in the image) with a token of its own, so every
-request it makes is counted apart. A stand-in plays KubeRay and the controllers: it moves every
-RayJob through Initializing -> Running -> Complete, and while a job runs it pushes
-``status.progress`` every ``PUSH_SECONDS`` with the job's own ServiceAccount token (RBAC-checked).
-Jobs arrive at ``RATE_PER_SECOND``; each size runs on a fresh double and a fresh operator.
+request it makes is counted apart. A stand-in, also a process of its own (this script with
+``--stand-in``), plays KubeRay and the controllers: it moves every RayJob through Initializing ->
+Running -> Complete, and while a job runs it pushes ``status.progress`` every ``PUSH_SECONDS``
+with the job's own ServiceAccount token (RBAC-checked). Jobs arrive at ``RATE_PER_SECOND``; each
+size runs on a fresh double, a fresh stand-in and a fresh operator.
 
 Figures per size N (suffix ``_N``):
 
 * ``create_to_rayjob_p50_ms`` / ``p99``: from the create request returning to the RayJob's
-  ADDED event (target p50 <= 100 ms, and p50 at 2,000 within 1.5x of p50 at 200);
+  ADDED event, as the double delivers it to the stand-in's watch (target p50 <= 100 ms, and p50
+  at 2,000 within 1.5x of p50 at 200);
 * ``writes_per_job_lifecycle``: the operator's writes (creates, patches, deletes; status and
   Events included) from creation to Succeeded, per job (target <= 10); the controllers'
   ``progress_pushes_per_job`` are counted apart;
@@ -19,7 +21,10 @@ Figures per size N (suffix ``_N``):
   reads its caches, filled by list+watch);
 * ``noop_reconcile_writes``: writes of a restarted operator that reconciles every finished job
   again with nothing changed (target 0);
-* ``operator_rss_mb``: the operator's resident memory once every job has finished.
+* ``operator_rss_mb``: the operator's resident memory once every job has finished;
+* ``operator_cpu_ms_per_job``, ``double_cpu_ms_per_job`` (this process: the double and the
+  creating loop), ``stand_in_cpu_ms_per_job``: CPU time per job from the first create until every
+  job Succeeded; ``load_average_1m``: the machine's, at the end of the size's run.
 
 ``HYBRIDFLOW_BENCH_JOBS`` (comma-separated sizes, default ``200,2000``) overrides the sizes;
 quick mode (``HYBRIDFLOW_BENCH_QUICK=1``) runs 20 jobs. The last line printed is one JSON object.

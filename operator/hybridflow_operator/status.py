@@ -54,7 +54,9 @@ A KubeRay state maps to a phase as follows (KubeRay v1.7 ``JobDeploymentStatus``
 RayJob ``jobDeploymentStatus``          RLHFJob phase
 =====================================  =========================================
 ``""`` (New), ``Scheduling``,           Pending (Queued/Suspended when the RayJob
-``Scheduled``                           is created suspended)
+``Scheduled``                           is created suspended); a new job's first
+                                        status waits up to 5 s for KubeRay's first
+                                        word (:func:`pending_hold_seconds`)
 ``Initializing``, ``Waiting``           Initializing
 ``Running``                             Running once Ray's ``jobStatus`` is RUNNING
                                         (or terminal, until KubeRay catches up);

@@ -311,11 +311,18 @@ def test_a_tests_own_reactions_answer_before_the_emulation(cluster: EmulatedClus
             get_job(cluster, "a")
         assert unavailable.value.status == 503
     with pytest.raises(ApiException) as throttled:
-        cluster.custom.patch_namespaced_custom_object(*RLHFJOBS, NAMESPACE, "rlhfjobs", "b", {"spec": {"steps": 3}})
+        cluster.custom.patch_namespaced_custom_object(
+            *RLHFJOBS, NAMESPACE, "rlhfjobs", "b", {"spec": {"steps": 3}}
+        )
     assert throttled.value.status == 429
     assert get_job(cluster, "b")["metadata"]["name"] == "b"
-    cluster.custom.patch_namespaced_custom_object(*RLHFJOBS, NAMESPACE, "rlhfjobs", "a", {"spec": {"steps": 3}})
-    steps = {job["metadata"]["name"]: job["spec"]["steps"] for job in cluster.emulator.objects_of(*RLHFJOBS[:1], "rlhfjobs")}
+    cluster.custom.patch_namespaced_custom_object(
+        *RLHFJOBS, NAMESPACE, "rlhfjobs", "a", {"spec": {"steps": 3}}
+    )
+    steps = {
+        job["metadata"]["name"]: job["spec"]["steps"]
+        for job in cluster.emulator.objects_of(*RLHFJOBS[:1], "rlhfjobs")
+    }
     assert steps == {"a": 3, "b": 3}  # kmock applies a write even when a reaction answers it
 
 

@@ -717,7 +717,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                     payload._disabled.set()
                 except NotImplementedError:  # matched, but has nothing to respond with
                     pass
-        raise NotImplementedError("no reaction matches the request; add a fallback: `emulator.fallback << 404`")
+        raise NotImplementedError(
+            "no reaction matches the request; add a fallback: `emulator.fallback << 404`"
+        )
 
     def _reactions_in_order(self) -> list[dsl.Reaction]:
         """The reactions by descending priority, as RawHandler._handle orders them (stable sort;
