@@ -95,6 +95,8 @@ class ReconcileResult:
     """The status this pass left stored (what it wrote, or found right): the next pass's base."""
     failures: tuple[ApiError, ...] = ()
     """Every request of this pass that failed, in order, for the caller's log and metrics."""
+    created: tuple[tuple[str, str], ...] = ()
+    """(kind, name) of each child this pass created (answered 201), for the caller's caches."""
 
 
 def _source(body: Mapping[str, Any]) -> str:
@@ -178,6 +180,7 @@ def reconcile(
     current = last_written if last_written is not None else stored
     writes = 0
     failures: list[ApiError] = []
+    created: list[tuple[str, str]] = []
 
     def finish(
         status: RLHFJobStatus,
@@ -196,7 +199,13 @@ def reconcile(
                 # No condition can say so (the status is what failed): the caller logs and counts it.
                 failures.append(err)
                 return ReconcileResult(
-                    current.phase, writes, recheck, failed=True, status=None, failures=tuple(failures)
+                    current.phase,
+                    writes,
+                    recheck,
+                    failed=True,
+                    status=None,
+                    failures=tuple(failures),
+                    created=tuple(created),
                 )
         for event in events:
             try:
@@ -206,7 +215,13 @@ def reconcile(
                 failures.append(err)
                 failed = True  # Events are best effort, but say so: the caller retries with backoff
         return ReconcileResult(
-            status.phase, writes, recheck, failed=failed, status=status, failures=tuple(failures)
+            status.phase,
+            writes,
+            recheck,
+            failed=failed,
+            status=status,
+            failures=tuple(failures),
+            created=tuple(created),
         )
 
     try:
@@ -268,6 +283,7 @@ def reconcile(
             if existing is None:
                 if cluster.create(child):
                     writes += 1
+                    created.append((kind, name))
                     if kind == "RayJob":
                         status = with_rayjob_created(current, status, now=now)
                     continue
@@ -313,5 +329,7 @@ def reconcile(
     if decision.hold_status_seconds is not None and problem is None and not retry and not events:
         # A new job's first status waits for KubeRay's first word (status.pending_hold_seconds):
         # the pass its RayJob event triggers writes it, or the recheck writes Pending.
-        return ReconcileResult(status.phase, writes, recheck, status=current, failures=tuple(failures))
+        return ReconcileResult(
+            status.phase, writes, recheck, status=current, failures=tuple(failures), created=tuple(created)
+        )
     return finish(status, tuple(events), recheck, failed=problem is not None or retry)
