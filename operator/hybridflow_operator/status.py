@@ -582,7 +582,7 @@ def pending_hold_seconds(
     if latest is None or latest.job_deployment_status != DEPLOYMENT_NEW or latest.created_at is None:
         return None
     waited = max(0.0, (_now(now) - _now(latest.created_at)).total_seconds())
-    left = min(PENDING_WRITE_DELAY_SECONDS, PENDING_WRITE_DELAY_SECONDS - waited)
+    left = PENDING_WRITE_DELAY_SECONDS - waited
     return left if left > 0 else None
 
 
