@@ -44,7 +44,7 @@ pytestmark = pytest.mark.integration
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 4
-JOB_DEADLINE_SECONDS = 240
+JOB_DEADLINE_SECONDS = 420
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 CHECKS = [
@@ -55,6 +55,9 @@ CHECKS = [
     "train_step_matches_hf_and_tp1",
     "checkpoint_round_trip_continues_identically",
     "checkpoint_loads_into_another_layout",
+    "distributed_optimizer_shards_adam_state_over_dp",
+    "distributed_optimizer_steps_like_the_non_distributed_one",
+    "distributed_optimizer_checkpoint_resumes_exactly_at_dp2",
     "non_finite_grad_skips_the_step_everywhere",
     "activation_checkpointing_gives_the_same_step",
     "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
@@ -177,6 +180,8 @@ def run_checks(rank: int, port: int, root: str) -> None:
         world_size=WORLD_SIZE,
         timeout=COLLECTIVE_TIMEOUT,
     )
+    from megatron.core import parallel_state
+
     from hybridflow.backends import megatron as mb
     from hybridflow.backends.megatron.config import DecoderArch
     from hybridflow.backends.megatron.convert import units
@@ -204,9 +209,12 @@ def run_checks(rank: int, port: int, root: str) -> None:
         rows = slice(layout.dp_rank * ROWS // layout.dp_size, (layout.dp_rank + 1) * ROWS // layout.dp_size)
         return {name: tensor[rows] for name, tensor in data.items()}
 
-    def trainer(directory: Path, *, activation_checkpointing: bool = False) -> tuple[Any, Any, Any]:
+    def trainer(
+        directory: Path, *, activation_checkpointing: bool = False, distributed_optimizer: bool = True
+    ) -> tuple[Any, Any, Any]:
         model = mb.wrap_data_parallel(
-            mb.load_causal_lm(directory, activation_checkpointing=activation_checkpointing)
+            mb.load_causal_lm(directory, activation_checkpointing=activation_checkpointing),
+            distributed_optimizer=distributed_optimizer,
         )
         optimizer = mb.build_optimizer(
             model, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
@@ -404,6 +412,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         resumed = train_step(restored, layout, refs["data"]["second"])
         after = mb.full_state_dict(model), mb.full_state_dict(restored[0])
         shared["saved"] = same_after_load[1]
+        shared["continued"] = after[0]
         assert_same(*same_after_load, atol=0.0)
         assert restored[2].last_epoch == scheduler.last_epoch == 2
         assert restored[2].get_last_lr() == scheduler.get_last_lr()
@@ -413,16 +422,116 @@ def run_checks(rank: int, port: int, root: str) -> None:
         assert {".metadata", "common.pt", "metadata.json"} <= set(files), files
 
     def reshard_checkpoint() -> None:
-        # Saved by TP=2 x PP=2 above; loaded by TP=1 x PP=2 (DP=2) and by TP=1 (DP=4).
+        # Saved by TP=2 x PP=2 above (DP=1); loaded by TP=1 x PP=2 (DP=2) and by TP=1 (DP=4),
+        # whose distributed optimizers split the state 2 and 4 ways: the weights are the saved
+        # ones, and the next step (which reads Adam's moments and step) is the one the saving
+        # layout took, up to the summation order of another layout.
         loaded = []
         for tp, pp in ((1, 2), (1, 1)):
-            mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
             restored = trainer(qwen)
             mb.load_train_state(work / "train-state", *restored)
-            loaded.append(mb.full_state_dict(restored[0]))
+            state = mb.full_state_dict(restored[0])
+            train_step(restored, layout, refs["data"]["second"])
+            loaded.append((state, mb.full_state_dict(restored[0])))
             mb.destroy_parallel_state()
-        for state in loaded:
+        for state, stepped in loaded:
             assert_same(state, shared["saved"], atol=0.0)
+            assert_same(stepped, shared["continued"], atol=1e-6)
+
+    def optimizer_state_bytes(parts: tuple[Any, Any, Any]) -> tuple[int, int]:
+        """(bytes of this rank's Adam moments, bytes of its model parameters), measured from the tensors.
+
+        The moments are the optimizer state tensors with a dimension; the 0-d step counters
+        (4 bytes per parameter range) are left out.
+        """
+        model, optimizer, _ = parts
+        state = [t for t in mb.offload_tensors(model, optimizer)[1] if t.dim() > 0]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
+        return sum(storages.values()), sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def sharded_state() -> None:
+        # One step in each layout (Adam's state exists from the first step on), then every rank's
+        # measured state bytes against its parameter bytes: 2x (two fp32 moments) at DP=1,
+        # split over the DP group at DP=2 and 4; the non-distributed optimizer holds 2x at DP=2.
+        measured = {}
+        for tp, pp, distributed in ((2, 2, True), (2, 1, True), (1, 1, True), (2, 1, False)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            parts = trainer(qwen, distributed_optimizer=distributed)
+            train_step(parts, layout, first)
+            state, params = optimizer_state_bytes(parts)
+            group = [torch.zeros(2, dtype=torch.int64) for _ in range(layout.dp_size)]
+            dist.all_gather(
+                group, torch.tensor([state, params]), group=parallel_state.get_data_parallel_group()
+            )
+            measured[(tp, pp, distributed)] = (layout.dp_size, state, params, [g.tolist() for g in group])
+            mb.destroy_parallel_state()
+        for (tp, pp, distributed), (dp, state, params, group) in measured.items():
+            if not distributed:
+                assert state == 2 * params, (tp, pp, state, params)
+                continue
+            # Every moment of every parameter is held exactly once in the DP group...
+            assert all(other_params == params for _, other_params in group)
+            assert sum(other_state for other_state, _ in group) == 2 * params, (tp, pp, group)
+            # ...and each rank holds 1/d of it (megatron's buckets align the ranges, hence 1%).
+            assert abs(state - 2 * params / dp) <= 0.01 * 2 * params / dp, (tp, pp, state, params)
+        ratio = {dp: state / params for (_, _, d), (dp, state, params, _) in measured.items() if d}
+        assert ratio[1] == 2.0
+        assert ratio[2] / ratio[1] == pytest.approx(0.5, rel=0.01), ratio
+        assert ratio[4] / ratio[1] == pytest.approx(0.25, rel=0.02), ratio
+        non_distributed = measured[(2, 1, False)]
+        assert measured[(2, 1, True)][1] <= 0.51 * non_distributed[1]
+
+    def distributed_like_non_distributed() -> None:
+        # Three steps at DP=2 (TP=2) and DP=4 with each optimizer: the same losses, norms and
+        # weights up to fp32 rounding (reduce-scatter vs all-reduce order).
+        runs: dict[tuple[int, bool], list[Any]] = {}
+        for tp in (2, 1):
+            for distributed in (True, False):
+                layout = mb.initialize_parallel_state(tp_size=tp, pp_size=1)
+                parts = trainer(qwen, distributed_optimizer=distributed)
+                figures = []
+                for data in (first, refs["data"]["second"], first):
+                    figures.append(train_step(parts, layout, data))
+                runs[(tp, distributed)] = [figures, mb.full_state_dict(parts[0])]
+                mb.destroy_parallel_state()
+        for tp in (2, 1):
+            (figures, state), (expected_figures, expected_state) = runs[(tp, True)], runs[(tp, False)]
+            for (loss, norm), (expected_loss, expected_norm) in zip(figures, expected_figures, strict=True):
+                assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
+                assert norm == pytest.approx(expected_norm, rel=1e-5)
+            assert_same(state, expected_state, atol=1e-6)
+            assert any(not torch.equal(state[k], v) for k, v in refs["state"].items())  # it trained
+
+    def distributed_checkpoint() -> None:
+        # TP=2, DP=2: each DP rank holds half of Adam's state. Save after a step, load into a fresh
+        # trainer of the same layout: the same weights and state, bit for bit, and the next step too.
+        layout = mb.initialize_parallel_state(tp_size=2, pp_size=1)
+        model, optimizer, scheduler = trainer(qwen)
+        train_step((model, optimizer, scheduler), layout, first)
+        directory = work / "train-state-dp2"
+        mb.save_train_state(directory, model, optimizer, scheduler)
+        restored = trainer(qwen)
+        mb.load_train_state(directory, *restored)
+        saved, loaded = torch_optimizer(optimizer), torch_optimizer(restored[1])
+        pairs = [
+            (mine, theirs)
+            for group, other in zip(saved.param_groups, loaded.param_groups, strict=True)
+            for mine, theirs in zip(group["params"], other["params"], strict=True)
+        ]
+        same_state = all(
+            torch.equal(mine, theirs)
+            and sorted(saved.state[mine]) == sorted(loaded.state[theirs])
+            and all(torch.equal(value, loaded.state[theirs][key]) for key, value in saved.state[mine].items())
+            for mine, theirs in pairs
+        )
+        continued = train_step((model, optimizer, scheduler), layout, refs["data"]["second"])
+        resumed = train_step(restored, layout, refs["data"]["second"])
+        after = mb.full_state_dict(model), mb.full_state_dict(restored[0])
+        assert same_state and pairs
+        assert resumed == continued
+        assert_same(after[1], after[0], atol=0.0)
+        shutil.rmtree(directory, ignore_errors=True)
 
     def non_finite() -> None:
         layout = mb.initialize_parallel_state(tp_size=2, pp_size=1)
@@ -436,8 +545,10 @@ def run_checks(rank: int, port: int, root: str) -> None:
             return policy_loss(log_probs, entropy, part, 1.0 / tokens), {}
 
         mb.forward_backward(model, [mine], loss_fn, response_len=RESPONSE_WIDTH)
-        if rank == 0:  # poison one shard of one gradient on one rank only
-            mb.unwrap(model).decoder.layers[0].mlp.linear_fc1.weight.main_grad.fill_(float("nan"))
+        if rank == 0:  # poison the gradients of one rank only (the distributed optimizer reads
+            # only the range of the reduced gradients this rank owns: poison all of them)
+            for parameter in mb.unwrap(model).parameters():
+                parameter.main_grad.fill_(float("nan"))
         norm = mb.clip_grad_norm_and_step(model, optimizer, scheduler, max_grad_norm=MAX_GRAD_NORM)
         after = mb.full_state_dict(model)
         assert norm != norm, f"rank {rank} saw norm {norm}"  # NaN everywhere: the norm is global
@@ -530,6 +641,9 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("train_step_matches_hf_and_tp1", train, keep_layout=True)
         check("checkpoint_round_trip_continues_identically", checkpoint)
         check("checkpoint_loads_into_another_layout", reshard_checkpoint)
+        check("distributed_optimizer_shards_adam_state_over_dp", sharded_state)
+        check("distributed_optimizer_steps_like_the_non_distributed_one", distributed_like_non_distributed)
+        check("distributed_optimizer_checkpoint_resumes_exactly_at_dp2", distributed_checkpoint)
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
         check("activation_checkpointing_gives_the_same_step", recompute)
         check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)

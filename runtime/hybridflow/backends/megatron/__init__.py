@@ -67,7 +67,9 @@ Exact and approximate
   not below the smallest gradients (the tests use 1e-4: with 1e-8, a gradient of ~1e-8 turns
   fp32 rounding differences into steps of up to the learning rate, in any two implementations).
 * Checkpoint save/load restores model, optimizer and scheduler bit-exactly, also into another
-  TP/PP layout (megatron's sharded state dicts carry global offsets).
+  TP/PP/DP layout (megatron's sharded state dicts carry global offsets).
+* The distributed optimizer's steps equal the non-distributed optimizer's within fp32 rounding
+  (1e-6; the gradients are reduce-scattered instead of all-reduced).
 
 Known limits
 ------------
@@ -75,9 +77,12 @@ Known limits
   the key/value heads (no KV replication) and the intermediate size; PP must divide the layers.
 * One parallel layout per process (megatron's global ``parallel_state``): roles colocated in a
   process share it.
-* No sequence parallelism, context parallelism, virtual pipeline stages, distributed optimizer,
-  Transformer Engine kernels or fp16; bf16 uses megatron's mixed precision (bf16 parameters,
-  fp32 main weights in the optimizer).
+* No sequence parallelism, context parallelism, virtual pipeline stages, Transformer Engine
+  kernels or fp16; bf16 uses megatron's mixed precision (bf16 parameters, fp32 main weights in
+  the optimizer).
+* The optimizer is megatron's distributed optimizer at every DP size (Adam's state, and bf16's
+  fp32 main weights, split over the DP ranks: ``1/d`` per rank); the checkpoint keeps it in a
+  layout-independent format, so a run resumes into other TP/PP/DP sizes.
 * Gradient clipping and the norm use megatron's own helpers, which assert CUDA tensor types;
   on CPU they run only under the test shim (the product has no CPU branch).
 * Saving a checkpoint starts megatron's writer processes (a spawned multiprocessing manager per
