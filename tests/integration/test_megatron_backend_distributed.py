@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -62,6 +63,7 @@ CHECKS = [
     "activation_checkpointing_gives_the_same_step",
     "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
     "offload_round_trip_continues_identically",
+    "training_shard_reaches_generation_without_a_copy",
 ]
 
 ROWS = 8
@@ -631,6 +633,151 @@ def run_checks(rank: int, port: int, root: str) -> None:
         assert_same(mb.full_state_dict(moved[0]), mb.full_state_dict(plain[0]), atol=0.0)
         assert torch_optimizer(moved[1]).state
 
+    def shard_to_generation() -> None:
+        # The 3D-HybridEngine fed from megatron's own parameters (DDP with the distributed
+        # optimizer keeps them in one flat buffer): TP=2 (one key/value group per rank: every
+        # block a view) and TP=1 (two groups: q/k/v copied), both gathered into t_g = 1.
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        from hybridflow.mesh import DeviceMesh
+        from hybridflow.resharding import DecoderSpec, decoder_layout, hybridflow_plan
+        from hybridflow.resharding.meter import TrafficMeter
+        from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCache
+
+        class Allocations(TorchDispatchMode):
+            """Bytes of the fresh storages torch ops create (the transfer's temporaries), per window."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.window = 0
+                self.largest = 0
+                self.seen: set[int] = set()
+
+            def close_window(self) -> None:
+                # Freed storages' addresses may be reused by the next window's allocations.
+                self.largest, self.window, self.seen = max(self.largest, self.window), 0, set()
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                inputs = {
+                    leaf.untyped_storage().data_ptr()
+                    for leaf in tree_flatten((args, kwargs))[0]
+                    if isinstance(leaf, torch.Tensor)
+                }
+                for tensor in tree_flatten(out)[0]:
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        # A view or an in-place result shares an input's storage: not an allocation.
+                        if storage.data_ptr() not in inputs | self.seen:
+                            self.seen.add(storage.data_ptr())
+                            self.window += storage.nbytes()
+                return out
+
+        outcomes_by_layout = []
+        # Qwen2 (2 key/value groups): one group per TP rank, every block a view. Llama (4 groups):
+        # two per rank, whose q/k/v megatron interleaves, so those are copies.
+        for arch, directory, state in (
+            ("qwen2", qwen, refs["state"]),
+            ("llama", llama, torch.load(work / "llama_state.pt", weights_only=True)),
+        ):
+            config = SimpleNamespace(**json.loads((directory / "config.json").read_text()))
+            spec_layout = decoder_layout(DecoderSpec.from_hf_config(config))
+            mb.initialize_parallel_state(tp_size=2, pp_size=1)
+            model = mb.wrap_data_parallel(mb.load_causal_lm(directory))
+            train = mb.current_layout().mesh()
+            plan = hybridflow_plan(spec_layout, train, DeviceMesh.generation(train, pp=1, tp=1))
+            blocks = plan.rank(rank).training
+            shard = mb.training_shard(model, blocks)
+            live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            views = sum(
+                tensor.nbytes for _, tensor in shard.tensors() if tensor.untyped_storage().data_ptr() in live
+            )
+            copied = mb.shard_copy_bytes(model, shard)
+            qkv = sum(b.numel * 4 for b in blocks if any(f"{x}_proj" in b.name for x in "qkv"))
+            meter = TrafficMeter()
+            resharder = Resharder(plan, rank, SubgroupCache(), meter)
+            # The whole shard at once, as the torch TP engine reads it: own blocks in place.
+            generation, stats = resharder.to_generation(shard)
+            whole_exact = all(
+                torch.equal(generation.tensor(name), state[name][generation.slice(name).index()])
+                for name in generation.names()
+            )
+            resharder.to_training(generation, shard)
+            # Bucket by bucket into memory the consumer already holds (as vLLM does), fp32 and bf16.
+            bucketed = {}
+            for dtype in (torch.float32, torch.bfloat16):
+                engine = {
+                    want.name: torch.empty(want.shape, dtype=dtype) for want, _ in plan.rank(rank).generation
+                }
+                record, before, allocations = BucketRecord(), meter.total, Allocations()
+                in_place = 0  # bytes of the buckets' pieces that are megatron's own parameter memory
+                with allocations:
+                    for bucket in resharder.generation_buckets(
+                        shard, bucket_bytes=BUCKET_BYTES // 3, dtype=dtype, record=record
+                    ):
+                        for name in bucket.names():
+                            want, pieces = bucket.slice(name), bucket.blocks(name)
+                            in_place += sum(
+                                piece.nbytes for piece in pieces if piece.untyped_storage().data_ptr() in live
+                            )
+                            offset = 0
+                            for piece in pieces:
+                                along = want.dim if want.dim is not None else 0
+                                engine[name].narrow(along, offset, piece.shape[along]).copy_(piece)
+                                offset += piece.shape[along]
+                        allocations.close_window()
+                wire = meter.total - before
+                exact = all(
+                    torch.equal(engine[want.name], state[want.name][want.index()].to(dtype))
+                    for want, _ in plan.rank(rank).generation
+                )
+                bucketed[str(dtype)] = (record, wire, allocations.largest, exact, in_place)
+            largest_param = max(want.numel * 4 for want, _ in plan.rank(rank).generation)
+            outcomes_by_layout.append(
+                (arch, stats, whole_exact, views, copied, qkv, bucketed, largest_param, plan)
+            )
+            mb.destroy_parallel_state()
+        for (
+            arch,
+            stats,
+            whole_exact,
+            views,
+            copied,
+            qkv,
+            bucketed,
+            largest_param,
+            plan,
+        ) in outcomes_by_layout:
+            training_bytes = plan.training_bytes(rank).total
+            # Zero copy where megatron's layout allows: everything for qwen2, all but q/k/v for llama.
+            assert copied == (0 if arch == "qwen2" else qkv) and qkv > 0, (arch, copied, qkv)
+            assert views + copied == training_bytes
+            # The whole transfer: exact, reading the rank's own blocks in place, nothing redundant.
+            assert whole_exact
+            assert stats.reused == training_bytes and stats.redundant.total == 0
+            assert stats.wire_received == plan.bytes_received(rank).total
+            fp32_record, fp32_wire, fp32_largest, fp32_exact, fp32_in_place = bucketed[str(torch.float32)]
+            bf16_record, bf16_wire, bf16_largest, bf16_exact, bf16_in_place = bucketed[str(torch.bfloat16)]
+            assert fp32_exact and bf16_exact
+            # fp32 into fp32: every view of the shard reaches the consumer as megatron's own
+            # memory; bf16: none does (each is cast once).
+            assert fp32_in_place == views and bf16_in_place == 0
+            # Bytes on the wire: the plan's in fp32, half of them in bf16 (cast before sending).
+            assert fp32_wire.received == plan.bytes_received(rank).total > 0
+            assert 2 * bf16_wire.received == fp32_wire.received
+            # fp32 into fp32: own blocks handed over as they are; bf16: each cast once.
+            assert fp32_record.cast_bytes == 0 and fp32_record.own_bytes == training_bytes
+            assert bf16_record.cast_bytes == training_bytes // 2 == bf16_record.own_bytes
+            assert fp32_record.buckets > 3
+            # The largest temporary, measured from the storages torch created in a bucket, is the
+            # record's, bounded by the bucket size (or one parameter that fills a bucket alone),
+            # and far below the generation shard the whole transfer would hold.
+            for record, largest in ((fp32_record, fp32_largest), (bf16_record, bf16_largest)):
+                assert largest == record.largest_bucket_bytes, (largest, record)
+                assert 0 < largest <= max(BUCKET_BYTES // 3, largest_param)
+            assert fp32_largest < plan.bytes_received(rank).total / 2
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -644,6 +791,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("distributed_optimizer_shards_adam_state_over_dp", sharded_state)
         check("distributed_optimizer_steps_like_the_non_distributed_one", distributed_like_non_distributed)
         check("distributed_optimizer_checkpoint_resumes_exactly_at_dp2", distributed_checkpoint)
+        check("training_shard_reaches_generation_without_a_copy", shard_to_generation)
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
         check("activation_checkpointing_gives_the_same_step", recompute)
         check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)

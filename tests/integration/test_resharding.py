@@ -124,6 +124,10 @@ def run_case(
         if case == GENERATION_CASES[0]:
             result["lifecycle"] = engine_lifecycle(engine, full)
     back = resharder.to_training(generation, shard)
+    own_tensors = bucketed = None
+    if design == "hybridflow":
+        own_tensors = transition_from_own_tensors(resharder, plan, rank, full)
+        bucketed = {str(dtype): buckets(resharder, plan, rank, full, dtype) for dtype in BUCKET_DTYPES}
     if engine is not None:
         try:
             engine.generate(PROMPTS, GREEDY)
@@ -167,9 +171,9 @@ def run_case(
     else:
         assert not training_pointers & held_in_generation, "a baseline reused its training buffers"
     # After load_weights the engine reads its own copies only, so all of them are freed.
-    freed = plan.generation_bytes(rank) if "lifecycle" in result else stats.held - shard.storage_bytes()
+    freed = plan.generation_bytes(rank) if "lifecycle" in result else stats.held - shard.nbytes()
     assert back.freed == freed, (back.freed, freed)
-    assert back.held == shard.storage_bytes()
+    assert back.held == shard.nbytes()
     assert generation.released
     try:
         generation.blocks(expected_names[0])
@@ -179,8 +183,102 @@ def run_case(
         raise AssertionError("a released generation shard still hands out weights")
     if "lifecycle" in result:
         assert result["lifecycle"] == {"asleep_refused": True, "same_after_reload": True}, result["lifecycle"]
+    if own_tensors is not None and bucketed is not None:
+        check_own_tensors(own_tensors, stats, plan, rank)
+        check_buckets(bucketed, plan, rank)
     result["seconds"] = stats.seconds
     return result
+
+
+BUCKET_BYTES = 48 * 1024  # below the embedding's generation slice at t_g 1 (384 x 256 x 4 bytes)
+BUCKET_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def transition_from_own_tensors(
+    resharder: Resharder, plan: Any, rank: int, full: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """The same transition from a shard of separate per-block tensors (as a trainer's parameters are)."""
+    blocks = plan.rank(rank).training
+    tensors = {b.name: full[b.name][b.index()].contiguous().clone() for b in blocks}
+    shard = TrainingShard.of_tensors(blocks, tensors)
+    generation, stats = resharder.to_generation(shard)
+    pointers = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    in_place = sum(
+        piece.nbytes
+        for name in generation.names()
+        for piece in generation.blocks(name)
+        if piece.untyped_storage().data_ptr() in pointers
+    )
+    exact = all(
+        torch.equal(generation.tensor(n), full[n][generation.slice(n).index()]) for n in generation.names()
+    )
+    back = resharder.to_training(generation, shard)
+    return {"stats": stats, "in_place": in_place, "exact": exact, "back": back, "nbytes": shard.nbytes()}
+
+
+def check_own_tensors(outcome: dict[str, Any], flat: Any, plan: Any, rank: int) -> None:
+    """A shard of the trainer's own tensors moves and accounts exactly as a flat one, reading them in place."""
+    stats = outcome["stats"]
+    assert outcome["exact"]
+    assert outcome["in_place"] == plan.training_bytes(rank).total == stats.reused
+    for figure in ("received", "peak", "peak_total", "held", "redundant", "wire_received", "wire_sent"):
+        assert getattr(stats, figure) == getattr(flat, figure), figure
+    assert outcome["back"].freed == stats.held - outcome["nbytes"]
+
+
+def buckets(
+    resharder: Resharder, plan: Any, rank: int, full: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, Any]:
+    """``generation_buckets`` into memory the consumer holds already (as vLLM does); what it moved and made."""
+    from hybridflow.resharding.transfer import BucketRecord
+
+    blocks = plan.rank(rank).training
+    tensors = {b.name: full[b.name][b.index()].contiguous().clone() for b in blocks}
+    shard = TrainingShard.of_tensors(blocks, tensors)
+    pointers = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    engine = {want.name: torch.empty(want.shape, dtype=dtype) for want, _ in plan.rank(rank).generation}
+    record, before = BucketRecord(), resharder.meter.total
+    in_place = bucket_names = 0
+    for bucket in resharder.generation_buckets(shard, bucket_bytes=BUCKET_BYTES, dtype=dtype, record=record):
+        bucket_names += len(bucket.names())
+        for name in bucket.names():
+            engine[name].copy_(bucket.tensor(name))
+            in_place += sum(
+                p.nbytes for p in bucket.blocks(name) if p.untyped_storage().data_ptr() in pointers
+            )
+    wire = resharder.meter.total - before
+    exact = all(
+        torch.equal(engine[want.name], full[want.name][want.index()].to(dtype))
+        for want, _ in plan.rank(rank).generation
+    )
+    return {
+        "record": record,
+        "wire": wire,
+        "exact": exact,
+        "in_place": in_place,
+        "names": bucket_names,
+        "largest_param": max(want.numel for want, _ in plan.rank(rank).generation) * dtype.itemsize,
+    }
+
+
+def check_buckets(outcomes: dict[str, dict[str, Any]], plan: Any, rank: int) -> None:
+    """Bucketed: exact in either dtype, the plan's bytes (half in bf16), own blocks as they are, bounded buckets."""
+    fp32, bf16 = outcomes[str(torch.float32)], outcomes[str(torch.bfloat16)]
+    training = plan.training_bytes(rank).total
+    received = plan.bytes_received(rank).total
+    generation_bytes = plan.generation_bytes(rank).total
+    for outcome in (fp32, bf16):
+        assert outcome["exact"]
+        assert outcome["names"] == len(plan.rank(rank).generation)
+        record = outcome["record"]
+        assert record.largest_bucket_bytes <= max(BUCKET_BYTES, outcome["largest_param"])
+    assert fp32["wire"].received == received and 2 * bf16["wire"].received == received
+    assert fp32["wire"].sent == sum(m.numel for m in plan.rank(rank).sends) * plan.layout.itemsize
+    assert fp32["record"].cast_bytes == 0 and fp32["in_place"] == training == fp32["record"].own_bytes
+    assert 2 * bf16["record"].cast_bytes == training and bf16["in_place"] == 0
+    if received:
+        assert fp32["record"].largest_bucket_bytes > 0
+    assert fp32["record"].buckets >= -(-generation_bytes // max(BUCKET_BYTES, fp32["largest_param"]))
 
 
 def engine_lifecycle(engine: Any, full: dict[str, torch.Tensor]) -> dict[str, Any]:

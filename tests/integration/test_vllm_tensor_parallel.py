@@ -202,12 +202,35 @@ def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> 
         # t_g = 1: the whole model; t_g = 2 writes half of every split weight and the norms whole.
         assert tg2["loaded_bytes"] < tg1["loaded_bytes"] < 2 * tg2["loaded_bytes"]
         assert tg1["bytes_received"] > 0
+        # t_g = 2: every byte written into vLLM came straight from megatron's parameters.
+        assert tg2["own_bytes"] == tg2["loaded_bytes"] and tg2["largest_bucket_bytes"] == 0
     for stages, gathered_tg1 in zip(
         scenario["megatron-p2-tg1"]["checks"][-1]["transition"], gathered, strict=True
     ):
         # p 2 -> one vLLM stage: each rank receives the other stage (its norms included) and holds the model.
         assert stages["loaded_bytes"] == gathered_tg1["loaded_bytes"]
         assert stages["bytes_received"] > 0
+    for case in ("megatron-tg2", "megatron-tg1", "megatron-p2-tg1"):
+        for check in scenario[case]["checks"]:
+            for transition in check["transition"]:
+                # fp32 into fp32: the shard is views of megatron's parameters, handed over
+                # without a cast, except q/k/v where a rank holds both key/value groups of the
+                # tiny model (t = 1 at p 2): megatron interleaves them per group, so they are a
+                # copy, counted. The transfer's own memory is the receive buffers (one bucket:
+                # the model is below 64 MiB), measured from the tensors it created.
+                copied = transition["packed_copy_bytes"]
+                assert copied == 0 if case != "megatron-p2-tg1" else 0 < copied < transition["own_bytes"] / 4
+                assert transition["cast_bytes"] == 0
+                assert transition["own_bytes"] + transition["bytes_received"] == transition["loaded_bytes"]
+                assert transition["largest_bucket_bytes"] == transition["bytes_received"]
+                assert transition["buckets"] >= 1 and transition["peak_memory_bytes"] >= 0
+        last = scenario[case]["checks"][-1]["transition"]
+        for step in scenario[case]["steps"]:
+            # Redundant is the actor's parameter memory left in place while vLLM generates (no
+            # offload in this manifest), at least the rank's own training blocks, plus any copy.
+            for rank in (0, 1):
+                redundant = step[f"reshard/rank{rank}/redundant_bytes"]
+                assert redundant >= last[rank]["own_bytes"] + last[rank]["packed_copy_bytes"] > 0
 
 
 # --------------------------------------------------------------------------- a learning job

@@ -216,7 +216,9 @@ class ActorWorker(_PolicyModel):
         """This rank's slices as the resharding plan's training shard (``RankPlan.training``; megatron only).
 
         Local, no communication. Called by the colocated 3D-HybridEngine rollout before each
-        transition; the shard is a copy the rollout frees after generation.
+        transition. The shard's blocks are views of the live parameters where megatron's fused
+        layout allows (copies otherwise, counted by :meth:`training_shard_copy_bytes`): the
+        rollout must be done with it before the next update.
         """
         return self.backend.training_shard(blocks)
 

@@ -23,7 +23,8 @@ Call order on every rank, after joining the ``torch.distributed`` world:
    every rank). Training: :func:`forward_backward` then :func:`clip_grad_norm_and_step` per
    mini-batch, ``scheduler.step()`` per RL step.
 5. Weight sync: :func:`iter_full_weight_buckets` (full HF tensors on every rank, bucket by
-   bucket) or :func:`local_shards` (this rank's HF slices, for the 3D-HybridEngine resharding).
+   bucket) or :func:`training_shard` (this rank's HF slices as views of its parameters, for the
+   3D-HybridEngine resharding; :func:`local_shards` lists them).
 6. :func:`save_train_state` / :func:`load_train_state` (megatron ``dist_checkpointing``).
 
 Weight layouts
@@ -131,6 +132,8 @@ from hybridflow.backends.megatron.weights import (
     full_state_dict,
     iter_full_weight_buckets,
     local_shards,
+    shard_copy_bytes,
+    training_shard,
 )
 
 __all__ = [
@@ -159,8 +162,10 @@ __all__ = [
     "offload_tensors",
     "padded_vocab_size",
     "save_train_state",
+    "shard_copy_bytes",
     "token_logprobs_and_entropy",
     "token_values",
+    "training_shard",
     "unwrap",
     "vocab_parallel_logprobs_and_entropy",
     "wrap_data_parallel",
