@@ -91,9 +91,22 @@ def engine_ranks(rank: int, port: int, work: str) -> None:
     other = AutoModelForCausalLM.from_pretrained(Path(work) / "other").eval()
     state = other.state_dict()
     layout = decoder_layout(DecoderSpec.from_hf_config(other.config))
-    shard = [
-        (b.name, state[b.name][b.index()].clone()) for b in layout.shard(1, 2, 0, engine.tensor_parallel_rank)
+    blocks = layout.shard(1, 2, 0, engine.tensor_parallel_rank)
+    shard = [(b.name, state[b.name][b.index()].clone()) for b in blocks]
+    # The later blocks as two pieces each along their split dimension (as a resharding delivers
+    # them: the rank's own rows or columns and a peer's), written into place without a concat.
+    split = [
+        (name, tensor.chunk(2, dim=b.dim) if b.dim is not None else tensor)
+        for b, (name, tensor) in zip(blocks, shard, strict=True)
     ]
+    try:  # pieces that do not tile the block (split along the wrong dimension) are refused
+        column_split = next(b for b in blocks if b.dim == 1)
+        engine.load_shard(
+            [(column_split.name, state[column_split.name][column_split.index()].chunk(2, dim=0))]
+        )
+        refused = False
+    except ValueError:
+        refused = True
 
     class LargestTensor(TorchDispatchMode):
         largest = 0
@@ -109,7 +122,7 @@ def engine_ranks(rank: int, port: int, work: str) -> None:
     engine.wake_up()
     with LargestTensor():
         written = engine.load_shard(shard[:5])
-        written += engine.load_shard(shard[5:])
+        written += engine.load_shard(split[5:])
     prompts = [list(b"Hello"), list(b"The quick brown fox")]
     tokens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0)).response_token_ids
     reference = []
@@ -120,6 +133,7 @@ def engine_ranks(rank: int, port: int, work: str) -> None:
     result = {
         "tp_rank": engine.tensor_parallel_rank,
         "parity": tokens == reference,
+        "bad_tiling_refused": refused,
         "written_bytes": written,
         "shard_bytes": sum(t.numel() * t.element_size() for _, t in shard),
         "largest_numel_while_loading": LargestTensor.largest,
@@ -147,6 +161,7 @@ def test_each_rank_loads_only_its_shard_and_generates_like_hf(tmp_path: Path) ->
     assert sorted(r["tp_rank"] for r in results.values()) == [0, 1]
     for result in results.values():
         assert result["parity"], result
+        assert result["bad_tiling_refused"], result
         assert result["written_bytes"] == result["shard_bytes"]
         # The largest tensor built while loading is a shard: half the vocab-parallel embedding.
         assert result["largest_numel_while_loading"] <= result["full_embedding_numel"] // 2, result
