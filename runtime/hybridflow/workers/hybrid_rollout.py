@@ -26,10 +26,10 @@ Protocol, per RL step, every rank of the pool taking part in each call:
    validation pass), it runs step 1 first.
 3. ``transition_stats`` (controller, after the step): this rank's figures of the last round,
    measured from the process, which :mod:`hybridflow.trainer.runner` turns into ``reshard/*``
-   metrics: ``to_generation_seconds`` (packing the actor's shard included; ``packing_seconds``
-   apart), ``bytes_sent``/``bytes_received`` (handed to ``torch.distributed``, counted by the
+   metrics: ``to_generation_seconds`` (getting the actor's shard included, and copying it when
+   parameters are offloaded; ``packing_seconds`` apart), ``bytes_sent``/``bytes_received`` (handed to ``torch.distributed``, counted by the
    resharder's :class:`~hybridflow.resharding.meter.TrafficMeter`), ``peak_memory_bytes``
-   (:class:`~hybridflow.resharding.meter.PeakMemory` over packing and exchange; absent where the
+   (:class:`~hybridflow.resharding.meter.PeakMemory` over that and the exchange; absent where the
    process cannot be measured), ``packed_copy_bytes`` (the actor reports the bytes of its shard
    that do not live in its parameters' storages: 0 when every block is a view),
    ``redundant_bytes`` (held while generating and not read, plus that copy while the parameters

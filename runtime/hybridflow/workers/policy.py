@@ -115,8 +115,9 @@ class ActorWorker(_PolicyModel):
     def offload_for_generation(self) -> OffloadStats | None:
         """Move what ``spec.training.offloadDuringGeneration`` names to host memory (None: nothing).
 
-        Called by the colocated rollout after the weight sync (under the 3D-HybridEngine, after
-        packing and resharding this rank's training shard, a copy), before generating; the actor
+        Called by the colocated rollout after the weight sync (under the 3D-HybridEngine with
+        parameters offloaded, the rollout has copied this rank's own blocks first: the engine
+        reads them while the originals are away), before generating; the actor
         computes nothing until :meth:`reload_after_generation` (:mod:`hybridflow.backends.offload`).
         """
         choice = self.spec.training.offload_during_generation
