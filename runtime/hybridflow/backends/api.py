@@ -188,11 +188,15 @@ class TrainingBackend(Protocol):
         ...
 
     def training_shard(self, blocks: Sequence[Block]) -> TrainingShard:
-        """This rank's slices as the resharding plan's training shard (the 3D-HybridEngine; local)."""
+        """This rank's slices as the resharding plan's training shard (the 3D-HybridEngine; local).
+
+        Views of the live parameters where the backend's layout allows (no copy): valid until the
+        next optimizer step.
+        """
         ...
 
     def training_shard_copy_bytes(self, shard: TrainingShard) -> int:
-        """Bytes of ``shard`` whose storage is not one of the model's parameter storages."""
+        """Bytes of ``shard`` whose storage is not one of the model's parameter storages (the copies)."""
         ...
 
 
