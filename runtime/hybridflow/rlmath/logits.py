@@ -14,7 +14,7 @@ would cost a second softmax and save no peak memory.
 
 The entropy is a differentiable term of the loss only with an entropy bonus
 (``algorithm.entropyCoef`` > 0); otherwise it is a metric, and ``entropy_grad=False`` computes it
-without autograd from the same log-softmax, so backward never runs through it.
+without autograd from the same logits, so backward never runs through it.
 
 Results equal the unchunked computation (same fp32 math per position); tests check values and
 gradients.
