@@ -64,6 +64,7 @@ CHECKS = [
     "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
     "offload_round_trip_continues_identically",
     "training_shard_reaches_generation_without_a_copy",
+    "torn_down_layouts_leave_no_transport_threads",
 ]
 
 ROWS = 8
@@ -778,6 +779,21 @@ def run_checks(rank: int, port: int, root: str) -> None:
                 assert 0 < largest <= max(BUCKET_BYTES // 3, largest_param)
             assert fp32_largest < plan.bytes_received(rank).total / 2
 
+    def no_leaked_threads() -> None:
+        # Each gloo group runs three native threads; megatron builds a dozen groups per layout.
+        # A torn-down layout must take its groups' threads with it.
+        def threads() -> int:
+            return len(os.listdir("/proc/self/task"))
+
+        mb.initialize_parallel_state(tp_size=2, pp_size=2)
+        mb.destroy_parallel_state()
+        before = threads()
+        for tp, pp in ((2, 2), (4, 1), (1, 4), (2, 1)):
+            mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            dist.barrier()
+            mb.destroy_parallel_state()
+        assert threads() <= before + 2, (before, threads())
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -796,6 +812,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("activation_checkpointing_gives_the_same_step", recompute)
         check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)
         check("offload_round_trip_continues_identically", offload)
+        check("torn_down_layouts_leave_no_transport_threads", no_leaked_threads)
     finally:
         (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
         dist.destroy_process_group()

@@ -127,8 +127,25 @@ def initialize_parallel_state(*, tp_size: int, pp_size: int, seed: int = 0) -> P
 
 
 def destroy_parallel_state() -> None:
-    """Tear down megatron's process groups and global buffers (the default group stays)."""
+    """Tear down megatron's process groups and global buffers (the default group stays).
+
+    megatron's ``destroy_model_parallel`` only forgets its groups; each gloo group it built keeps
+    its transport threads (three per group) and sockets alive, so a process that builds and
+    tears down layouts again and again (a test that checks many layouts) gathers thousands of
+    threads and slows to a crawl. The groups it held are therefore destroyed here too (a local
+    operation: each rank shuts down its own end).
+    """
+    groups: dict[int, dist.ProcessGroup] = {}
+    for value in vars(parallel_state).values():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(item, dist.ProcessGroup) and item is not dist.GroupMember.WORLD:
+                groups[id(item)] = item
     parallel_state.destroy_model_parallel()
+    for group in groups.values():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # already destroyed, or a group another owner tore down
+            pass
 
 
 def wrap_data_parallel(
