@@ -29,8 +29,9 @@ from hybridflow.planner import (
 )
 from hybridflow.planner.cost import generation_estimate, reshard_bytes
 from hybridflow.planner.job import apply_plan, resolve_auto_placement, workload_from_spec
-from hybridflow.planner.parallel import training_layouts
+from hybridflow.planner.parallel import generation_tensor_sizes, training_layouts
 from hybridflow.resharding import DecoderSpec, hybridflow_plan
+from hybridflow.resharding.fsdp import contiguous_tp_ranks, fsdp_generation_plan
 from hybridflow.spec import RLHFJobSpec, parse_job_manifest
 
 pytestmark = pytest.mark.unit
@@ -117,9 +118,97 @@ def test_training_layouts_obey_the_model_split_and_the_node() -> None:
         actor=PAPER_MODELS["llama-7b"], sequences=8, prompt_tokens=8, response_tokens=8, backend="fsdp"
     )
     assert training_layouts(PAPER_MODELS["llama-7b"], 16, 8, fsdp) == (ModelLayoutChoice(1, 1, 16),)
-    # megatron with a vllm rollout: no 3D-HybridEngine, so data parallelism only (the spec's rule)
-    vllm = replace(fsdp, backend="megatron", model_parallel_training=False)
-    assert training_layouts(PAPER_MODELS["llama-7b"], 16, 8, vllm) == (ModelLayoutChoice(1, 1, 16),)
+
+
+def test_generation_sizes_follow_the_engine_and_the_spec_rules(tmp_path: Path) -> None:
+    """torch reshards to every ``t_g | t``; vLLM takes megatron's shards at ``t_g`` 1 or ``t`` only."""
+    model = PAPER_MODELS["llama-7b"]
+    megatron = Workload(actor=model, sequences=64, prompt_tokens=256, response_tokens=256)
+    vllm = replace(megatron, rollout_engine="vllm")
+    t4 = ModelLayoutChoice(2, 4, 2)
+    assert generation_tensor_sizes(model, t4, 8, megatron) == [1, 2, 4]
+    assert generation_tensor_sizes(model, t4, 8, vllm) == [1, 4]
+    # vLLM plans model-parallel training too, and every plan is one the spec accepts.
+    plans = plan_job(replace(vllm, critic=model), ClusterShape(16, 8), A100_80GB)
+    actors = {plan.layout_of("actor") for plan in plans}
+    assert any(a.tp * a.pp > 1 for a in actors)
+    assert all(a.generation_tp in (1, a.tp) for a in actors)
+    assert any(a.tp > 1 and a.generation_tp == a.tp for a in actors)
+    # FSDP on vLLM: any t_g that divides the pool and the node; the torch engine stays at 1.
+    fsdp = replace(vllm, backend="fsdp")
+    assert generation_tensor_sizes(model, ModelLayoutChoice(1, 1, 16), 8, fsdp) == [1, 2, 4, 8]
+    assert generation_tensor_sizes(
+        model, ModelLayoutChoice(1, 1, 16), 8, replace(fsdp, rollout_engine="torch")
+    ) == [1]
+    # On a job spec: a 7B actor and critic on one node of 8 with vLLM. Decoding reads every
+    # weight of its shard per token, so the best plan generates at t_g = t > 1; every plan the
+    # search returns passes the spec's vLLM rules (apply_plan validates the spec it writes).
+    llama = tmp_path / "llama-7b"
+    llama.mkdir()
+    d = model.decoder
+    config = {
+        "model_type": "llama",
+        "vocab_size": d.vocab_size,
+        "hidden_size": d.hidden_size,
+        "intermediate_size": d.intermediate_size,
+        "num_hidden_layers": d.num_layers,
+        "num_attention_heads": d.num_heads,
+        "num_key_value_heads": d.num_kv_heads,
+        "rms_norm_eps": d.rms_norm_eps,
+        "rope_theta": d.rope_theta,
+        "max_position_embeddings": d.max_position_embeddings,
+        "tie_word_embeddings": False,
+    }
+    (llama / "config.json").write_text(json.dumps(config))
+    spec = _tiny_manifest(
+        tmp_path,
+        models={"actor": {"path": str(llama)}, "critic": {"path": str(llama)}},
+        rollout={"engine": "vllm", "maxResponseTokens": 512},
+        training={
+            "backend": "megatron",
+            "precision": "bf16",
+            "totalSteps": 2,
+            "promptsPerStep": 64,
+            "miniBatchSize": 32,
+            "microBatchSizePerGpu": 4,
+        },
+        resourcePools=[{"name": "gpus", "nodes": 1, "gpusPerNode": 8}],
+    )
+    workload = workload_from_spec(spec)
+    assert workload.rollout_engine == "vllm"
+    plans = plan_job(workload, ClusterShape(8, 8), A100_80GB)
+    for plan in plans:
+        actor = plan.layout_of("actor")
+        placed = apply_plan(spec, plan)
+        assert placed.training.tensor_parallel_size == actor.tp
+        assert placed.rollout.tensor_parallel_size == actor.generation_tp in (1, actor.tp)
+    best = plans[0].layout_of("actor")
+    assert best.tp > 1 and best.generation_tp == best.tp, plans[0].placement.describe()
+
+
+@pytest.mark.parametrize("world, t_g", [(4, 1), (4, 2), (8, 2), (4, 4), (6, 2)])
+def test_fsdp_reshard_bytes_equal_the_bytes_the_fsdp_plan_sends(world: int, t_g: int) -> None:
+    decoder = DecoderSpec(
+        arch="qwen2",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        qkv_bias=True,
+    )
+    model = PAPER_MODELS["llama-7b"].__class__("small", decoder)
+    workload = Workload(
+        actor=model, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4, backend="fsdp"
+    )
+    plan = fsdp_generation_plan(model.layout(4), world, t_g, contiguous_tp_ranks(world, t_g))
+    received = max(plan.bytes_received(rank) for rank in range(world))
+    assert reshard_bytes(model, ModelLayoutChoice(1, 1, world, t_g), workload) == received
 
 
 def test_generation_is_infeasible_when_no_sequence_fits_the_kv_budget() -> None:

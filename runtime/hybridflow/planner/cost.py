@@ -21,8 +21,9 @@ Time
     cost; prefill is a forward pass over the prompts.
   * resharding (train -> generate): the bytes each rank receives in the 3D-HybridEngine
     transition, :func:`hybridflow.resharding.plan.table2` (``(tp - t_g)/(t_g tp) M`` with
-    ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP the rollout
-    gathers the full weights, ``(d-1)/d`` of them.
+    ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP each rank
+    receives its generation block less the rows it holds (the full weights, ``(d-1)/d`` of
+    them, at ``t_g = 1``; vLLM's ``t_g > 1`` blocks otherwise, as ``resharding.fsdp`` plans).
   * collective latency: every latency-bound collective (FSDP's per-layer all-gathers and
     reduce-scatters, Megatron's per-layer TP all-reduces, per micro-batch) costs
     ``collective_latency_seconds``; on CPUs with gloo this, not bandwidth, dominates.
@@ -43,10 +44,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.parallel import ModelLayoutChoice
 from hybridflow.planner.shapes import ModelShape, Workload
+from hybridflow.resharding.layout import DecoderSpec, decoder_layout
 from hybridflow.resharding.plan import table2
 
 __all__ = [
@@ -178,15 +181,47 @@ def reshard_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Worklo
 
     Table 2's ``M`` is the TP-partitioned bytes (``ModelLayout.partitioned_bytes``); the
     replicated RMSNorm weights move only when ``p > 1`` and are added as the plan does: each
-    rank receives the other stages' copies.
+    rank receives the other stages' copies. FSDP: :func:`_fsdp_reshard_bytes`.
     """
-    if workload.backend == "fsdp":
-        # The rollout gathers the full weights from the FSDP shards into its own engine.
-        return (layout.dp - 1) * model.params * workload.param_bytes // layout.dp
     t_g = layout.generation_tp or 1
+    if workload.backend == "fsdp":
+        return _fsdp_reshard_bytes(model.decoder, workload.param_bytes, layout.dp, t_g)
     partitioned, _ = model.param_bytes(workload.param_bytes)
     row = table2("hybridflow", p=layout.pp, t=layout.tp, d=layout.dp, p_g=1, t_g=t_g, model_bytes=partitioned)
     return int(row.traffic) + model.replicated_bytes_from_other_stages(layout.pp, workload.param_bytes)
+
+
+def _fsdp_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """FSDP2's rows of ``rank`` (``torch.chunk`` sizes), as ``hybridflow.resharding.fsdp.fsdp_rows``."""
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+@lru_cache(maxsize=256)
+def _fsdp_reshard_bytes(decoder: DecoderSpec, itemsize: int, world: int, t_g: int) -> int:
+    """The most bytes any of ``world`` FSDP ranks receives to hold its ``t_g``-way generation block.
+
+    A rank receives every element of its blocks except the rows it holds already:
+    ``resharding.fsdp.fsdp_generation_plan`` with vLLM's consecutive TP groups (generation TP
+    rank ``r % t_g``), counted per rank in ``O(params)`` instead of listing every piece (a
+    paper-scale pool has 10^4 ranks' worth of pairs).
+    """
+    layout = decoder_layout(decoder, itemsize)
+    most = 0
+    for rank in range(world):
+        received = 0
+        for param in layout.params:
+            want = param.block(t_g, rank % t_g)
+            start, stop = _fsdp_rows(param.shape[0], world, rank)
+            per_row = math.prod(want.shape[1:])
+            if want.dim == 0:
+                held_rows = max(0, min(stop, want.stop) - max(start, want.start))
+            else:  # whole (replicated) or split by columns: the rank holds its rows of the block
+                held_rows = stop - start
+            received += want.numel - held_rows * per_row
+        most = max(most, received)
+    return most * itemsize
 
 
 def reshard_seconds(

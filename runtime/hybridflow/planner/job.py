@@ -45,7 +45,7 @@ def workload_from_spec(spec: RLHFJobSpec) -> Workload:
         prompt_tokens=spec.data.max_prompt_tokens,
         response_tokens=spec.rollout.max_response_tokens,
         backend=training.backend,
-        model_parallel_training=spec.rollout.engine == "torch",
+        rollout_engine=spec.rollout.engine,
         param_bytes=2 if training.precision == "bf16" else 4,
         micro_batch_sequences=training.micro_batch_size_per_gpu,
         update_epochs=spec.algorithm.ppo_epochs,

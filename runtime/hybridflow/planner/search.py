@@ -7,7 +7,7 @@ Placements (HybridFlow Sec. 8.3):
   the other; only for jobs that have a critic or a reward/cost model;
 * ``standalone``: every model on its own pool.
 
-The rollout always shares the actor's GPUs (the 3D-HybridEngine), so it is not placed separately.
+The rollout always shares the actor's GPUs (resharded in place), so it is not placed separately.
 Pools are cut at node boundaries: a pool is a whole number of nodes, or part of one node that
 it shares with other part-node pools.
 
@@ -208,7 +208,7 @@ def _model_candidates(
         if role != "actor":
             found.append(_Candidate(layout, forward, train, memory))
             continue
-        for t_g in generation_tensor_sizes(layout):
+        for t_g in generation_tensor_sizes(model, layout, cluster.node_gpus, workload):
             choice = ModelLayoutChoice(layout.pp, layout.tp, layout.dp, t_g)
             reshard = reshard_seconds(model, choice, workload, device, cluster.node_gpus)
             found.append(_Candidate(choice, forward, train, memory, reshard))
