@@ -121,4 +121,5 @@ def resolve_auto_placement(
 
 def local_device() -> DeviceConstants:
     """The device ``hybridflow run`` plans for: the simulated CPU GPU sharing this machine's cores."""
-    return replace(SIMULATED_CPU_GPU, compute_slots=os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return replace(SIMULATED_CPU_GPU, compute_slots=cores, host_cores=cores)
