@@ -27,7 +27,8 @@ from hybridflow.planner import (
     placements,
     plan_job,
 )
-from hybridflow.planner.cost import generation_estimate, reshard_bytes
+from hybridflow.planner.cost import forward_seconds, generation_estimate, reshard_bytes, train_seconds
+from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.job import apply_plan, resolve_auto_placement, workload_from_spec
 from hybridflow.planner.parallel import generation_tensor_sizes, training_layouts
 from hybridflow.resharding import DecoderSpec, hybridflow_plan
@@ -327,3 +328,62 @@ def test_plan_command_prints_ranked_plans_and_names_bad_input(
     code, _, err = plan("--gpus", "16", "--gpus-per-node", "8")
     assert code == 2
     assert "with miniBatchSize 16 in whole micro-batches of 8" in err
+
+
+def test_simulated_gpu_terms_price_threads_contention_and_oversubscribed_collectives() -> None:
+    cpu = replace(
+        A100_80GB,
+        compute_slots=2.0,
+        collective_latency_seconds=1e-3,
+        oversubscribed_collective_latencies=((2.0, 5e-3), (4.0, 9e-3)),
+        host_cores=2,
+        all_cores_speedup=1.5,
+    )
+    # A 1-GPU job's worker has both cores' threads; from 2 GPUs on, one thread each.
+    assert cpu.for_budget(1).peak_flops == pytest.approx(1.5 * cpu.peak_flops)
+    assert cpu.for_budget(2).peak_flops == cpu.peak_flops == cpu.for_budget(4).peak_flops
+    assert A100_80GB.for_budget(1) == A100_80GB
+    # Contention and collective latency follow the busy workers per compute slot.
+    assert [cpu.contention(busy) for busy in (1, 2, 4)] == [1.0, 1.0, 2.0]
+    assert [cpu.collective_latency(busy) for busy in (2, 3, 4, 6, 8, 16)] == pytest.approx(
+        [1e-3, 3e-3, 5e-3, 7e-3, 9e-3, 9e-3]
+    )
+    assert A100_80GB.collective_latency(1000) == A100_80GB.collective_latency_seconds
+
+
+def test_fsdp_per_unit_work_and_shared_module_decoding_are_counted() -> None:
+    model = PAPER_MODELS["llama-7b"]
+    fsdp = Workload(
+        actor=model,
+        sequences=64,
+        prompt_tokens=64,
+        response_tokens=32,
+        backend="fsdp",
+        micro_batch_sequences=8,
+    )
+    units = model.decoder.num_layers + 1
+    bare = replace(A100_80GB, training_pass_ratio=4.0)
+    wrapped = replace(bare, fsdp_unit_overhead_seconds=1e-3)
+    one_rank = ModelLayoutChoice(1, 1, 1, 1)
+    micro = 64 // 8
+    # Every forward micro-batch runs FSDP's work on each unit, on one rank too; training r times it.
+    assert forward_seconds(model, one_rank, fsdp, wrapped) - forward_seconds(
+        model, one_rank, fsdp, bare
+    ) == pytest.approx(micro * units * 1e-3)
+    assert train_seconds(model, one_rank, fsdp, wrapped, 8) - train_seconds(
+        model, one_rank, fsdp, bare, 8
+    ) == pytest.approx(4.0 * micro * units * 1e-3)
+    # The one-rank actor's torch engine decodes from the wrapped module: each step pays the extra.
+    shared = replace(bare, shared_decode_step_overhead_seconds=2e-3)
+
+    def generation(device: DeviceConstants, layout: ModelLayoutChoice, workload: Workload) -> float:
+        estimate = generation_estimate(model, layout, workload, device, kv_budget_bytes_per_gpu=70e9)
+        assert estimate is not None
+        return estimate.seconds
+
+    assert generation(shared, one_rank, fsdp) - generation(bare, one_rank, fsdp) == pytest.approx(32 * 2e-3)
+    two_ranks = ModelLayoutChoice(1, 1, 2, 1)
+    assert generation(shared, two_ranks, fsdp) == generation(bare, two_ranks, fsdp)
+    assert generation(shared, one_rank, replace(fsdp, rollout_engine="vllm")) == generation(
+        bare, one_rank, replace(fsdp, rollout_engine="vllm")
+    )
