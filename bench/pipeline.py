@@ -1,18 +1,19 @@
 """Placement figures: the tiny GRPO job on simulated GPUs, measured per placement and predicted by the planner.
 
-Each candidate is a placement of examples/grpo-tiny.yaml on a GPU budget (1, 2 or 4 simulated
-GPUs on this machine's cores): everything colocated, or the actor (with the rollout) and the
-reference on pools of their own. The planner (hybridflow.planner) costs each candidate with
-device constants measured in this process (``calibrate_device``, what ``hybridflow plan
---profile`` does), then every candidate runs ``run_training`` for a few steps in this process's
-one embedded Ray, twice (all candidates forwards, then backwards, so that a drifting load on the
-machine weighs on each alike); its step time is the mean over the two runs of the median
-``perf/step_seconds`` after the first step.
+The candidates are what the planner chooses between: for each GPU budget (1, 2 and 4 simulated
+GPUs on this machine's cores; 1 and 2 with ``--quick``), the best plan of each placement kind
+``plan_job`` returns for examples/grpo-tiny.yaml (everything colocated, or the actor with the
+rollout and the reference on pools of their own), costed with device constants measured in
+this process (``calibrate_device``, what ``hybridflow plan --profile`` does). Every candidate
+then runs ``run_training`` for a few steps in this process's one embedded Ray, twice (all
+candidates forwards, then backwards, so that a drifting load on the machine weighs on each
+alike); its step time is the mean over the two runs of the median ``perf/step_seconds`` after
+the first step, and its phases the same of the runner's ``timing/*`` (:data:`MEASURED_PHASES`).
 
 Figures: ``step_seconds_colocated_sync`` and ``step_seconds_split_sync`` (2 GPUs: both roles on
-both GPUs, or one GPU each), their ratio, each candidate's predicted and measured seconds, and
-``planner_rank_agreement``, Kendall's tau between the predicted and the measured step times
-(target >= 0.8).
+both GPUs, or one GPU each), their ratio, each candidate's predicted and measured step and
+phase seconds, the measured device constants, and ``planner_rank_agreement``, Kendall's tau
+between the predicted and the measured step times (target >= 0.8).
 
 Overlap: examples/grpo-tiny-overlap.yaml (actor and reference on one simulated GPU, the rollout
 on another) runs synchronously (``rollout.maxStaleness: 0``: generate, then score and update)
@@ -25,8 +26,7 @@ the ratio to ``step_seconds_split_sync``. ``overlap_reward_gain`` is the overlap
 reward over its last ``window`` steps minus over its first (target >= 0.3 over the full budget;
 the runs are seeded, so a repeat learns the same), ``sync_reward_gain`` the synchronous run's,
 for comparison. ``overlap_idle_fraction`` and ``sync_idle_fraction`` are the mean idle fraction
-per pool. ``--quick`` runs three candidates with fewer steps. The last line printed is one JSON
-object.
+per pool. ``--quick`` runs fewer candidates and steps. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
         "--quick",
         action="store_true",
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
-        help="three candidates, fewer steps (CI)",
+        help="budgets of 1 and 2 GPUs, fewer steps (CI)",
     )
     args = parser.parse_args()
     steps = 4 if args.quick else 8

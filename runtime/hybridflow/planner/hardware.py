@@ -190,13 +190,17 @@ class ClusterShape:
 SIMULATED_CPU_GPU = DeviceConstants(
     name="simulated GPU (one CPU thread)",
     # `hybridflow plan --profile` on the 2-core development machine with the tiny model
-    # (hidden 64, 2 layers): ~8 GFLOP/s sustained by one thread, ~1.6 ms fixed per forward
-    # call, ~8 GB/s memory copy. Fixed here so that `placement: auto` picks the same plan on
-    # every (re)start of a job; --profile measures the current machine instead.
-    peak_flops=8e9,
+    # (hidden 64, 2 layers), rounded from its calibrations near idle (docs/placement.md): ~57
+    # GFLOP/s per thread at the job's micro-batch, ~0.9 ms fixed per forward call and per
+    # decoding step, decoded tokens at ~10% of that rate, a training pass ~3.8 forwards, FSDP's
+    # work ~1.1 ms per unit and pass (+2 ms per decoding step from the wrapped module), gloo's
+    # all-gather ~1.1 ms between two workers and ~6.5 ms with 2-4 workers per core. Fixed here
+    # so that `placement: auto` picks the same plan on every (re)start of a job; --profile
+    # measures the current machine instead.
+    peak_flops=57e9,
     train_efficiency=1.0,
     tokens_for_half_efficiency=0.0,
-    memory_bandwidth_bytes_per_second=8e9,
+    memory_bandwidth_bytes_per_second=23e9,
     decode_bandwidth_efficiency=1.0,
     # A simulated GPU has no memory of its own; tiny models fit anywhere (assumed share of host RAM).
     memory_bytes=8e9,
@@ -204,9 +208,16 @@ SIMULATED_CPU_GPU = DeviceConstants(
     # gloo on one host (shared/notes/cpu-stack.md: 64 MiB all-reduce in ~60 ms).
     intra_node_bytes_per_second=1.1e9,
     inter_node_bytes_per_second=1.1e9,
-    call_overhead_seconds=0.0016,
-    decode_step_overhead_seconds=0.0016,
-    collective_latency_seconds=100e-6,
+    call_overhead_seconds=0.0009,
+    decode_step_overhead_seconds=0.0009,
+    collective_latency_seconds=0.0011,
     compute_slots=None,
+    training_pass_ratio=3.8,
+    fsdp_unit_overhead_seconds=0.0011,
+    shared_decode_step_overhead_seconds=0.002,
+    decode_efficiency=0.1,
+    oversubscribed_collective_latencies=((2.0, 0.0065), (4.0, 0.0065)),
+    all_cores_speedup=1.3,
 )
-"""The device of local runs without GPUs; set ``compute_slots`` to the core count when using it."""
+"""The device of local runs without GPUs; set ``compute_slots`` and ``host_cores`` to the core count
+when using it (``planner.job.local_device``)."""
