@@ -3,15 +3,17 @@
 The double (tests/kube: CRD schemas and CEL, KubeRay v1.7's RayJob schema, Kubernetes' own
 schemas, RBAC for ServiceAccount tokens) runs in this process; the operator runs as its own
 process (``python -m hybridflow_operator``, as in the image) with a token of its own, so every
-request it makes is counted apart. A stand-in plays KubeRay and the controllers: it moves every
-RayJob through Initializing -> Running -> Complete, and while a job runs it pushes
-``status.progress`` every ``PUSH_SECONDS`` with the job's own ServiceAccount token (RBAC-checked).
-Jobs arrive at ``RATE_PER_SECOND``; each size runs on a fresh double and a fresh operator.
+request it makes is counted apart. A stand-in, also a process of its own (this script with
+``--stand-in``), plays KubeRay and the controllers: it moves every RayJob through Initializing ->
+Running -> Complete, and while a job runs it pushes ``status.progress`` every ``PUSH_SECONDS``
+with the job's own ServiceAccount token (RBAC-checked). Jobs arrive at ``RATE_PER_SECOND``; each
+size runs on a fresh double, a fresh stand-in and a fresh operator.
 
 Figures per size N (suffix ``_N``):
 
 * ``create_to_rayjob_p50_ms`` / ``p99``: from the create request returning to the RayJob's
-  ADDED event (target p50 <= 100 ms, and p50 at 2,000 within 1.5x of p50 at 200);
+  ADDED event, as the double delivers it to the stand-in's watch (target p50 <= 100 ms, and p50
+  at 2,000 within 1.5x of p50 at 200);
 * ``writes_per_job_lifecycle``: the operator's writes (creates, patches, deletes; status and
   Events included) from creation to Succeeded, per job (target <= 10); the controllers'
   ``progress_pushes_per_job`` are counted apart;
@@ -19,7 +21,10 @@ Figures per size N (suffix ``_N``):
   reads its caches, filled by list+watch);
 * ``noop_reconcile_writes``: writes of a restarted operator that reconciles every finished job
   again with nothing changed (target 0);
-* ``operator_rss_mb``: the operator's resident memory once every job has finished.
+* ``operator_rss_mb``: the operator's resident memory once every job has finished;
+* ``operator_cpu_ms_per_job``, ``double_cpu_ms_per_job`` (this process: the double and the
+  creating loop), ``stand_in_cpu_ms_per_job``: CPU time per job from the first create until every
+  job Succeeded; ``load_average_1m``: the machine's, at the end of the size's run.
 
 ``HYBRIDFLOW_BENCH_JOBS`` (comma-separated sizes, default ``200,2000``) overrides the sizes;
 quick mode (``HYBRIDFLOW_BENCH_QUICK=1``) runs 20 jobs. The last line printed is one JSON object.
@@ -27,6 +32,7 @@ quick mode (``HYBRIDFLOW_BENCH_QUICK=1``) runs 20 jobs. The last line printed is
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import os
@@ -53,12 +59,15 @@ QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
 """Quick mode (``make bench-smoke``): a few jobs, to prove the bench runs and prints its JSON line."""
 SIZES = [int(n) for n in os.environ.get("HYBRIDFLOW_BENCH_JOBS", "20" if QUICK else "200,2000").split(",")]
 RATE_PER_SECOND = float(os.environ.get("HYBRIDFLOW_BENCH_RATE", "10"))
+FREEZE_EVERY_JOBS = 100
+"""Jobs created between two :func:`keep_out_of_collections` of the bench process (10 s at 10/s)."""
 PUSH_SECONDS = 2.0 if QUICK else 10.0
 """A controller pushes progress this often (the real one: at most every 10 s)."""
 RUN_SECONDS = 4.0 if QUICK else 20.0
 """How long each job stays Running (two progress pushes at the default)."""
 NAMESPACE = "default"
 OPERATOR_TOKEN = "hybridflow-operator-bench"
+STAND_IN_TOKEN = "kuberay-stand-in-bench"
 RAYJOB_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml"
 GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
 
@@ -139,10 +148,70 @@ class Operator:
 
 
 class StandIn:
-    """KubeRay and the jobs' controllers: a watch on RayJobs and a timeline of status writes."""
+    """KubeRay and the jobs' controllers, in a process of their own (``--stand-in``).
 
-    def __init__(self, cluster: EmulatedCluster) -> None:
-        self.cluster = cluster
+    Its own process, so that its work (decoding every RayJob event, five status writes per job)
+    does not hold the interpreter lock of the double, which serves the operator: in one
+    interpreter the two took turns, and the stand-in's share grew with the jobs in flight. Each
+    job's controller pushes progress with the token of the job's ServiceAccount, registered
+    here; the stand-in's own requests carry :data:`STAND_IN_TOKEN`. On ``stop()`` it reports,
+    as one JSON object, when its watch saw each RayJob (``time.monotonic()``, one clock for
+    every process of the machine), its progress pushes and its errors.
+    """
+
+    def __init__(self, cluster: EmulatedCluster, jobs: list[str]) -> None:
+        tokens = {
+            job: cluster.kubeconfig_as(f"system:serviceaccount:{NAMESPACE}:{job}-controller")["users"][0][
+                "user"
+            ]["token"]
+            for job in jobs
+        }
+        self.config = Path(tempfile.mkdtemp()) / "stand-in.json"
+        self.config.write_text(json.dumps({"server": cluster.url, "tokens": tokens}))
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--stand-in", str(self.config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.rayjob_seen: dict[str, float] = {}
+        self.pushes = 0
+        self.errors: list[str] = []
+
+    def stop(self) -> None:
+        """End the stand-in (it stops when its stdin closes) and take its report."""
+        if self.process.returncode is not None:
+            return  # stopped already
+        try:
+            out, err = self.process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            out, err = self.process.communicate()
+        lines = out.strip().splitlines()
+        if self.process.returncode != 0 or not lines:
+            self.errors.append(f"the stand-in exited with {self.process.returncode}: {err[-2000:]}")
+            return
+        report = json.loads(lines[-1])
+        self.rayjob_seen, self.pushes, self.errors = report["rayjob_seen"], report["pushes"], report["errors"]
+
+
+class StandInProcess:
+    """The stand-in's body (``python bench/operator_scale.py --stand-in CONFIG``): a watch on
+    RayJobs and a timeline of status writes."""
+
+    def __init__(self, server: str, tokens: dict[str, str]) -> None:
+        from kubernetes.client import ApiClient, Configuration, CustomObjectsApi
+
+        def client(token: str) -> Any:
+            configuration = Configuration(host=server)
+            configuration.api_key = {"BearerToken": token}
+            configuration.api_key_prefix = {"BearerToken": "Bearer"}
+            return CustomObjectsApi(ApiClient(configuration))
+
+        self._client = client
+        self.custom = client(STAND_IN_TOKEN)
+        self.tokens = tokens
         self.rayjob_seen: dict[str, float] = {}
         self.pushes = 0
         self.errors: list[str] = []
@@ -151,17 +220,22 @@ class StandIn:
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._controllers: dict[str, Any] = {}
+        self._resource_version = ""
         self._threads = [
             threading.Thread(target=self._watch, daemon=True),
             threading.Thread(target=self._act, daemon=True),
         ]
+
+    def run_until_stdin_closes(self) -> None:
         for thread in self._threads:
             thread.start()
-
-    def stop(self) -> None:
+        sys.stdin.read()
         self._stop.set()
         with self._lock:
             self._lock.notify()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        print(json.dumps({"rayjob_seen": self.rayjob_seen, "pushes": self.pushes, "errors": self.errors}))
 
     def _at(self, delay: float, job: str, action: str) -> None:
         with self._lock:
@@ -180,25 +254,30 @@ class StandIn:
                 self.errors.append(f"watch: {type(err).__name__}: {str(err)[:300]}")
 
     def _watch_once(self, stream: Any) -> None:
-        if True:
-            for event in stream.stream(
-                self.cluster.custom.list_namespaced_custom_object,
-                "ray.io",
-                "v1",
-                NAMESPACE,
-                "rayjobs",
-                timeout_seconds=2,
-            ):
-                if event["type"] != "ADDED":
-                    continue
-                job = event["object"]["metadata"]["labels"]["hybridflow.io/job"]
-                if job not in self.rayjob_seen:
-                    self.rayjob_seen[job] = time.monotonic()
-                    self._at(0.2, job, "Initializing")
-                    self._at(0.5, job, "Running")
-                    for push in range(1, int(RUN_SECONDS / PUSH_SECONDS) + 1):
-                        self._at(0.5 + push * PUSH_SECONDS - 0.1, job, f"progress {push}")
-                    self._at(0.5 + RUN_SECONDS, job, "Complete")
+        # Each stream ends after a few seconds (to notice stop()); the next one resumes after the
+        # last event seen, as an informer does. Without a resourceVersion every reconnection
+        # would list all RayJobs again as ADDED: 2,000 objects encoded and decoded every 2 s.
+        since = {"resource_version": self._resource_version} if self._resource_version else {}
+        for event in stream.stream(
+            self.custom.list_namespaced_custom_object,
+            "ray.io",
+            "v1",
+            NAMESPACE,
+            "rayjobs",
+            timeout_seconds=2,
+            **since,
+        ):
+            self._resource_version = event["object"]["metadata"]["resourceVersion"]
+            if event["type"] != "ADDED":
+                continue
+            job = event["object"]["metadata"]["labels"]["hybridflow.io/job"]
+            if job not in self.rayjob_seen:
+                self.rayjob_seen[job] = time.monotonic()
+                self._at(0.2, job, "Initializing")
+                self._at(0.5, job, "Running")
+                for push in range(1, int(RUN_SECONDS / PUSH_SECONDS) + 1):
+                    self._at(0.5 + push * PUSH_SECONDS - 0.1, job, f"progress {push}")
+                self._at(0.5 + RUN_SECONDS, job, "Complete")
 
     def _act(self) -> None:
         while not self._stop.is_set():
@@ -218,10 +297,7 @@ class StandIn:
         if action.startswith("progress"):
             step = int(action.split()[1])
             if job not in self._controllers:
-                from kubernetes.client import CustomObjectsApi
-
-                client = self.cluster.api_client_as(f"system:serviceaccount:{NAMESPACE}:{job}-controller")
-                self._controllers[job] = CustomObjectsApi(client)
+                self._controllers[job] = self._client(self.tokens[job])
             body = {
                 "status": {
                     "progress": {"step": step, "totalSteps": 40, "reward": 0.1 * step, "updatedAt": now}
@@ -237,9 +313,23 @@ class StandIn:
             status["jobStatus"] = "RUNNING"
         if action == "Complete":
             status.update(jobStatus="SUCCEEDED", endTime=now)
-        self.cluster.custom.patch_namespaced_custom_object_status(
+            self._controllers.pop(job, None)
+        self.custom.patch_namespaced_custom_object_status(
             "ray.io", "v1", NAMESPACE, "rayjobs", f"{job}-1", {"status": status}
         )
+
+
+def keep_out_of_collections() -> None:
+    """Move everything this process holds out of the cyclic garbage collector's reach.
+
+    The double keeps every version of every object and every watch event for the whole run
+    (kmock's history, the watch log), none of it garbage; each of the collector's full passes
+    walked all of it again, a pause that grew with the jobs stored (5.6 s of CPU in one pass at
+    2,000 jobs), in the process that serves the operator. A real API server keeps its history in
+    etcd. Collected first, so no garbage cycle is frozen; objects still die by reference counting.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def operator_requests(cluster: EmulatedCluster) -> dict[str, int]:
@@ -259,57 +349,72 @@ def measure(size: int) -> dict[str, Any]:
         cluster.emulator.register_crd(load_crd(ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml"))
         cluster.emulator.register_crd(load_crd(RAYJOB_CRD))
         operator = Operator(cluster)
-        stand_in = StandIn(cluster)
+        stand_in = StandIn(cluster, [job_name(index) for index in range(size)])
         try:
             return run(cluster, operator, stand_in, size)
         except AssertionError:
             print(operator.stop()[-4000:], file=sys.stderr)
+            stand_in.stop()
+            print(f"stand-in errors: {stand_in.errors[:3]}", file=sys.stderr)
             raise
         finally:
             stand_in.stop()
             operator.stop()
 
 
+def job_name(index: int) -> str:
+    return f"job-{index:04d}"
+
+
 def run(cluster: EmulatedCluster, operator: Operator, stand_in: StandIn, size: int) -> dict[str, Any]:
-    wait_until(
-        lambda: operator_requests(cluster).get("watch"), timeout_seconds=60, message="the operator's watches"
-    )
+    def watching(token: str) -> int:
+        return sum(
+            count
+            for (who, verb, _), count in list(cluster.emulator.requests_by_token.items())
+            if who == token and verb == "watch"
+        )
+
+    wait_until(lambda: watching(OPERATOR_TOKEN), timeout_seconds=60, message="the operator's watches")
+    wait_until(lambda: watching(STAND_IN_TOKEN), timeout_seconds=60, message="the stand-in's watch")
     time.sleep(1.0)
-    operator_cpu_before, bench_cpu_before = cpu_seconds(operator.process.pid), time.process_time()
+    keep_out_of_collections()
+    operator_cpu_before = cpu_seconds(operator.process.pid)
+    stand_in_cpu_before = cpu_seconds(stand_in.process.pid)
+    double_cpu_before = time.process_time()
     created: dict[str, float] = {}
     for index in range(size):
-        name = f"job-{index:04d}"
+        name = job_name(index)
         started = time.monotonic()
         cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, job_manifest(name))
         created[name] = time.monotonic()
-        time.sleep(max(0.0, 1.0 / RATE_PER_SECOND - (created[name] - started)))
+        if (index + 1) % FREEZE_EVERY_JOBS == 0:
+            keep_out_of_collections()
+        time.sleep(max(0.0, 1.0 / RATE_PER_SECOND - (time.monotonic() - started)))
 
     def succeeded() -> bool:
         # Read the double's storage (allowed from other threads): listing 2,000 jobs through the
-        # client every few seconds would cost the stand-in the CPU it needs to keep up.
+        # client every few seconds would cost the double what it needs to serve the operator.
         phases = [
-            (stored.raw.get("status") or {}).get("phase")
-            for key, stored in list(cluster.emulator.objects.items())
-            if key[0].plural == PLURAL and not stored.deleted
+            (job.get("status") or {}).get("phase") for job in cluster.emulator.objects_of(GROUP, PLURAL)
         ]
         return phases.count("Succeeded") == size
 
-    try:
-        wait_until(
-            succeeded,
-            timeout_seconds=120 + RUN_SECONDS + size / RATE_PER_SECOND,
-            interval_seconds=2.0,
-            message="every job Succeeded",
-        )
-    finally:
-        if stand_in.errors:
-            print(f"{len(stand_in.errors)} stand-in errors, first: {stand_in.errors[:3]}", file=sys.stderr)
+    wait_until(
+        succeeded,
+        timeout_seconds=120 + RUN_SECONDS + size / RATE_PER_SECOND,
+        interval_seconds=2.0,
+        message="every job Succeeded",
+    )
+    stand_in_cpu = cpu_seconds(stand_in.process.pid) - stand_in_cpu_before
+    stand_in.stop()  # every RayJob is Complete: nothing left for it to do
+    if stand_in.errors:
+        print(f"{len(stand_in.errors)} stand-in errors, first: {stand_in.errors[:3]}", file=sys.stderr)
     cluster.wait_until_idle(quiet_seconds=2.0, timeout_seconds=60)
     lifecycle = operator_requests(cluster)
     reconciles = operator.reconciles()
     rss = rss_mb(operator.process.pid)
     operator_cpu = cpu_seconds(operator.process.pid) - operator_cpu_before
-    bench_cpu = time.process_time() - bench_cpu_before
+    double_cpu = time.process_time() - double_cpu_before
 
     # A second reconcile of every job with nothing changed: a restarted operator lists them all.
     errors = operator.stop()
@@ -341,7 +446,8 @@ def run(cluster: EmulatedCluster, operator: Operator, stand_in: StandIn, size: i
         "noop_reconcile_writes": noop_writes,
         "operator_rss_mb": round(rss, 1),
         "operator_cpu_ms_per_job": round(1000 * operator_cpu / size, 1),
-        "double_and_stand_in_cpu_ms_per_job": round(1000 * bench_cpu / size, 1),
+        "double_cpu_ms_per_job": round(1000 * double_cpu / size, 1),
+        "stand_in_cpu_ms_per_job": round(1000 * stand_in_cpu / size, 1),
         "load_average_1m": round(os.getloadavg()[0], 1),
     }
 
@@ -357,6 +463,10 @@ def _alive(operator: Operator) -> bool:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--stand-in"]:
+        config = json.loads(Path(sys.argv[2]).read_text())
+        StandInProcess(config["server"], config["tokens"]).run_until_stdin_closes()
+        return
     if not RAYJOB_CRD.is_file():
         raise SystemExit(f"needs KubeRay v1.7's CRDs at {RAYJOB_CRD}")
     figures: dict[str, Any] = {"bench": "operator_scale", "rate_per_second": RATE_PER_SECOND, "sizes": SIZES}

@@ -5,6 +5,10 @@ per rank and per run, from the process (``hybridflow.resharding.meter``):
 
 * ``hybridflow``: :class:`~hybridflow.resharding.transfer.Resharder` on the HybridFlow plan
   (point-to-point exchange inside each micro-DP group, own shard reused in place);
+* ``hybridflow_buckets``: the same exchange through ``Resharder.generation_buckets`` (16 MiB of
+  generation bytes per bucket), each bucket copied into generation weights the engine already
+  holds, as the job feeds vLLM: its peak is the transfer's own memory, one bucket's receive
+  buffers;
 * ``vanilla``: the same code on the vanilla-grouping plan (the whole model gathered across the
   ``t*p`` model-parallel group);
 * ``allgather``: DeepSpeed-Chat's design with the real collective: every rank holds a flat
@@ -21,6 +25,11 @@ before, so ``peak_memory + reused`` is the counterpart of Table 2's peak), and s
 also reads the loopback interface's received-bytes counter around each run; the sum of the
 ranks' ``wire_received`` must agree with it within 5% (other traffic on the host adds to the
 counter, never to the meters).
+
+Once per layout, untimed, the all-gather's peak is split into two measured windows: allocating
+and touching its output buffer (the gathered model, Table 2's ``M``), then the collective into
+that resident buffer (what gloo adds: ``all_gather_into_tensor`` gathers into a flat temporary
+of the whole output and copies it out). The JSON reports both next to the single-window peak.
 
 Formulas: Table 2 with ``M = ModelLayout.partitioned_bytes`` for hybridflow/vanilla (the
 RMSNorm weights Megatron replicates on every TP rank move only when ``p_g < p`` and are added
@@ -60,7 +69,7 @@ from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding import DecoderSpec, build_plan, decoder_layout, table2
 from hybridflow.resharding.fsdp import FSDPResharder, fsdp_generation_plan, fsdp_rows, strided_tp_ranks
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter, loopback_rx_bytes
-from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
+from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCache, TrainingShard
 
 WORLD_SIZE = 8
 DTYPE = torch.bfloat16
@@ -87,7 +96,10 @@ LAYOUTS = [
     ("p2t4-pg1tg2", 2, 4, 1, 2),
     ("t4d2-tg1", 1, 4, 1, 1),
 ]
-DESIGNS = ("hybridflow", "vanilla", "allgather", "raw")
+DESIGNS = ("hybridflow", "hybridflow_buckets", "vanilla", "allgather", "raw")
+# hybridflow_buckets: the same exchange in buckets of this many generation bytes, written into
+# generation memory the engine already holds (as vLLM's weights are), as the job feeds vLLM.
+BUCKET_BYTES = 16 << 20
 # (name, t_g): FSDP2 over all 8 ranks -> generation tensor parallel t_g.
 FSDP_LAYOUTS = [("fsdp-d8-tg2", 2)]
 FSDP_DESIGNS = ("hybridflow", "allgather")
@@ -140,6 +152,8 @@ class Transitions:
             self.setups["hybridflow"][2].buffer("partitioned")
         )
         self.raw_group_size = len(mine.group)
+        # The engine's own generation weights (resident before the transition, as vLLM's are).
+        self.engine = {want.name: torch.zeros(want.shape, dtype=DTYPE) for want, _ in mine.generation}
 
     def run_resharder(self, design: str) -> dict[str, Any]:
         _, resharder, shard = self.setups[design]
@@ -153,6 +167,48 @@ class Transitions:
             forward.reused,
             forward.redundant.total,
         )
+
+    def run_buckets(self) -> dict[str, Any]:
+        """HybridFlow's exchange bucket by bucket into the engine's own memory (the vLLM path of the job)."""
+        _, resharder, shard = self.setups["hybridflow"]
+        record, before = BucketRecord(), self.meter.total
+        with PeakMemory("cpu") as probe:
+            start = time.perf_counter()
+            for bucket in resharder.generation_buckets(
+                shard, bucket_bytes=BUCKET_BYTES, dtype=DTYPE, record=record
+            ):
+                for name in bucket.names():
+                    want, offset = bucket.slice(name), 0
+                    along = want.dim if want.dim is not None else 0
+                    for piece in bucket.blocks(name):
+                        self.engine[name].narrow(along, offset, piece.shape[along]).copy_(piece)
+                        offset += piece.shape[along]
+            seconds = time.perf_counter() - start
+        wire = self.meter.total - before
+        out = _run_record(seconds, wire.sent, wire.received, probe.bytes, 0, 0)
+        out["largest_bucket_bytes"] = record.largest_bucket_bytes
+        return out
+
+    def allgather_components(self) -> dict[str, Any]:
+        """The ZeRO-3 all-gather's peak in two measured windows: its output buffer, then the collective.
+
+        Window 1 allocates the output and touches every page (what the gathered model itself
+        costs); window 2 runs ``all_gather_into_tensor`` into that resident output, so its growth
+        is only what the library allocates on top (gloo gathers into a flat temporary of the whole
+        output and copies it out). Not timed: the timed runs keep the single window.
+        """
+        with PeakMemory("cpu") as output_probe:
+            output = torch.empty(self.zero3_numel * WORLD_SIZE, dtype=DTYPE)
+            output.zero_()
+        with PeakMemory("cpu") as collective_probe:
+            self.meter.all_gather_into_tensor(output, self.zero3, None)
+        nbytes = output.nbytes
+        del output
+        return {
+            "output_nbytes": nbytes,
+            "output_peak_memory": output_probe.bytes,
+            "collective_peak_memory": collective_probe.bytes,
+        }
 
     def _collective(
         self, numel: int, input_: torch.Tensor, group: dist.ProcessGroup | None, *, kept_aside: int
@@ -171,6 +227,8 @@ class Transitions:
     def run(self, design: str) -> dict[str, Any]:
         if design in self.setups:
             return self.run_resharder(design)
+        if design == "hybridflow_buckets":
+            return self.run_buckets()
         if design == "allgather":
             # The ZeRO-3 partition stays aside while the gathered copy is read: DS-Chat's redundancy.
             return self._collective(
@@ -263,6 +321,9 @@ def run_rank(rank: int, port: int, spec_json: str, repeats: int, out_path: str) 
     for name, p, t, p_g, t_g in LAYOUTS:
         transitions = Transitions(rank, layout, p, t, p_g, t_g, groups)
         records.extend(_timed_rounds(rank, transitions, DESIGNS, name, repeats))
+        dist.barrier()
+        components = transitions.allgather_components()
+        records.append({**components, "layout": name, "design": "allgather_components", "rank": rank})
         del transitions
     for name, t_g in FSDP_LAYOUTS:
         fsdp = FSDPTransitions(rank, layout, t_g)
@@ -360,12 +421,30 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
                 "transition_seconds_min": min(seconds),
                 "loopback": loopback,
             }
-            if design in expected:
-                per_rank = expected[design].pop("traffic_per_rank")
-                figures["formula"] = {**expected[design], "traffic_by_rank": per_rank}
+            # The bucketed exchange moves exactly HybridFlow's bytes (Table 2's traffic row).
+            formula = expected.get("hybridflow" if design == "hybridflow_buckets" else design)
+            if formula is not None:
+                per_rank = formula["traffic_per_rank"]
+                figures["formula"] = {
+                    **{k: v for k, v in formula.items() if k != "traffic_per_rank"},
+                    "traffic_by_rank": per_rank,
+                }
                 figures["traffic_error_bytes"] = max(
                     abs(r["wire_received"] - per_rank[r["rank"]]) for r in mine
                 )
+            if design == "hybridflow_buckets":
+                figures["largest_bucket_bytes_per_rank_max"] = max(r["largest_bucket_bytes"] for r in mine)
+            if design == "allgather":
+                parts = [r for r in records if r["layout"] == name and r["design"] == "allgather_components"]
+                figures["peak_components"] = {
+                    "output_buffer_bytes": max(r["output_nbytes"] for r in parts),
+                    "output_buffer_peak_memory_per_rank_max": _max_measured(
+                        r["output_peak_memory"] for r in parts
+                    ),
+                    "collective_into_resident_output_peak_memory_per_rank_max": _max_measured(
+                        r["collective_peak_memory"] for r in parts
+                    ),
+                }
             designs[design] = figures
         hybrid = designs["hybridflow"]["transition_seconds_median"]
         out_layouts.append(
@@ -433,6 +512,7 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
             }
         )
     main = next(entry for entry in out_layouts if entry["name"] == "t4d2-tg2")["designs"]
+    components = main["allgather"]["peak_components"]
     loop_errors = [
         abs(check["relative_error"])
         for entry in out_layouts
@@ -455,6 +535,27 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
             main["allgather"]["peak_param_bytes_per_rank_max"],
             main["hybridflow"]["peak_param_bytes_per_rank_max"],
         ),
+        # Table 2's peak for the all-gather is the gathered model: the output buffer alone, measured
+        # in its own window; the collective then adds gloo's staging copy (measured in a second).
+        "peak_ratio_allgather_output_over_hybridflow_t4d2_tg2": _ratio(
+            components["output_buffer_peak_memory_per_rank_max"],
+            main["hybridflow"]["peak_param_bytes_per_rank_max"],
+        ),
+        "allgather_output_buffer_bytes_t4d2_tg2": components["output_buffer_bytes"],
+        "allgather_output_buffer_peak_memory_t4d2_tg2": components["output_buffer_peak_memory_per_rank_max"],
+        "allgather_collective_staging_peak_memory_t4d2_tg2": components[
+            "collective_into_resident_output_peak_memory_per_rank_max"
+        ],
+        "hybridflow_peak_growth_over_received_t4d2_tg2": _ratio(
+            main["hybridflow"]["peak_memory_bytes_per_rank_max"],
+            main["hybridflow"]["wire_received_bytes_per_rank_max"],
+        ),
+        "hybridflow_buckets_peak_memory_t4d2_tg2": main["hybridflow_buckets"][
+            "peak_memory_bytes_per_rank_max"
+        ],
+        "hybridflow_buckets_largest_bucket_bytes_t4d2_tg2": main["hybridflow_buckets"][
+            "largest_bucket_bytes_per_rank_max"
+        ],
         "transition_seconds_ratio_hybridflow_over_allgather_t4d2_tg2": main["hybridflow"][
             "transition_seconds_median"
         ]
@@ -476,6 +577,11 @@ def summarise(records: list[dict[str, Any]], layout: Any, repeats: int) -> dict[
         "loopback_within_5_percent": bool(loop_errors)
         and statistics.median(loop_errors) <= LOOPBACK_TOLERANCE,
     }
+
+
+def _max_measured(values: Any) -> int | None:
+    measured = [value for value in values if value is not None]
+    return max(measured) if measured else None
 
 
 def _ratio(numerator: int | None, denominator: int | None) -> float | None:
@@ -531,7 +637,7 @@ def main() -> None:
         "wall_seconds": time.perf_counter() - start,
     }
     print(
-        f"{'layout':<13}{'design':<11}{'recv MB':>9}{'formula':>9}{'peak MB':>9}{'+reused':>9}{'seconds':>9}{'lo err':>8}",
+        f"{'layout':<13}{'design':<19}{'recv MB':>9}{'formula':>9}{'peak MB':>9}{'+reused':>9}{'seconds':>9}{'lo err':>8}",
         file=sys.stderr,
     )
     for entry in [*summary["layouts"], *summary["fsdp_layouts"]]:
@@ -540,7 +646,7 @@ def main() -> None:
             peak = figures["peak_memory_bytes_per_rank_max"]
             lo = [abs(c["relative_error"]) for c in figures["loopback"]]
             print(
-                f"{entry['name']:<13}{design:<11}"
+                f"{entry['name']:<13}{design:<19}"
                 f"{figures['wire_received_bytes_per_rank_max'] / 1e6:>9.2f}"
                 f"{(formula or 0) / 1e6:>9.2f}"
                 f"{(peak or 0) / 1e6:>9.2f}{(figures['peak_param_bytes_per_rank_max'] or 0) / 1e6:>9.2f}"

@@ -4,7 +4,8 @@ Same model (the tiny random model), data (target_char prompts), shapes (16 promp
 16 response tokens) and algorithm (GRPO advantages, no KL, one optimizer step per RL step), all
 in this process's run:
 
-* ``plain_loop``: written here, one process, no Ray: HF ``generate`` with its KV cache
+* ``plain_loop``: written here, one process, no Ray, run before and after the hybridflow runs
+  (its figure is the mean of the two): HF ``generate`` with its KV cache
   (sampling, temperature 1), the target_char reward, group-normalised advantages, one
   forward/backward over the same tokens and one AdamW step. torch uses every core.
 * ``hybridflow_1gpu`` / ``hybridflow_2gpu``: ``run_training`` of the same job with 1 or 2
@@ -12,7 +13,9 @@ in this process's run:
 
 Tokens per step are prompt + response tokens (attention mask), as the paper counts them; tokens
 per second is their sum over the measured steps divided by those steps' wall time; the first
-``WARMUP`` steps (allocation, first-call compilation of kernels) are not measured. Per phase:
+``WARMUP`` steps (allocation, first-call compilation of kernels) are not measured, nor is hybridflow's
+last step, which also writes the run's final checkpoint (the plain loop saves nothing; a job's
+periodic checkpoints are off here, ``intervalSteps`` beyond the run). Per phase:
 mean seconds per step (generate, reward, update; hybridflow also weight sync and log-probs).
 ``ratio_vs_plain_loop`` = best hybridflow tokens/s over plain-loop tokens/s (target >= 1.2).
 ``--quick`` (CI) measures 2 steps after 1 warmup instead of 6 after 2. The last line printed is
@@ -151,8 +154,9 @@ def job_spec(workdir: Path, model: Path, data: Path, gpus: int, steps: int) -> R
 
 
 def hybridflow_run(spec: RLHFJobSpec, warmup: int) -> dict[str, Any]:
+    """Steps after ``warmup`` up to the last one, which saves the final checkpoint (not measured)."""
     summary = run_training(spec, on_step=lambda line: print(f"[{spec.output_dir}] {line}", file=sys.stderr))
-    measured = summary.metrics[warmup:]
+    measured = summary.metrics[warmup:-1]
     walls = [m["perf/step_seconds"] for m in measured]
     phase_names = sorted({k.removeprefix("timing/") for m in measured for k in m if k.startswith("timing/")})
     return {
@@ -184,14 +188,23 @@ def main() -> None:
         "shape": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES, "response_tokens": RESPONSE_TOKENS},
         "measured_steps": steps,
         "quick": args.quick,
-        "plain_loop": plain_loop(model, rows, steps, warmup),
     }
+    plain_before = plain_loop(model, rows, steps, warmup)
     # One embedded Ray for both runs, sized for the larger (it cannot grow once started).
     init_local_ray(resource_pools(job_spec(workdir, model, data, 2, 1), simulated=True))
     for gpus in (1, 2):
         figures[f"hybridflow_{gpus}gpu"] = hybridflow_run(
-            job_spec(workdir, model, data, gpus, warmup + steps), warmup
+            job_spec(workdir, model, data, gpus, warmup + steps + 1), warmup
         )
+    # The baseline runs before and after hybridflow's runs: a load that drifts over the minutes of
+    # the bench weighs on both sides alike. Its figure is the mean of the two runs.
+    plain_after = plain_loop(model, rows, steps, warmup)
+    figures["plain_loop"] = {
+        "tokens_per_second": round(
+            statistics.mean([plain_before["tokens_per_second"], plain_after["tokens_per_second"]]), 1
+        ),
+        "runs": [plain_before, plain_after],
+    }
     plain = figures["plain_loop"]["tokens_per_second"]
     best = max(figures[f"hybridflow_{g}gpu"]["tokens_per_second"] for g in (1, 2))
     figures["plain_loop_tokens_per_second"] = plain

@@ -11,8 +11,9 @@ Triggers, each running :func:`hybridflow_operator.reconcile.reconcile` for one j
   (``metadata.generation``), deletion, or operator-owned status keys that differ from what
   this process last wrote. A ``status.progress`` push by the controller changes none of those
   and triggers nothing, nor does the echo of the operator's own status write;
-* any event of a RayJob labelled as ours (KubeRay's state moves the phase), and the deletion of
-  any other child (it is recreated);
+* any event of a RayJob labelled as ours (KubeRay's state moves the phase), except the watch
+  delivering a RayJob this process just created (:meth:`JobCache.own_create_echo`), and the
+  deletion of any other child (it is recreated);
 * the job's recheck time: each pass returns when a time-based transition is due (retry
   backoff, deadline, TTL), or a bounded exponential backoff after a failed API request, and
   :class:`Scheduler` runs that job's next pass then. There is no periodic sweep over all jobs.
@@ -44,7 +45,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
@@ -136,6 +137,26 @@ class JobCache:
         self.children: defaultdict[JobKey, dict[tuple[str, str], dict[str, Any]]] = defaultdict(dict)
         self.written: dict[JobKey, RLHFJobStatus] = {}
         """The status each job's last pass left stored, until the watch delivers it."""
+        self.created: dict[JobKey, set[str]] = {}
+        """RayJobs each job's passes created, until the watch delivers them (:meth:`own_create_echo`)."""
+
+    def own_create_echo(
+        self, key: JobKey, name: str, event_type: str | None, body: Mapping[str, Any]
+    ) -> bool:
+        """Is this RayJob event the watch delivering a RayJob this process created?
+
+        Such an ADDED event (no status yet) holds nothing the creating pass did not know, so it
+        triggers no pass. A pass there would also race the watches of the children created just
+        before the RayJob: one that had not delivered its child yet made the pass create it again
+        (409, then a read). Any other event of that RayJob ends the wait for the echo.
+        """
+        pending = self.created.get(key)
+        if not pending or name not in pending:
+            return False
+        pending.discard(name)
+        if not pending:
+            del self.created[key]
+        return event_type == "ADDED" and not body.get("status")
 
     def put_child(self, body: Mapping[str, Any], deleted: bool) -> JobKey | None:
         meta = body.get("metadata") or {}
@@ -147,7 +168,7 @@ class JobCache:
         if deleted:
             self.children[key].pop(child, None)
         else:
-            self.children[key][child] = dict(body)
+            self.children[key][child] = _cached_form(body)
         return key
 
     def relevant_job_change(self, key: JobKey, body: Mapping[str, Any]) -> bool:
@@ -170,10 +191,49 @@ class JobCache:
         return stored != _owned_status(old.get("status"))
 
 
+def _cached_form(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the cache keeps of a child: everything a pass reads of it.
+
+    A RayJob keeps its metadata, ``spec.suspend`` and status (``ObservedRayJob`` reads no more):
+    its pod templates, nine tenths of it, are the operator's own output and never read back,
+    and at thousands of jobs they were most of the operator's memory and of what each of the
+    garbage collector's full passes walked. Other children are kept whole (a ConfigMap's data is
+    compared with what it should hold).
+    """
+    raw = dict(body)
+    if raw.get("kind") != "RayJob":
+        return raw
+    spec = raw.get("spec") or {}
+    return {
+        "apiVersion": raw.get("apiVersion"),
+        "kind": "RayJob",
+        "metadata": raw.get("metadata") or {},
+        "spec": {"suspend": spec.get("suspend", False)},
+        "status": raw.get("status") or {},
+    }
+
+
 def _owned_status(status: object) -> dict[str, Any]:
     if not isinstance(status, Mapping):
         return {}
     return {key: status.get(key) for key in OPERATOR_OWNED_KEYS if status.get(key) not in (None, [], {})}
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's diff base, kept empty: it serves on.create/on.update/on.resume handlers, and this
+    operator has none (every handler is on.event, and :class:`JobCache` tells what changed). kopf
+    still builds one for every event it processes, a deep copy of the whole body (a RayJob's pod
+    templates included) and a second one to clean it; an empty one costs nothing. Nothing is
+    stored on any object."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return kopf.BodyEssence()
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
 
 
 class Scheduler:
@@ -259,9 +319,14 @@ def register(
     leader = LeaderElection.from_config(config, api) if config.leader_election else None
     ready = threading.Event()
 
-    def run(key: JobKey, trigger: str) -> ReconcileResult | None:
+    def run(key: JobKey, trigger: str, skip: Callable[[], bool] | None = None) -> ReconcileResult | None:
+        """One pass for ``key`` under its lock; none when ``skip`` (asked under the lock) says so."""
         if leader is not None and not leader.is_leader:
             return None
+        if skip is not None:
+            with locks[key]:  # after any pass of this job in flight, which records what it created
+                if skip():
+                    return None
         started = time.monotonic()
         metrics.reconciles.labels(trigger=trigger).inc()
         result: ReconcileResult | None = None
@@ -281,6 +346,9 @@ def register(
                     last_written=cache.written.get(key),
                     retry_policy=config.retry_policy,
                 )
+                rayjobs = {name for kind, name in result.created if kind == "RayJob"}
+                if rayjobs:
+                    cache.created[key] = cache.created.get(key, set()) | rayjobs
                 if result.status is not None:
                     cache.written[key] = result.status
                     metrics.observe_attempts(f"{key[0]}/{key[1]}", result.status.attempts)
@@ -321,7 +389,7 @@ def register(
         # The reconcile writes status itself; kopf must not add its own annotations or events.
         settings.posting.enabled = False
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="hybridflow.io")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="hybridflow.io")
+        settings.persistence.diffbase_storage = NoDiffBase()
         for group, version, plural, _kind in CHILD_KINDS:
             # Server-side filtering: the operator never lists or watches other ConfigMaps, Roles...
             settings.watching.label_selectors[(group, plural) if group else (version, plural)] = (
@@ -348,6 +416,7 @@ def register(
     def forget_job(key: JobKey) -> None:
         cache.jobs.pop(key, None)
         cache.written.pop(key, None)
+        cache.created.pop(key, None)
         scheduler.forget(key)
         metrics.observe_phase(f"{key[0]}/{key[1]}", None)
 
@@ -384,7 +453,10 @@ def register(
             if type == "DELETED" and job_is_gone(key):
                 forget_job(key)
                 return
-            if kind == "RayJob" or type == "DELETED":
+            if kind == "RayJob":
+                name = str((body.get("metadata") or {}).get("name"))
+                run(key, "rayjob", skip=lambda: cache.own_create_echo(key, name, type, body))
+            elif type == "DELETED":
                 run(key, kind.lower())
 
         child_changed.__name__ = f"{kind.lower()}_changed"

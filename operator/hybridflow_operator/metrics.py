@@ -107,18 +107,21 @@ class OperatorMetrics:
         self._lock = threading.Lock()
 
     def observe_phase(self, job_key: str, phase: str | None) -> None:
-        """Record ``job_key``'s phase (None: the job is gone) and refresh the per-phase gauge."""
+        """Record ``job_key``'s phase (None: the job is gone) and move it between the per-phase
+        gauge's counts (called after every pass: its cost must not grow with the number of jobs)."""
         with self._lock:
+            old = self._phases.get(job_key)
             if phase is None:
                 self._phases.pop(job_key, None)
                 self._forget_attempts(job_key)
             else:
                 self._phases[job_key] = phase
-            counts: dict[str, int] = {}
-            for value in self._phases.values():
-                counts[value] = counts.get(value, 0) + 1
-            for label in {*counts, *(s.labels["phase"] for m in self.jobs.collect() for s in m.samples)}:
-                self.jobs.labels(phase=label).set(counts.get(label, 0))
+            if old == phase:
+                return
+            if old is not None:
+                self.jobs.labels(phase=old).dec()
+            if phase is not None:
+                self.jobs.labels(phase=phase).inc()
 
     def observe_attempts(self, job_key: str, attempts: int) -> None:
         """Record the attempts ``job_key`` (``namespace/name``) has made so far."""

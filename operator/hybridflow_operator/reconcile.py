@@ -36,6 +36,9 @@ can run any number of times: a pass that finds the world as it wants it writes n
    patch of its own after Kueue suspended it (``hybridflow_operator.status``, "The deadline clock");
 7. patch the status (operator-owned keys only, against the status the operator last wrote, so a
    cache that lags behind our own write causes no second write) and emit the decision's events.
+   A brand-new job's first status waits for KubeRay's first status of its RayJob, up to
+   ``status.PENDING_WRITE_DELAY_SECONDS`` (``StatusDecision.hold_status_seconds``): a Pending
+   that KubeRay replaces within a second is a write per job nobody sees.
 
 Every failed request, including the status patch and the Events of step 7, is also returned in
 ``ReconcileResult.failures``, which the caller logs with the API's reason and counts in its
@@ -92,6 +95,8 @@ class ReconcileResult:
     """The status this pass left stored (what it wrote, or found right): the next pass's base."""
     failures: tuple[ApiError, ...] = ()
     """Every request of this pass that failed, in order, for the caller's log and metrics."""
+    created: tuple[tuple[str, str], ...] = ()
+    """(kind, name) of each child this pass created (answered 201), for the caller's caches."""
 
 
 def _source(body: Mapping[str, Any]) -> str:
@@ -175,6 +180,7 @@ def reconcile(
     current = last_written if last_written is not None else stored
     writes = 0
     failures: list[ApiError] = []
+    created: list[tuple[str, str]] = []
 
     def finish(
         status: RLHFJobStatus,
@@ -193,7 +199,13 @@ def reconcile(
                 # No condition can say so (the status is what failed): the caller logs and counts it.
                 failures.append(err)
                 return ReconcileResult(
-                    current.phase, writes, recheck, failed=True, status=None, failures=tuple(failures)
+                    current.phase,
+                    writes,
+                    recheck,
+                    failed=True,
+                    status=None,
+                    failures=tuple(failures),
+                    created=tuple(created),
                 )
         for event in events:
             try:
@@ -203,7 +215,13 @@ def reconcile(
                 failures.append(err)
                 failed = True  # Events are best effort, but say so: the caller retries with backoff
         return ReconcileResult(
-            status.phase, writes, recheck, failed=failed, status=status, failures=tuple(failures)
+            status.phase,
+            writes,
+            recheck,
+            failed=failed,
+            status=status,
+            failures=tuple(failures),
+            created=tuple(created),
         )
 
     try:
@@ -265,6 +283,7 @@ def reconcile(
             if existing is None:
                 if cluster.create(child):
                     writes += 1
+                    created.append((kind, name))
                     if kind == "RayJob":
                         status = with_rayjob_created(current, status, now=now)
                     continue
@@ -307,4 +326,10 @@ def reconcile(
     recheck = decision.recheck_after_seconds
     ttl = ttl_remaining_seconds(spec, status, now)
     recheck = _min(recheck, ttl)
+    if decision.hold_status_seconds is not None and problem is None and not retry and not events:
+        # A new job's first status waits for KubeRay's first word (status.pending_hold_seconds):
+        # the pass its RayJob event triggers writes it, or the recheck writes Pending.
+        return ReconcileResult(
+            status.phase, writes, recheck, status=current, failures=tuple(failures), created=tuple(created)
+        )
     return finish(status, tuple(events), recheck, failed=problem is not None or retry)

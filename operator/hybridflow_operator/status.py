@@ -54,7 +54,9 @@ A KubeRay state maps to a phase as follows (KubeRay v1.7 ``JobDeploymentStatus``
 RayJob ``jobDeploymentStatus``          RLHFJob phase
 =====================================  =========================================
 ``""`` (New), ``Scheduling``,           Pending (Queued/Suspended when the RayJob
-``Scheduled``                           is created suspended)
+``Scheduled``                           is created suspended); a new job's first
+                                        status waits up to 5 s for KubeRay's first
+                                        word (:func:`pending_hold_seconds`)
 ``Initializing``, ``Waiting``           Initializing
 ``Running``                             Running once Ray's ``jobStatus`` is RUNNING
                                         (or terminal, until KubeRay catches up);
@@ -522,6 +524,10 @@ class StatusDecision:
     record_active_time: ActiveTime | None = None
     """A record to write onto the current RayJob (:data:`ACTIVE_TIME_ANNOTATION`): Kueue suspended it,
     ending a running period the operator did not end itself."""
+    hold_status_seconds: float | None = None
+    """Set when the status need not be written yet (:func:`pending_hold_seconds`): a new job whose
+    first RayJob waits for KubeRay's first status. The pass writes nothing to the status unless
+    it has a problem to report; the recheck comes when this runs out."""
 
     @property
     def retrying(self) -> bool:
@@ -541,6 +547,43 @@ class _Outcome:
     retryable: bool = False
     reason: str = ""
     message: str = ""
+
+
+PENDING_WRITE_DELAY_SECONDS = 5.0
+"""How long a new job's first RayJob may wait for KubeRay before the job's status says Pending."""
+
+
+def pending_hold_seconds(
+    current: RLHFJobStatus,
+    phase: Phase,
+    attempt: int,
+    latest: ObservedRayJob | None,
+    *,
+    creating: bool,
+    now: datetime,
+) -> float | None:
+    """Seconds the status write of a brand-new job may wait for KubeRay's first word, or None.
+
+    A job's first status would say Pending: its first RayJob exists (or is created by this pass)
+    and KubeRay has not written the RayJob's status yet. KubeRay does that on its first look at
+    the RayJob, normally within a second (Initializing; Suspended for a queued job, which is not
+    Pending here), and the pass that RayJob event triggers writes the whole status then: a
+    Pending written before it would show for no time a person can see and cost one write per
+    job. So a job that has no phase yet stays without one for up to
+    :data:`PENDING_WRITE_DELAY_SECONDS` from its first RayJob's creation; if KubeRay has not moved
+    it by then, the recheck writes Pending (KubeRay is slow, down or missing its controller). Only
+    for a job with no phase (nothing written yet, nothing to keep up to date), attempt 1 and
+    KubeRay's New state; any problem (a failed child, a name conflict) is written at once.
+    """
+    if current.phase is not None or phase != "Pending" or attempt != 1:
+        return None
+    if creating:
+        return PENDING_WRITE_DELAY_SECONDS
+    if latest is None or latest.job_deployment_status != DEPLOYMENT_NEW or latest.created_at is None:
+        return None
+    waited = max(0.0, (_now(now) - _now(latest.created_at)).total_seconds())
+    left = PENDING_WRITE_DELAY_SECONDS - waited
+    return left if left > 0 else None
 
 
 def _waiting_phase(spec: RLHFJobSpec, suspended: bool) -> Phase:
@@ -886,7 +929,16 @@ def desired_status(
         }
     )
     events = _phase_event(current.phase, phase, new_name, attempt_text, event_detail)
-    return StatusDecision(status, start_attempt, events, recheck, stop_rayjob, record)
+    hold = (
+        None
+        if reason
+        else pending_hold_seconds(
+            current, phase, attempts_started, latest, creating=start_attempt == 1, now=now
+        )
+    )
+    if hold is not None:
+        recheck = hold if recheck is None else min(recheck, hold)
+    return StatusDecision(status, start_attempt, events, recheck, stop_rayjob, record, hold)
 
 
 def invalid_spec_status(

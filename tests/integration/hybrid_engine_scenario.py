@@ -8,7 +8,8 @@ t_g from argv, default 1) + reference through :func:`hybridflow.trainer.roles.jo
 GRPO steps through :func:`hybridflow.algorithms.grpo.train_step` with the runner's reshard
 metrics, then compares greedy generation after a reshard with HF ``generate`` on the actor's
 gathered full weights; finally one PPO step (megatron critic) through
-:func:`hybridflow.trainer.runner.run_training`, with its checkpoint. Writes
+:func:`hybridflow.trainer.runner.run_training`, with its checkpoint, the actor's parameters and
+optimizer state offloaded during generation. Writes
 ``WORK_DIR/result.json``.
 
 It is a separate process so that the shim and this Ray instance never touch the pytest
@@ -165,6 +166,9 @@ def main(work: Path, rollout_tp: int) -> None:
 
     doc = manifest(work, rollout_tp, "ppo-tiny.yaml")
     doc["spec"]["training"]["totalSteps"] = 1
+    # The actor's parameters leave the device while the engine generates: the rollout then
+    # generates from a copy of the rank's own blocks instead of reading them in place.
+    doc["spec"]["training"]["offloadDuringGeneration"] = {"parameters": True, "optimizerState": True}
     doc["spec"]["outputDir"] = str(work / "run")
     summary = run_training(parse_job_manifest(doc, "scenario").spec, simulated=True, on_step=print)
     result["run_training"] = summary.metrics

@@ -32,6 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
@@ -191,6 +193,15 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
             for name, tensor in bucket
         }
         whole = full_state_dict(model)
+        torch.manual_seed(0)  # the same weights on both ranks, as shard_model requires
+        odd = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5))  # 3 and 5 rows: rank 1 holds fewer
+        odd_reference = {name: tensor.clone() for name, tensor in odd.state_dict().items()}
+        fully_shard(odd, mesh=init_device_mesh("cpu", (WORLD_SIZE,)))
+        odd_gathered = {
+            name: tensor
+            for bucket in iter_full_weight_buckets(odd, bucket_bytes=1 << 20, dtype=torch.float64)
+            for name, tensor in bucket
+        }
         assert names == list(reference), "names and order must be the HF state_dict's"
         assert all(torch.equal(gathered[name], tensor) for name, tensor in reference.items())
         assert all(size <= BUCKET_BYTES or count == 1 for count, size in sizes), sizes
@@ -199,6 +210,10 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
         assert all(
             torch.equal(as_bf16[name], tensor.to(torch.bfloat16)) for name, tensor in reference.items()
         )
+        assert odd_gathered.keys() == odd_reference.keys()
+        assert all(
+            torch.equal(odd_gathered[name], tensor.double()) for name, tensor in odd_reference.items()
+        ), "uneven rows (padded chunks) must be cut back to the full shape"
 
     def train() -> None:
         # Reference: the whole batch, both halves accumulated, loss normalised by the global

@@ -285,6 +285,47 @@ def test_watch_with_a_selector_sees_objects_enter_and_leave_it(cluster: Emulated
     assert events == [("DELETED", "leaves"), ("ADDED", "enters")]
 
 
+def test_two_watchers_of_a_resource_get_the_same_events(cluster: EmulatedCluster) -> None:
+    """Each event is encoded once and shared; each watcher still sees it as its filter does."""
+    create_job(cluster, "a", labels={"tier": "gpu"})
+    version = cluster.custom.list_namespaced_custom_object(*RLHFJOBS, NAMESPACE, "rlhfjobs")["metadata"]
+    cluster.custom.patch_namespaced_custom_object(
+        *RLHFJOBS, NAMESPACE, "rlhfjobs", "a", {"metadata": {"labels": {"tier": "cpu"}}}
+    )
+    since = version["resourceVersion"]
+    assert watch_events(cluster, 1, resource_version=since) == [("MODIFIED", "a")]
+    assert watch_events(cluster, 1, resource_version=since) == [("MODIFIED", "a")]
+    assert watch_events(cluster, 1, resource_version=since, label_selector="tier=gpu") == [("DELETED", "a")]
+
+
+def test_a_tests_own_reactions_answer_before_the_emulation(cluster: EmulatedCluster) -> None:
+    """kmock's reactions keep their meaning: one answers every request its filters match (a
+    method and path, or any predicate), and the emulation serves everything else."""
+    create_job(cluster, "a")
+    create_job(cluster, "b")
+    path = f"/apis/hybridflow.io/v1alpha1/namespaces/{NAMESPACE}/rlhfjobs"
+    cluster.emulator[f"get {path}/a"] << 503
+    cluster.emulator[lambda request: request.name == "b" and request.method.value == "PATCH"] << 429
+    for _ in range(2):
+        with pytest.raises(ApiException) as unavailable:
+            get_job(cluster, "a")
+        assert unavailable.value.status == 503
+    with pytest.raises(ApiException) as throttled:
+        cluster.custom.patch_namespaced_custom_object(
+            *RLHFJOBS, NAMESPACE, "rlhfjobs", "b", {"spec": {"steps": 3}}
+        )
+    assert throttled.value.status == 429
+    assert get_job(cluster, "b")["metadata"]["name"] == "b"
+    cluster.custom.patch_namespaced_custom_object(
+        *RLHFJOBS, NAMESPACE, "rlhfjobs", "a", {"spec": {"steps": 3}}
+    )
+    steps = {
+        job["metadata"]["name"]: job["spec"]["steps"]
+        for job in cluster.emulator.objects_of(*RLHFJOBS[:1], "rlhfjobs")
+    }
+    assert steps == {"a": 3, "b": 3}  # kmock applies a write even when a reaction answers it
+
+
 # --- deletion ---------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.integration
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 4
-JOB_DEADLINE_SECONDS = 240
+JOB_DEADLINE_SECONDS = 420
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 CHECKS = [
@@ -55,10 +56,14 @@ CHECKS = [
     "train_step_matches_hf_and_tp1",
     "checkpoint_round_trip_continues_identically",
     "checkpoint_loads_into_another_layout",
+    "distributed_optimizer_shards_adam_state_over_dp",
+    "distributed_optimizer_steps_like_the_non_distributed_one",
+    "distributed_optimizer_checkpoint_resumes_exactly_at_dp2",
     "non_finite_grad_skips_the_step_everywhere",
     "activation_checkpointing_gives_the_same_step",
     "chunked_vocab_parallel_logprobs_equal_the_full_softmax",
     "offload_round_trip_continues_identically",
+    "training_shard_reaches_generation_without_a_copy",
 ]
 
 ROWS = 8
@@ -177,6 +182,8 @@ def run_checks(rank: int, port: int, root: str) -> None:
         world_size=WORLD_SIZE,
         timeout=COLLECTIVE_TIMEOUT,
     )
+    from megatron.core import parallel_state
+
     from hybridflow.backends import megatron as mb
     from hybridflow.backends.megatron.config import DecoderArch
     from hybridflow.backends.megatron.convert import units
@@ -204,9 +211,12 @@ def run_checks(rank: int, port: int, root: str) -> None:
         rows = slice(layout.dp_rank * ROWS // layout.dp_size, (layout.dp_rank + 1) * ROWS // layout.dp_size)
         return {name: tensor[rows] for name, tensor in data.items()}
 
-    def trainer(directory: Path, *, activation_checkpointing: bool = False) -> tuple[Any, Any, Any]:
+    def trainer(
+        directory: Path, *, activation_checkpointing: bool = False, distributed_optimizer: bool = True
+    ) -> tuple[Any, Any, Any]:
         model = mb.wrap_data_parallel(
-            mb.load_causal_lm(directory, activation_checkpointing=activation_checkpointing)
+            mb.load_causal_lm(directory, activation_checkpointing=activation_checkpointing),
+            distributed_optimizer=distributed_optimizer,
         )
         optimizer = mb.build_optimizer(
             model, learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
@@ -404,6 +414,7 @@ def run_checks(rank: int, port: int, root: str) -> None:
         resumed = train_step(restored, layout, refs["data"]["second"])
         after = mb.full_state_dict(model), mb.full_state_dict(restored[0])
         shared["saved"] = same_after_load[1]
+        shared["continued"] = after[0]
         assert_same(*same_after_load, atol=0.0)
         assert restored[2].last_epoch == scheduler.last_epoch == 2
         assert restored[2].get_last_lr() == scheduler.get_last_lr()
@@ -413,16 +424,116 @@ def run_checks(rank: int, port: int, root: str) -> None:
         assert {".metadata", "common.pt", "metadata.json"} <= set(files), files
 
     def reshard_checkpoint() -> None:
-        # Saved by TP=2 x PP=2 above; loaded by TP=1 x PP=2 (DP=2) and by TP=1 (DP=4).
+        # Saved by TP=2 x PP=2 above (DP=1); loaded by TP=1 x PP=2 (DP=2) and by TP=1 (DP=4),
+        # whose distributed optimizers split the state 2 and 4 ways: the weights are the saved
+        # ones, and the next step (which reads Adam's moments and step) is the one the saving
+        # layout took, up to the summation order of another layout.
         loaded = []
         for tp, pp in ((1, 2), (1, 1)):
-            mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
             restored = trainer(qwen)
             mb.load_train_state(work / "train-state", *restored)
-            loaded.append(mb.full_state_dict(restored[0]))
+            state = mb.full_state_dict(restored[0])
+            train_step(restored, layout, refs["data"]["second"])
+            loaded.append((state, mb.full_state_dict(restored[0])))
             mb.destroy_parallel_state()
-        for state in loaded:
+        for state, stepped in loaded:
             assert_same(state, shared["saved"], atol=0.0)
+            assert_same(stepped, shared["continued"], atol=1e-6)
+
+    def optimizer_state_bytes(parts: tuple[Any, Any, Any]) -> tuple[int, int]:
+        """(bytes of this rank's Adam moments, bytes of its model parameters), measured from the tensors.
+
+        The moments are the optimizer state tensors with a dimension; the 0-d step counters
+        (4 bytes per parameter range) are left out.
+        """
+        model, optimizer, _ = parts
+        state = [t for t in mb.offload_tensors(model, optimizer)[1] if t.dim() > 0]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
+        return sum(storages.values()), sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def sharded_state() -> None:
+        # One step in each layout (Adam's state exists from the first step on), then every rank's
+        # measured state bytes against its parameter bytes: 2x (two fp32 moments) at DP=1,
+        # split over the DP group at DP=2 and 4; the non-distributed optimizer holds 2x at DP=2.
+        measured = {}
+        for tp, pp, distributed in ((2, 2, True), (2, 1, True), (1, 1, True), (2, 1, False)):
+            layout = mb.initialize_parallel_state(tp_size=tp, pp_size=pp)
+            parts = trainer(qwen, distributed_optimizer=distributed)
+            train_step(parts, layout, first)
+            state, params = optimizer_state_bytes(parts)
+            group = [torch.zeros(2, dtype=torch.int64) for _ in range(layout.dp_size)]
+            dist.all_gather(
+                group, torch.tensor([state, params]), group=parallel_state.get_data_parallel_group()
+            )
+            measured[(tp, pp, distributed)] = (layout.dp_size, state, params, [g.tolist() for g in group])
+            mb.destroy_parallel_state()
+        for (tp, pp, distributed), (dp, state, params, group) in measured.items():
+            if not distributed:
+                assert state == 2 * params, (tp, pp, state, params)
+                continue
+            # Every moment of every parameter is held exactly once in the DP group...
+            assert all(other_params == params for _, other_params in group)
+            assert sum(other_state for other_state, _ in group) == 2 * params, (tp, pp, group)
+            # ...and each rank holds 1/d of it (megatron's buckets align the ranges, hence 1%).
+            assert abs(state - 2 * params / dp) <= 0.01 * 2 * params / dp, (tp, pp, state, params)
+        ratio = {dp: state / params for (_, _, d), (dp, state, params, _) in measured.items() if d}
+        assert ratio[1] == 2.0
+        assert ratio[2] / ratio[1] == pytest.approx(0.5, rel=0.01), ratio
+        assert ratio[4] / ratio[1] == pytest.approx(0.25, rel=0.02), ratio
+        non_distributed = measured[(2, 1, False)]
+        assert measured[(2, 1, True)][1] <= 0.51 * non_distributed[1]
+
+    def distributed_like_non_distributed() -> None:
+        # Three steps at DP=2 (TP=2) and DP=4 with each optimizer: the same losses, norms and
+        # weights up to fp32 rounding (reduce-scatter vs all-reduce order).
+        runs: dict[tuple[int, bool], list[Any]] = {}
+        for tp in (2, 1):
+            for distributed in (True, False):
+                layout = mb.initialize_parallel_state(tp_size=tp, pp_size=1)
+                parts = trainer(qwen, distributed_optimizer=distributed)
+                figures = []
+                for data in (first, refs["data"]["second"], first):
+                    figures.append(train_step(parts, layout, data))
+                runs[(tp, distributed)] = [figures, mb.full_state_dict(parts[0])]
+                mb.destroy_parallel_state()
+        for tp in (2, 1):
+            (figures, state), (expected_figures, expected_state) = runs[(tp, True)], runs[(tp, False)]
+            for (loss, norm), (expected_loss, expected_norm) in zip(figures, expected_figures, strict=True):
+                assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
+                assert norm == pytest.approx(expected_norm, rel=1e-5)
+            assert_same(state, expected_state, atol=1e-6)
+            assert any(not torch.equal(state[k], v) for k, v in refs["state"].items())  # it trained
+
+    def distributed_checkpoint() -> None:
+        # TP=2, DP=2: each DP rank holds half of Adam's state. Save after a step, load into a fresh
+        # trainer of the same layout: the same weights and state, bit for bit, and the next step too.
+        layout = mb.initialize_parallel_state(tp_size=2, pp_size=1)
+        model, optimizer, scheduler = trainer(qwen)
+        train_step((model, optimizer, scheduler), layout, first)
+        directory = work / "train-state-dp2"
+        mb.save_train_state(directory, model, optimizer, scheduler)
+        restored = trainer(qwen)
+        mb.load_train_state(directory, *restored)
+        saved, loaded = torch_optimizer(optimizer), torch_optimizer(restored[1])
+        pairs = [
+            (mine, theirs)
+            for group, other in zip(saved.param_groups, loaded.param_groups, strict=True)
+            for mine, theirs in zip(group["params"], other["params"], strict=True)
+        ]
+        same_state = all(
+            torch.equal(mine, theirs)
+            and sorted(saved.state[mine]) == sorted(loaded.state[theirs])
+            and all(torch.equal(value, loaded.state[theirs][key]) for key, value in saved.state[mine].items())
+            for mine, theirs in pairs
+        )
+        continued = train_step((model, optimizer, scheduler), layout, refs["data"]["second"])
+        resumed = train_step(restored, layout, refs["data"]["second"])
+        after = mb.full_state_dict(model), mb.full_state_dict(restored[0])
+        assert same_state and pairs
+        assert resumed == continued
+        assert_same(after[1], after[0], atol=0.0)
+        shutil.rmtree(directory, ignore_errors=True)
 
     def non_finite() -> None:
         layout = mb.initialize_parallel_state(tp_size=2, pp_size=1)
@@ -436,8 +547,10 @@ def run_checks(rank: int, port: int, root: str) -> None:
             return policy_loss(log_probs, entropy, part, 1.0 / tokens), {}
 
         mb.forward_backward(model, [mine], loss_fn, response_len=RESPONSE_WIDTH)
-        if rank == 0:  # poison one shard of one gradient on one rank only
-            mb.unwrap(model).decoder.layers[0].mlp.linear_fc1.weight.main_grad.fill_(float("nan"))
+        if rank == 0:  # poison the gradients of one rank only (the distributed optimizer reads
+            # only the range of the reduced gradients this rank owns: poison all of them)
+            for parameter in mb.unwrap(model).parameters():
+                parameter.main_grad.fill_(float("nan"))
         norm = mb.clip_grad_norm_and_step(model, optimizer, scheduler, max_grad_norm=MAX_GRAD_NORM)
         after = mb.full_state_dict(model)
         assert norm != norm, f"rank {rank} saw norm {norm}"  # NaN everywhere: the norm is global
@@ -520,6 +633,151 @@ def run_checks(rank: int, port: int, root: str) -> None:
         assert_same(mb.full_state_dict(moved[0]), mb.full_state_dict(plain[0]), atol=0.0)
         assert torch_optimizer(moved[1]).state
 
+    def shard_to_generation() -> None:
+        # The 3D-HybridEngine fed from megatron's own parameters (DDP with the distributed
+        # optimizer keeps them in one flat buffer): TP=2 (one key/value group per rank: every
+        # block a view) and TP=1 (two groups: q/k/v copied), both gathered into t_g = 1.
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        from hybridflow.mesh import DeviceMesh
+        from hybridflow.resharding import DecoderSpec, decoder_layout, hybridflow_plan
+        from hybridflow.resharding.meter import TrafficMeter
+        from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCache
+
+        class Allocations(TorchDispatchMode):
+            """Bytes of the fresh storages torch ops create (the transfer's temporaries), per window."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.window = 0
+                self.largest = 0
+                self.seen: set[int] = set()
+
+            def close_window(self) -> None:
+                # Freed storages' addresses may be reused by the next window's allocations.
+                self.largest, self.window, self.seen = max(self.largest, self.window), 0, set()
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                inputs = {
+                    leaf.untyped_storage().data_ptr()
+                    for leaf in tree_flatten((args, kwargs))[0]
+                    if isinstance(leaf, torch.Tensor)
+                }
+                for tensor in tree_flatten(out)[0]:
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        # A view or an in-place result shares an input's storage: not an allocation.
+                        if storage.data_ptr() not in inputs | self.seen:
+                            self.seen.add(storage.data_ptr())
+                            self.window += storage.nbytes()
+                return out
+
+        outcomes_by_layout = []
+        # Qwen2 (2 key/value groups): one group per TP rank, every block a view. Llama (4 groups):
+        # two per rank, whose q/k/v megatron interleaves, so those are copies.
+        for arch, directory, state in (
+            ("qwen2", qwen, refs["state"]),
+            ("llama", llama, torch.load(work / "llama_state.pt", weights_only=True)),
+        ):
+            config = SimpleNamespace(**json.loads((directory / "config.json").read_text()))
+            spec_layout = decoder_layout(DecoderSpec.from_hf_config(config))
+            mb.initialize_parallel_state(tp_size=2, pp_size=1)
+            model = mb.wrap_data_parallel(mb.load_causal_lm(directory))
+            train = mb.current_layout().mesh()
+            plan = hybridflow_plan(spec_layout, train, DeviceMesh.generation(train, pp=1, tp=1))
+            blocks = plan.rank(rank).training
+            shard = mb.training_shard(model, blocks)
+            live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            views = sum(
+                tensor.nbytes for _, tensor in shard.tensors() if tensor.untyped_storage().data_ptr() in live
+            )
+            copied = mb.shard_copy_bytes(model, shard)
+            qkv = sum(b.numel * 4 for b in blocks if any(f"{x}_proj" in b.name for x in "qkv"))
+            meter = TrafficMeter()
+            resharder = Resharder(plan, rank, SubgroupCache(), meter)
+            # The whole shard at once, as the torch TP engine reads it: own blocks in place.
+            generation, stats = resharder.to_generation(shard)
+            whole_exact = all(
+                torch.equal(generation.tensor(name), state[name][generation.slice(name).index()])
+                for name in generation.names()
+            )
+            resharder.to_training(generation, shard)
+            # Bucket by bucket into memory the consumer already holds (as vLLM does), fp32 and bf16.
+            bucketed = {}
+            for dtype in (torch.float32, torch.bfloat16):
+                engine = {
+                    want.name: torch.empty(want.shape, dtype=dtype) for want, _ in plan.rank(rank).generation
+                }
+                record, before, allocations = BucketRecord(), meter.total, Allocations()
+                in_place = 0  # bytes of the buckets' pieces that are megatron's own parameter memory
+                with allocations:
+                    for bucket in resharder.generation_buckets(
+                        shard, bucket_bytes=BUCKET_BYTES // 3, dtype=dtype, record=record
+                    ):
+                        for name in bucket.names():
+                            want, pieces = bucket.slice(name), bucket.blocks(name)
+                            in_place += sum(
+                                piece.nbytes for piece in pieces if piece.untyped_storage().data_ptr() in live
+                            )
+                            offset = 0
+                            for piece in pieces:
+                                along = want.dim if want.dim is not None else 0
+                                engine[name].narrow(along, offset, piece.shape[along]).copy_(piece)
+                                offset += piece.shape[along]
+                        allocations.close_window()
+                wire = meter.total - before
+                exact = all(
+                    torch.equal(engine[want.name], state[want.name][want.index()].to(dtype))
+                    for want, _ in plan.rank(rank).generation
+                )
+                bucketed[str(dtype)] = (record, wire, allocations.largest, exact, in_place)
+            largest_param = max(want.numel * 4 for want, _ in plan.rank(rank).generation)
+            outcomes_by_layout.append(
+                (arch, stats, whole_exact, views, copied, qkv, bucketed, largest_param, plan)
+            )
+            mb.destroy_parallel_state()
+        for (
+            arch,
+            stats,
+            whole_exact,
+            views,
+            copied,
+            qkv,
+            bucketed,
+            largest_param,
+            plan,
+        ) in outcomes_by_layout:
+            training_bytes = plan.training_bytes(rank).total
+            # Zero copy where megatron's layout allows: everything for qwen2, all but q/k/v for llama.
+            assert copied == (0 if arch == "qwen2" else qkv) and qkv > 0, (arch, copied, qkv)
+            assert views + copied == training_bytes
+            # The whole transfer: exact, reading the rank's own blocks in place, nothing redundant.
+            assert whole_exact
+            assert stats.reused == training_bytes and stats.redundant.total == 0
+            assert stats.wire_received == plan.bytes_received(rank).total
+            fp32_record, fp32_wire, fp32_largest, fp32_exact, fp32_in_place = bucketed[str(torch.float32)]
+            bf16_record, bf16_wire, bf16_largest, bf16_exact, bf16_in_place = bucketed[str(torch.bfloat16)]
+            assert fp32_exact and bf16_exact
+            # fp32 into fp32: every view of the shard reaches the consumer as megatron's own
+            # memory; bf16: none does (each is cast once).
+            assert fp32_in_place == views and bf16_in_place == 0
+            # Bytes on the wire: the plan's in fp32, half of them in bf16 (cast before sending).
+            assert fp32_wire.received == plan.bytes_received(rank).total > 0
+            assert 2 * bf16_wire.received == fp32_wire.received
+            # fp32 into fp32: own blocks handed over as they are; bf16: each cast once.
+            assert fp32_record.cast_bytes == 0 and fp32_record.own_bytes == training_bytes
+            assert bf16_record.cast_bytes == training_bytes // 2 == bf16_record.own_bytes
+            assert fp32_record.buckets > 3
+            # The largest temporary, measured from the storages torch created in a bucket, is the
+            # record's, bounded by the bucket size (or one parameter that fills a bucket alone),
+            # and far below the generation shard the whole transfer would hold.
+            for record, largest in ((fp32_record, fp32_largest), (bf16_record, bf16_largest)):
+                assert largest == record.largest_bucket_bytes, (largest, record)
+                assert 0 < largest <= max(BUCKET_BYTES // 3, largest_param)
+            assert fp32_largest < plan.bytes_received(rank).total / 2
+
     try:
         check("hf_round_trip_is_bit_exact", round_trip)
         check("local_shards_are_the_hf_slices", shards)
@@ -530,6 +788,10 @@ def run_checks(rank: int, port: int, root: str) -> None:
         check("train_step_matches_hf_and_tp1", train, keep_layout=True)
         check("checkpoint_round_trip_continues_identically", checkpoint)
         check("checkpoint_loads_into_another_layout", reshard_checkpoint)
+        check("distributed_optimizer_shards_adam_state_over_dp", sharded_state)
+        check("distributed_optimizer_steps_like_the_non_distributed_one", distributed_like_non_distributed)
+        check("distributed_optimizer_checkpoint_resumes_exactly_at_dp2", distributed_checkpoint)
+        check("training_shard_reaches_generation_without_a_copy", shard_to_generation)
         check("non_finite_grad_skips_the_step_everywhere", non_finite)
         check("activation_checkpointing_gives_the_same_step", recompute)
         check("chunked_vocab_parallel_logprobs_equal_the_full_softmax", chunked_logprobs)

@@ -223,7 +223,13 @@ def test_a_failed_status_patch_is_logged_counted_and_retried(
     cluster.emulator.write_faults = status_patch_fails_twice
     try:
         create_job(cluster, "flaky")
-        wait_until(lambda: phase(cluster, "flaky") == "Pending", message="written after the backoff")
+        # The first status is written after status.PENDING_WRITE_DELAY_SECONDS (nothing moves the
+        # RayJob here), then fails twice and is retried after 1 s and 2 s of backoff.
+        wait_until(
+            lambda: phase(cluster, "flaky") == "Pending",
+            timeout_seconds=30,
+            message="written after the backoff",
+        )
     finally:
         cluster.emulator.write_faults = None
     assert len(failed) == 2 and errors(cluster, "ServiceUnavailable") >= before + 2

@@ -387,3 +387,59 @@ def test_sleep_level_2_discards_weights_and_a_bf16_sync_restores_them(
             (name, tensor.to(torch.bfloat16)) for name, tensor in hf_models[0].state_dict().items()
         )
         assert gpu.generate(PROMPTS, GREEDY) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM's sleep mode)")
+def test_level_2_sleep_releases_and_wake_restores_memory_then_a_bf16_shard_sync_from_the_resharder(
+    model_dirs: tuple[Path, Path], hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    """The job's megatron -> vLLM step on one GPU: level-2 sleep, wake, bucketed bf16 shard sync.
+
+    fp32 training tensors on the GPU (a trainer's) go through ``Resharder.generation_buckets``,
+    which casts them to bf16 before they travel, and ``load_shard`` writes each bucket's pieces
+    into vLLM's parameters. Greedy output then equals a bf16 engine started on those weights.
+    """
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+    from hybridflow.mesh import DeviceMesh
+    from hybridflow.resharding import DecoderSpec, decoder_layout, hybridflow_plan
+    from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCache, TrainingShard
+
+    settings: dict[str, Any] = {
+        "max_model_len": 384,
+        "device": "cuda",
+        "dtype": torch.bfloat16,
+        "gpu_memory_utilization": 0.2,
+    }
+    with VLLMRolloutEngine(model_dirs[1], **settings) as reference:
+        expected = reference.generate(PROMPTS, GREEDY)
+    trainer = {name: tensor.to("cuda") for name, tensor in hf_models[1].state_dict().items()}
+    layout = decoder_layout(DecoderSpec.from_hf_config(hf_models[1].config))
+    train = DeviceMesh.training(1, pp=1, tp=1)
+    plan = hybridflow_plan(layout, train, DeviceMesh.generation(train, pp=1, tp=1))
+    blocks = plan.rank(0).training
+    shard = TrainingShard.of_tensors(
+        blocks, {b.name: trainer[b.name][b.index()].contiguous() for b in blocks}
+    )
+    record, written = BucketRecord(), 0
+    with VLLMRolloutEngine(model_dirs[0], **settings) as gpu:
+        assert gpu.generate(PROMPTS, GREEDY) != expected  # the other model's weights to begin with
+        free_awake, total = torch.cuda.mem_get_info()
+        gpu.sleep(level=2)
+        free_asleep, _ = torch.cuda.mem_get_info()
+        gpu.wake_up()
+        free_woken, _ = torch.cuda.mem_get_info()
+        for bucket in Resharder(plan, 0, SubgroupCache()).generation_buckets(
+            shard, bucket_bytes=64 << 10, dtype=torch.bfloat16, record=record
+        ):
+            written += gpu.load_shard((name, bucket.blocks(name)) for name in bucket.names())
+        output = gpu.generate(PROMPTS, GREEDY)
+    # Level 2 released the weights and the KV cache (most of the 20% the engine took); wake_up
+    # took the memory back.
+    assert free_asleep - free_awake > 0.1 * total
+    assert free_woken < free_asleep - 0.1 * total
+    # The shard travelled in bf16: every training byte cast once, half the fp32 bytes written.
+    fp32_bytes = plan.training_bytes(0).total
+    assert record.cast_bytes == fp32_bytes // 2 == written
+    assert record.buckets > 3
+    assert output == expected

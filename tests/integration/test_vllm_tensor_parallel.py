@@ -91,9 +91,22 @@ def engine_ranks(rank: int, port: int, work: str) -> None:
     other = AutoModelForCausalLM.from_pretrained(Path(work) / "other").eval()
     state = other.state_dict()
     layout = decoder_layout(DecoderSpec.from_hf_config(other.config))
-    shard = [
-        (b.name, state[b.name][b.index()].clone()) for b in layout.shard(1, 2, 0, engine.tensor_parallel_rank)
+    blocks = layout.shard(1, 2, 0, engine.tensor_parallel_rank)
+    shard = [(b.name, state[b.name][b.index()].clone()) for b in blocks]
+    # The later blocks as two pieces each along their split dimension (as a resharding delivers
+    # them: the rank's own rows or columns and a peer's), written into place without a concat.
+    split = [
+        (name, tensor.chunk(2, dim=b.dim) if b.dim is not None else tensor)
+        for b, (name, tensor) in zip(blocks, shard, strict=True)
     ]
+    try:  # pieces that do not tile the block (split along the wrong dimension) are refused
+        column_split = next(b for b in blocks if b.dim == 1)
+        engine.load_shard(
+            [(column_split.name, state[column_split.name][column_split.index()].chunk(2, dim=0))]
+        )
+        refused = False
+    except ValueError:
+        refused = True
 
     class LargestTensor(TorchDispatchMode):
         largest = 0
@@ -109,7 +122,7 @@ def engine_ranks(rank: int, port: int, work: str) -> None:
     engine.wake_up()
     with LargestTensor():
         written = engine.load_shard(shard[:5])
-        written += engine.load_shard(shard[5:])
+        written += engine.load_shard(split[5:])
     prompts = [list(b"Hello"), list(b"The quick brown fox")]
     tokens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0)).response_token_ids
     reference = []
@@ -120,6 +133,7 @@ def engine_ranks(rank: int, port: int, work: str) -> None:
     result = {
         "tp_rank": engine.tensor_parallel_rank,
         "parity": tokens == reference,
+        "bad_tiling_refused": refused,
         "written_bytes": written,
         "shard_bytes": sum(t.numel() * t.element_size() for _, t in shard),
         "largest_numel_while_loading": LargestTensor.largest,
@@ -147,6 +161,7 @@ def test_each_rank_loads_only_its_shard_and_generates_like_hf(tmp_path: Path) ->
     assert sorted(r["tp_rank"] for r in results.values()) == [0, 1]
     for result in results.values():
         assert result["parity"], result
+        assert result["bad_tiling_refused"], result
         assert result["written_bytes"] == result["shard_bytes"]
         # The largest tensor built while loading is a shard: half the vocab-parallel embedding.
         assert result["largest_numel_while_loading"] <= result["full_embedding_numel"] // 2, result
@@ -202,12 +217,35 @@ def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> 
         # t_g = 1: the whole model; t_g = 2 writes half of every split weight and the norms whole.
         assert tg2["loaded_bytes"] < tg1["loaded_bytes"] < 2 * tg2["loaded_bytes"]
         assert tg1["bytes_received"] > 0
+        # t_g = 2: every byte written into vLLM came straight from megatron's parameters.
+        assert tg2["own_bytes"] == tg2["loaded_bytes"] and tg2["largest_bucket_bytes"] == 0
     for stages, gathered_tg1 in zip(
         scenario["megatron-p2-tg1"]["checks"][-1]["transition"], gathered, strict=True
     ):
         # p 2 -> one vLLM stage: each rank receives the other stage (its norms included) and holds the model.
         assert stages["loaded_bytes"] == gathered_tg1["loaded_bytes"]
         assert stages["bytes_received"] > 0
+    for case in ("megatron-tg2", "megatron-tg1", "megatron-p2-tg1"):
+        for check in scenario[case]["checks"]:
+            for transition in check["transition"]:
+                # fp32 into fp32: the shard is views of megatron's parameters, handed over
+                # without a cast, except q/k/v where a rank holds both key/value groups of the
+                # tiny model (t = 1 at p 2): megatron interleaves them per group, so they are a
+                # copy, counted. The transfer's own memory is the receive buffers (one bucket:
+                # the model is below 64 MiB), measured from the tensors it created.
+                copied = transition["packed_copy_bytes"]
+                assert copied == 0 if case != "megatron-p2-tg1" else 0 < copied < transition["own_bytes"] / 4
+                assert transition["cast_bytes"] == 0
+                assert transition["own_bytes"] + transition["bytes_received"] == transition["loaded_bytes"]
+                assert transition["largest_bucket_bytes"] == transition["bytes_received"]
+                assert transition["buckets"] >= 1 and transition["peak_memory_bytes"] >= 0
+        last = scenario[case]["checks"][-1]["transition"]
+        for step in scenario[case]["steps"]:
+            # Redundant is the actor's parameter memory left in place while vLLM generates (no
+            # offload in this manifest), at least the rank's own training blocks, plus any copy.
+            for rank in (0, 1):
+                redundant = step[f"reshard/rank{rank}/redundant_bytes"]
+                assert redundant >= last[rank]["own_bytes"] + last[rank]["packed_copy_bytes"] > 0
 
 
 # --------------------------------------------------------------------------- a learning job

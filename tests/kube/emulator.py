@@ -57,6 +57,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import json
 import re
 import secrets
 import uuid
@@ -69,7 +70,7 @@ import attrs
 import jsonpatch
 import jsonpointer
 import kmock
-from kmock._internal import parsing, rendering
+from kmock._internal import dsl, parsing, rendering
 
 from kube.validation import BuiltinSchemas, Cause, CustomResourceSchema
 
@@ -94,6 +95,8 @@ SERVER_METADATA: Final = (
     "deletionGracePeriodSeconds",
     "generation",
 )
+ENCODED_EVENTS_KEPT: Final = 2048
+"""Watch events kept encoded (the newest): watchers that keep up read the log's tail."""
 # The alphabet and length the API server uses for generateName suffixes (no vowels, no 0/1/3).
 GENERATE_NAME_ALPHABET: Final = "bcdfghjklmnpqrstvwxz2456789"
 GENERATE_NAME_SUFFIX_LENGTH: Final = 5
@@ -460,6 +463,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     ``"applied"`` applies the write, then answers 503 (it died before the answer came back).
     The callable may also act, e.g. kill the writer's process, before it answers."""
     _watch_epoch: int = attrs.field(default=0, init=False)
+    _encoded_events: collections.OrderedDict[tuple[int, str], bytes] = attrs.field(
+        factory=collections.OrderedDict, init=False
+    )
+    _reaction_order: tuple[tuple[int, ...], list[dsl.Reaction]] = attrs.field(
+        factory=lambda: ((), []), init=False
+    )
     # Lookup indexes over kmock's store, so that a request costs the same with 20 or 20,000
     # objects: the keys of each resource (for lists and RBAC) and the key of each uid (for the
     # garbage collector's "does an owner still exist"). Kept by _store(); rebuilt whenever the
@@ -589,7 +598,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         try:
             # Skip KubernetesEmulator._handle (its state changes are replaced above) and go to
             # the reactions, as kmock's own _handle does after its bookkeeping.
-            return await super(kmock.KubernetesEmulator, self)._handle(request)
+            return await self._react(request)
         finally:
             self._write_results.pop(id(request), None)
             self._forget(request)
@@ -694,11 +703,59 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         }
         return aiohttp.web.json_response(body, status=403)
 
+    async def _react(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        # Replaces RawHandler._handle (kmock 0.8), whose only difference is how it asks whether
+        # a reaction sees the request: `request in reaction_source` applies the source's filters
+        # to every request in flight (each open watch included) until it meets this one, once
+        # per reaction, which made reaction matching the costliest part of every request.
+        # The reactions are tried in kmock's order, with kmock's outcomes.
+        for payload in self._reactions_in_order():
+            if not payload._disabled.is_set() and self._reaches(payload._source, request):
+                try:
+                    return await payload(request)
+                except rendering.ReactionMismatchError:  # a depleted stream: try the next one
+                    payload._disabled.set()
+                except NotImplementedError:  # matched, but has nothing to respond with
+                    pass
+        raise NotImplementedError(
+            "no reaction matches the request; add a fallback: `emulator.fallback << 404`"
+        )
+
+    def _reactions_in_order(self) -> list[dsl.Reaction]:
+        """The reactions by descending priority, as RawHandler._handle orders them (stable sort;
+        shorter priority tuples padded with zeros), recomputed only when reactions change."""
+        key = tuple(map(id, self._payloads))
+        if self._reaction_order[0] != key:
+            priorities = [tuple(-p for p in payload.priorities) for payload in self._payloads]
+            width = max((len(priority) for priority in priorities), default=0)
+            padded = [priority + (0,) * (width - len(priority)) for priority in priorities]
+            order = sorted(range(len(padded)), key=lambda index: padded[index])
+            self._reaction_order = (key, [self._payloads[index] for index in order])
+        return self._reaction_order[1]
+
+    def _reaches(self, view: dsl.View, request: kmock.Request) -> bool:
+        """Whether ``view`` (a reaction's source) lets ``request`` through, as
+        ``request in view`` answers: a chain of filters and priority marks over this emulator is
+        decided by the filters' criteria on the request alone; anything else (slices, groups,
+        exclusions, streams), whose answer depends on other requests, asks kmock."""
+        current = view
+        while current is not self:
+            kind = type(current)
+            if kind is dsl.Filter:
+                if not current.criteria(request):
+                    return False
+            elif kind not in (dsl.Priority, dsl.Chained):
+                return request in view
+            current = current._source
+        return True
+
     def _forget(self, request: kmock.Request) -> None:
         # Fixes kmock 0.8's cost per request, which grows with every request ever served: to
         # pick a reaction it checks `request in reaction_source`, which filters the whole request
         # log. A finished request is dropped from that log (writes stay in self._writes), so the
         # log holds only requests still in flight (open watches) and a request costs O(1).
+        # So a reaction sliced by count (`emulator['get /x'][:1]`) counts only requests in
+        # flight, and never runs out; filter by what the request says instead.
         self._requests[:] = [r for r in self._requests if r is not request]
 
     @staticmethod
@@ -1142,6 +1199,18 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             "items": [obj for obj in self._live_objects(resource) if object_filter.matches(obj)],
         }
 
+    def objects_of(self, group: str, plural: str) -> list[JsonObject]:
+        """Every existing object of a resource (any version), for tests on other threads: a
+        read of the resource index instead of a scan of every stored object (reading only, since
+        the server's loop may be changing the index: copies taken in one step each)."""
+        return [
+            raw
+            for resource, keys in list(self._keys_by_resource.items())
+            if resource.group == group and resource.plural == plural
+            for raw in (self._live_object(key) for key in list(keys))
+            if raw is not None
+        ]
+
     def _live_objects(self, resource: kmock.resource) -> list[JsonObject]:
         """The resource's existing objects, ordered by namespace and name (etcd's key order)."""
         self._refresh_indexes()
@@ -1196,10 +1265,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         epoch = self._watch_epoch
         while not self._watches_closed and epoch == self._watch_epoch:
             while position < len(log):
-                watched = self._as_seen_by(object_filter, log[position])
+                event = log[position]
+                seen_as = self._as_seen_by(object_filter, event)
                 position += 1
-                if watched is not None:
-                    yield watched
+                if seen_as is not None:
+                    yield self._encoded(event, seen_as)
             wakeup = self._watch_wakeup  # taken after the last check: no event can slip between
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
@@ -1210,18 +1280,32 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 return
 
     @staticmethod
-    def _as_seen_by(object_filter: ObjectFilter, event: WatchEvent) -> JsonObject | None:
+    def _as_seen_by(object_filter: ObjectFilter, event: WatchEvent) -> str | None:
+        """The event's type for a watcher with ``object_filter`` (None: it does not see it)."""
         matched_before = event.previous is not None and object_filter.matches(event.previous)
         matches_now = object_filter.matches(event.current)
         if event.type == "DELETED":
-            return {"type": "DELETED", "object": event.current} if matched_before else None
+            return "DELETED" if matched_before else None
         if matched_before and matches_now:
-            return {"type": event.type, "object": event.current}
+            return event.type
         if matches_now:
-            return {"type": "ADDED", "object": event.current}
+            return "ADDED"
         if matched_before:
-            return {"type": "DELETED", "object": event.current}
+            return "DELETED"
         return None
+
+    def _encoded(self, event: WatchEvent, seen_as: str) -> bytes:
+        # One JSON line per event and type, shared by every watcher that sees it so (kmock
+        # encodes each yielded dict for each watcher: with an operator's and a controller's
+        # watch on the same resource, every event was encoded twice). Bytes go out as they are.
+        key = (event.resource_version, seen_as)
+        line = self._encoded_events.get(key)
+        if line is None:
+            line = json.dumps({"type": seen_as, "object": event.current}).encode("utf-8") + b"\n"
+            self._encoded_events[key] = line
+            if len(self._encoded_events) > ENCODED_EVENTS_KEPT:
+                self._encoded_events.popitem(last=False)
+        return line
 
 
 # --- kmock's URL parser ------------------------------------------------------------------------
@@ -1253,6 +1337,7 @@ parsing.parse_path = _parse_namespace_paths
 
 # The kmock internals used above, for whoever upgrades kmock: KubernetesEmulator._handle,
 # ._serve_create/_update/_delete/_list/_watch/_fetch (registered as fallbacks by name),
-# ._lock and ._objects; RawHandler._handle; rendering.Response (a status with a payload);
-# parsing.parse_path and parsing.ParsedPath.
+# ._lock and ._objects; RawHandler._handle (replaced by _react: ._payloads, Reaction.priorities,
+# ._source, ._disabled, ReactionMismatchError; dsl.Filter/Priority/Chained and Filter.criteria);
+# rendering.Response (a status with a payload); parsing.parse_path and parsing.ParsedPath.
 __all__ = ["ApiServerEmulator", "ObjectFilter", "WatchEvent", "merge_patch"]

@@ -57,6 +57,42 @@ def test_children_are_cached_by_their_job_label() -> None:
     )
 
 
+def test_the_cache_keeps_what_a_pass_reads_of_a_rayjob() -> None:
+    cache = JobCache()
+    labels = {"hybridflow.io/job": "job"}
+    rayjob = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": "job-1", "namespace": "default", "labels": labels},
+        "spec": {"suspend": True, "entrypoint": "hybridflow run", "rayClusterSpec": {"headGroupSpec": {}}},
+        "status": {"jobDeploymentStatus": "Running"},
+    }
+    cache.put_child(rayjob, deleted=False)
+    kept = cache.children[KEY][("RayJob", "job-1")]
+    assert kept["spec"] == {"suspend": True}  # the pod templates are the operator's own output
+    assert kept["metadata"] == rayjob["metadata"] and kept["status"] == rayjob["status"]
+    config = {
+        "kind": "ConfigMap",
+        "metadata": {"name": "job-config", "namespace": "default", "labels": labels},
+        "data": {"a": "b"},
+    }
+    cache.put_child(config, deleted=False)
+    assert cache.children[KEY][("ConfigMap", "job-config")] == config
+
+
+def test_the_watch_delivering_our_own_rayjob_triggers_nothing_once() -> None:
+    cache = JobCache()
+    added: dict[str, Any] = {"metadata": {"name": "job-1"}}
+    assert not cache.own_create_echo(KEY, "job-1", "ADDED", added)  # not created by this process
+    cache.created[KEY] = {"job-1"}
+    assert cache.own_create_echo(KEY, "job-1", "ADDED", added)
+    assert not cache.own_create_echo(KEY, "job-1", "MODIFIED", {**added, "status": {"x": 1}})  # KubeRay
+    cache.created[KEY] = {"job-2"}
+    # A status already there means the event is newer than our create (events were batched).
+    assert not cache.own_create_echo(KEY, "job-2", "ADDED", {**added, "status": {"x": 1}})
+    assert KEY not in cache.created  # either way the wait for the echo is over
+
+
 def test_a_job_runs_at_its_earliest_recheck_time_once() -> None:
     ran: list[tuple[str, str]] = []
     done = threading.Event()

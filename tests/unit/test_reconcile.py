@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from hybridflow_operator.cluster import ApiError
+from hybridflow_operator.status import PENDING_WRITE_DELAY_SECONDS
 from kube.fake_cluster import T0, FakeCluster
 
 pytestmark = pytest.mark.unit
@@ -41,13 +42,39 @@ def test_first_pass_creates_the_children_and_a_second_writes_nothing() -> None:
         ("RoleBinding", "grpo-tiny-controller"),
         ("ServiceAccount", "grpo-tiny-controller"),
     ]
-    status = cluster.job["status"]
-    assert status["attempts"] == 1 and status["rayJobName"] == "grpo-tiny-1"
-    created = [c for c in cluster.job["status"]["conditions"] if c["type"] == "RayJobCreated"]
-    assert created[0]["status"] == "True"  # set by the pass that created it: no second status write
-    assert cluster.writes == 7  # 6 children + 1 status; Pending has no Event
+    assert cluster.writes == 6  # the children; the status waits for KubeRay's first word
+    assert "status" not in cluster.job
+    assert cluster.result.recheck_after_seconds == PENDING_WRITE_DELAY_SECONDS
     assert cluster.pass_() == 0  # level-triggered: the next pass observes the RayJob, changes nothing
+    assert cluster.pass_(T0 + timedelta(seconds=PENDING_WRITE_DELAY_SECONDS - 1)) == 0
     assert cluster.reads == 0  # everything from the caches
+
+
+def test_a_new_jobs_first_status_comes_with_kuberays_first_state_in_one_write() -> None:
+    """Pending is not written when KubeRay moves the RayJob on within the delay: one write, not two."""
+    cluster = FakeCluster(job_body())
+    cluster.pass_()
+    cluster.kuberay("grpo-tiny-1", "Initializing")
+    assert cluster.pass_(T0 + timedelta(seconds=1)) == 1
+    status = cluster.job["status"]
+    assert status["phase"] == "Initializing" and status["attempts"] == 1
+    assert status["rayJobName"] == "grpo-tiny-1"
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions["RayJobCreated"] == "True" and conditions["ChildrenReady"] == "True"
+    assert cluster.pass_(T0 + timedelta(seconds=PENDING_WRITE_DELAY_SECONDS)) == 0
+
+
+def test_a_rayjob_kuberay_has_not_moved_makes_the_job_pending_after_the_delay() -> None:
+    """KubeRay slow, down, or its controller missing: the job says Pending, and why it waits."""
+    cluster = FakeCluster(job_body())
+    cluster.pass_()
+    assert cluster.pass_(T0 + timedelta(seconds=PENDING_WRITE_DELAY_SECONDS)) == 1  # no Event: quiet
+    status = cluster.job["status"]
+    assert status["phase"] == "Pending" and status["attempts"] == 1
+    created = next(c for c in status["conditions"] if c["type"] == "RayJobCreated")
+    assert created["status"] == "True" and "grpo-tiny-1" in created["message"]
+    assert cluster.pass_(T0 + timedelta(seconds=60)) == 0
+    assert cluster.events == []
 
 
 def test_phases_follow_kuberay_and_the_run_succeeds() -> None:
@@ -310,6 +337,8 @@ def test_a_409_for_our_own_child_is_the_cache_behind_not_a_name_conflict() -> No
     assert cluster.pass_(children=[]) == 0  # a pass before the watch delivered its own creates
     assert cluster.reads == 6  # each 409 reads the object: owned by this uid, so it is the job's
     assert not cluster.result.failed and cluster.events == events
+    assert "status" not in cluster.job  # nothing to report: the first status waits for KubeRay
+    cluster.pass_(T0 + timedelta(seconds=PENDING_WRITE_DELAY_SECONDS))
     conditions = {c["type"]: (c["status"], c["reason"]) for c in cluster.job["status"]["conditions"]}
     assert conditions["ChildrenReady"] == ("True", "Ready")
     assert conditions["RayJobCreated"] == ("True", "Created")
@@ -353,11 +382,13 @@ def test_failed_status_patches_and_events_are_returned_to_the_caller() -> None:
     invalid = ApiError(
         "patch", "RLHFJob/status", "grpo-tiny", 422, "Invalid", "status.attempts: Invalid value"
     )
+    cluster.pass_()  # the children; the first status waits for KubeRay
     cluster.fail[("patch", "RLHFJob/status")] = invalid
-    cluster.pass_()
+    later = T0 + timedelta(seconds=PENDING_WRITE_DELAY_SECONDS)
+    cluster.pass_(later)
     assert cluster.result.failed and cluster.result.failures == (invalid,) and cluster.result.status is None
     del cluster.fail[("patch", "RLHFJob/status")]
-    cluster.pass_()
+    cluster.pass_(later)
     assert not cluster.result.failed and cluster.result.failures == ()
     cluster.kuberay("grpo-tiny-1", "Complete", "SUCCEEDED", end=T0)
     forbidden = ApiError("create", "Event", "grpo-tiny", 403, "Forbidden", "cannot create events")

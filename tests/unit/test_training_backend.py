@@ -119,3 +119,35 @@ def test_a_frozen_fsdp_model_scores_like_the_backend_functions_and_refuses_to_tr
         backend.clip_and_step(max_grad_norm=1.0)
     with pytest.raises(UnsupportedByBackend, match=r"needs spec\.training\.backend 'megatron'"):
         backend.training_shard([])
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_without_an_entropy_bonus_the_entropy_is_a_metric_and_the_gradients_are_the_same(
+    model_dir: Path,
+) -> None:
+    """entropy_grad=False (entropyCoef 0): no graph through the entropy, bit-identical gradients."""
+    batch = _batch()
+    seen: list[torch.Tensor] = []
+
+    def loss_fn(
+        log_probs: torch.Tensor, entropy: torch.Tensor | None, micro: typing.Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        assert entropy is not None
+        seen.append(entropy)
+        mask = micro["response_mask"].float()
+        loss = -(log_probs * mask).sum() / mask.sum() - 0.0 * (entropy * mask).sum()
+        return loss, {"entropy": float((entropy.detach() * mask).mean())}
+
+    grads, metrics = [], []
+    for entropy_grad in (True, False):
+        backend = FSDPTrainingBackend(_spec(model_dir), torch.device("cpu"))
+        backend.load(str(model_dir), kind="causal-lm", learning_rate=1e-3)
+        seen.clear()
+        metrics.append(
+            backend.forward_backward([batch], loss_fn, fields=["response_mask"], entropy_grad=entropy_grad)
+        )
+        assert all(entropy.requires_grad == entropy_grad for entropy in seen)
+        grads.append({name: p.grad.full_tensor().clone() for name, p in backend.model.named_parameters()})
+    assert metrics[0] == metrics[1]
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])

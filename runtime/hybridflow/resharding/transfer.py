@@ -56,6 +56,7 @@ from hybridflow.resharding.plan import (
 )
 
 __all__ = [
+    "BucketRecord",
     "GenerationShard",
     "Resharder",
     "SubgroupCache",
@@ -93,19 +94,30 @@ def _storage_bytes(tensors: Iterable[tuple[BufferKind, torch.Tensor]]) -> ParamB
 
 
 class TrainingShard:
-    """A rank's training parameters as two flat buffers, one per :data:`BufferKind`.
+    """A rank's training parameters, block by block, as the plan names them (``RankPlan.training``).
 
-    ``blocks`` is the rank's ``RankPlan.training``: partitioned blocks first, then replicated,
-    each laid out back to back in its buffer. :meth:`views` gives each block as a tensor of its
-    shape that shares the buffer's memory. A trainer that keeps its parameters as these views
-    (as Megatron's DDP keeps its parameters inside flat buffers) hands its shard over with no
-    copy; one that does not packs its local tensors with :meth:`pack` (one copy per step).
+    Two forms, one interface (:meth:`view` gives a block as a tensor of its shape):
+
+    * **flat** (the constructor, :meth:`allocate`, :meth:`pack`, :meth:`from_full`): two flat
+      buffers, one per :data:`BufferKind`, with the partitioned blocks back to back in the first
+      and the replicated ones in the second, and every block a view of its buffer. Tests and
+      benchmarks start from here; a backend that does not keep its parameters apart from
+      others' uses :meth:`pack` (one copy per step).
+    * **the backend's own tensors** (:meth:`of_tensors`): each block is the tensor the backend
+      handed over, held as it is (no copy): views of the trainer's live parameters where its
+      layout allows (megatron's DDP keeps its parameters inside flat buffers of its own, in its
+      own order), copies only where it does not. :meth:`buffer` refuses this form.
+
+    The transfer reads blocks through :meth:`view` only, so both forms move the same bytes.
     """
 
     def __init__(self, blocks: Sequence[Block], partitioned: torch.Tensor, replicated: torch.Tensor) -> None:
         self.blocks = tuple(blocks)
-        self._buffers: dict[BufferKind, torch.Tensor] = {"partitioned": partitioned, "replicated": replicated}
-        self._offsets = _offsets(self.blocks)
+        self._buffers: dict[BufferKind, torch.Tensor] | None = {
+            "partitioned": partitioned,
+            "replicated": replicated,
+        }
+        offsets = _offsets(self.blocks)
         for kind, buffer in self._buffers.items():
             expected = sum(block.numel for block in self.blocks if buffer_kind(block) == kind)
             if buffer.dim() != 1 or buffer.numel() != expected or not buffer.is_contiguous():
@@ -115,12 +127,51 @@ class TrainingShard:
                 )
         if partitioned.dtype != replicated.dtype or partitioned.device != replicated.device:
             raise ReshardingError("both buffers of a training shard must share one dtype and device")
+        self._views: dict[Block, torch.Tensor] = {
+            block: self._buffers[buffer_kind(block)][offsets[block] : offsets[block] + block.numel].view(
+                block.shape
+            )
+            for block in self.blocks
+        }
+        self._dtype, self._device = partitioned.dtype, partitioned.device
+
+    @classmethod
+    def of_tensors(cls, blocks: Sequence[Block], tensors: Mapping[str, torch.Tensor]) -> TrainingShard:
+        """Hold a backend's tensors (by HF name, each of its block's shape) as the shard, without copying.
+
+        Each tensor must be contiguous (it is handed to the communication library as it is) and
+        all must share one dtype and device. The shard references them: the caller must not
+        modify them while the shard is in use (between ``to_generation`` and ``to_training``,
+        or while iterating :meth:`Resharder.generation_buckets`).
+        """
+        shard = cls.__new__(cls)
+        shard.blocks = tuple(blocks)
+        shard._buffers = None
+        shard._views = {}
+        if not shard.blocks:
+            raise ReshardingError("a training shard needs at least one block")
+        for block in shard.blocks:
+            tensor = tensors.get(block.name)
+            if tensor is None:
+                raise ReshardingError(f"the training shard lacks {block.name}")
+            if tuple(tensor.shape) != block.shape:
+                raise ReshardingError(
+                    f"{block.name}: the local tensor has shape {tuple(tensor.shape)}, expected {block.shape}"
+                )
+            if not tensor.is_contiguous():
+                raise ReshardingError(f"{block.name}: the local tensor is not contiguous")
+            shard._views[block] = tensor
+        first = next(iter(shard._views.values()))
+        if any(t.dtype != first.dtype or t.device != first.device for t in shard._views.values()):
+            raise ReshardingError("every tensor of a training shard must share one dtype and device")
+        shard._dtype, shard._device = first.dtype, first.device
+        return shard
 
     @classmethod
     def allocate(
         cls, blocks: Sequence[Block], dtype: torch.dtype, device: torch.device | str
     ) -> TrainingShard:
-        """Uninitialised buffers for ``blocks``; fill them through :meth:`views`."""
+        """Uninitialised flat buffers for ``blocks``; fill them through :meth:`views`."""
         sizes = {kind: sum(b.numel for b in blocks if buffer_kind(b) == kind) for kind in BUFFER_KINDS}
         return cls(
             blocks,
@@ -137,7 +188,7 @@ class TrainingShard:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> TrainingShard:
-        """Copy a backend's local shards (by HF name, each of its block's shape) into fresh buffers."""
+        """Copy a backend's local shards (by HF name, each of its block's shape) into fresh flat buffers."""
         if not tensors:
             raise ReshardingError("no local tensors to pack into a training shard")
         first = next(iter(tensors.values()))
@@ -166,27 +217,49 @@ class TrainingShard:
         """Cut ``blocks`` out of full HF tensors (a whole state dict): how tests and benchmarks start."""
         return cls.pack(blocks, {b.name: full[b.name][b.index()] for b in blocks}, dtype=dtype, device=device)
 
+    @property
+    def flat(self) -> bool:
+        """Whether the shard is two flat buffers (else: the backend's own tensors)."""
+        return self._buffers is not None
+
     def buffer(self, kind: BufferKind) -> torch.Tensor:
+        if self._buffers is None:
+            raise ReshardingError("this training shard holds the backend's own tensors, not flat buffers")
         return self._buffers[kind]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._buffers["partitioned"].dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self._buffers["partitioned"].device
+        return self._device
 
     def view(self, block: Block) -> torch.Tensor:
-        start = self._offsets[block]
-        return self._buffers[buffer_kind(block)][start : start + block.numel].view(block.shape)
+        return self._views[block]
 
     def views(self) -> dict[str, torch.Tensor]:
-        """Each block as a tensor of its shape, sharing the buffers' memory."""
-        return {block.name: self.view(block) for block in self.blocks}
+        """Each block as a tensor of its shape, sharing the shard's memory."""
+        return {block.name: self._views[block] for block in self.blocks}
 
-    def storage_bytes(self) -> ParamBytes:
-        return _storage_bytes((kind, buffer) for kind, buffer in self._buffers.items())
+    def tensors(self) -> Iterator[tuple[BufferKind, torch.Tensor]]:
+        """Every tensor the shard holds, by kind: the two buffers, or the backend's tensors."""
+        if self._buffers is not None:
+            yield from ((kind, buffer) for kind, buffer in self._buffers.items() if buffer.numel())
+        else:
+            yield from ((buffer_kind(block), tensor) for block, tensor in self._views.items())
+
+    def storage_pointers(self) -> set[int]:
+        """Data pointers of the storages behind the shard (to tell its memory from received buffers)."""
+        return {tensor.untyped_storage().data_ptr() for _, tensor in self.tensors()}
+
+    def nbytes(self) -> ParamBytes:
+        """Bytes of the shard's blocks, by kind (for a flat shard: its two buffers)."""
+        total = ParamBytes()
+        for block in self.blocks:
+            size = block.numel * self._dtype.itemsize
+            total += ParamBytes(size, 0) if block.partitioned else ParamBytes(0, size)
+        return total
 
 
 class GenerationShard:
@@ -369,6 +442,29 @@ class TransitionStats:
 # --------------------------------------------------------------------------- resharder
 
 
+@dataclass
+class BucketRecord:
+    """What :meth:`Resharder.generation_buckets` allocated, measured from the tensors it created.
+
+    * ``buckets``: buckets yielded.
+    * ``largest_bucket_bytes``: the most bytes of tensors created for one bucket (receive buffers
+      and casts of the rank's own blocks into the engine's dtype): the transfer's own extra
+      memory, which the bucket size bounds.
+    * ``cast_bytes``: bytes of own blocks copied to change dtype, over all buckets (0 when the
+      trainer's dtype is the engine's: the own blocks are handed over as they are).
+    * ``own_bytes``: bytes of the rank's own training blocks handed to the consumer, cast or not.
+    """
+
+    buckets: int = 0
+    largest_bucket_bytes: int = 0
+    cast_bytes: int = 0
+    own_bytes: int = 0
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class Resharder:
     """Runs one plan's transitions on one rank; see the module docstring for the protocol.
 
@@ -376,6 +472,11 @@ class Resharder:
     :class:`SubgroupCache` per process so that groups are created once. Every exchange goes
     through ``meter`` (the process's :class:`TrafficMeter`; a new one by default), so the
     stats' wire bytes are what was handed to ``torch.distributed``.
+
+    Messages are posted block by block: a rank sends each of its training blocks as the tensor
+    its :class:`TrainingShard` holds (a view of a flat buffer, or of the trainer's own
+    parameter), so nothing is packed on the sending side; the tag of a block is its position in
+    the sender's ``RankPlan.training``, which both sides know from the plan.
     """
 
     def __init__(
@@ -387,10 +488,22 @@ class Resharder:
         self._me = plan.rank(rank)
         self._group = groups.get(plan.groups) if any(len(group) > 1 for group in plan.groups) else None
         self._offsets = {r: _offsets(plan.rank(r).training) for r in self._me.group}
+        self._tags = {r: {block: i for i, block in enumerate(plan.rank(r).training)} for r in self._me.group}
 
     def _synchronize(self, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    def _check(self, shard: TrainingShard) -> None:
+        if shard.blocks != self._me.training:
+            raise ReshardingError(
+                f"rank {self.rank}: the training shard's blocks are not the plan's for this rank"
+            )
+
+    def _run(self, ops: list[dist.P2POp]) -> None:
+        works = self.meter.batch_isend_irecv(ops) if ops else []
+        while works:  # a work references its buffer: drop each once done, so unused ones can be freed
+            works.pop().wait()
 
     def to_generation(
         self, shard: TrainingShard, *, measure_memory: bool = True
@@ -401,10 +514,7 @@ class Resharder:
         own :class:`PeakMemory` window spans a larger transition (packing included): the probe
         resets the process's high-water mark, so windows cannot nest.
         """
-        if shard.blocks != self._me.training:
-            raise ReshardingError(
-                f"rank {self.rank}: the training shard's blocks are not the plan's for this rank"
-            )
+        self._check(shard)
         device = shard.device
         self._synchronize(device)
         wire_before = self.meter.total
@@ -414,13 +524,11 @@ class Resharder:
             generation, received, peak, peak_total = self._exchange(shard)
             seconds = time.perf_counter() - start
         wire = self.meter.total - wire_before
-        own = {shard.buffer(k).untyped_storage().data_ptr() for k in BUFFER_KINDS if shard.buffer(k).numel()}
+        own = shard.storage_pointers()
         reused = sum(
-            piece.numel() * piece.element_size()
-            for _, piece in generation.tensors()
-            if piece.untyped_storage().data_ptr() in own
+            _nbytes(piece) for _, piece in generation.tensors() if piece.untyped_storage().data_ptr() in own
         )
-        held = _storage_bytes([*generation.tensors(), *((k, shard.buffer(k)) for k in BUFFER_KINDS)])
+        held = self._held(generation.tensors(), shard)
         stats = TransitionStats(
             design=self.plan.design,
             direction="to_generation",
@@ -439,43 +547,70 @@ class Resharder:
         )
         return generation, stats
 
+    @staticmethod
+    def _held(pieces: Iterable[tuple[BufferKind, torch.Tensor]], shard: TrainingShard) -> ParamBytes:
+        """Parameter bytes alive: the storages of ``pieces`` that are not the shard's, plus the shard's blocks.
+
+        The shard counts by its blocks, not its storages: a shard of the trainer's own tensors
+        lives inside the trainer's buffers, of which the blocks are this rank's part.
+        """
+        own = shard.storage_pointers()
+        return (
+            _storage_bytes(
+                (kind, piece) for kind, piece in pieces if piece.untyped_storage().data_ptr() not in own
+            )
+            + shard.nbytes()
+        )
+
     def _exchange(self, shard: TrainingShard) -> tuple[GenerationShard, ParamBytes, ParamBytes, ParamBytes]:
         """The exchange itself: the generation shard, bytes received, peak and peak_total (from storages)."""
         me = self._me
-        device = shard.device
+        device, dtype = shard.device, shard.dtype
+        # Each (rank, kind) of the gathered model: a received flat buffer, or for the baselines a
+        # fresh copy of the rank's own blocks (HybridFlow reads its own blocks where they are).
         gathered: dict[tuple[int, BufferKind], torch.Tensor] = {}
-        for kind in BUFFER_KINDS:
-            own = shard.buffer(kind)
-            if own.numel():
-                gathered[(self.rank, kind)] = own if me.reuses_training else own.clone()
-        for message in me.receives:
-            gathered[(message.src, message.kind)] = torch.empty(
-                message.numel, dtype=shard.dtype, device=device
-            )
-        ops = [
-            dist.P2POp(dist.isend, shard.buffer(m.kind), m.dst, self._group, _TAGS[m.kind]) for m in me.sends
-        ] + [
-            dist.P2POp(dist.irecv, gathered[(m.src, m.kind)], m.src, self._group, _TAGS[m.kind])
-            for m in me.receives
-        ]
-        if ops:
-            works = self.meter.batch_isend_irecv(ops)
-            for work in works:
-                work.wait()
-            # The ops and works reference the buffers; drop them so that unused ones are freed below.
-            del works, work
+        if not me.reuses_training:
+            for kind in BUFFER_KINDS:
+                mine = [block for block in me.training if buffer_kind(block) == kind]
+                if mine:
+                    gathered[(self.rank, kind)] = (
+                        shard.buffer(kind).clone()
+                        if shard.flat
+                        else torch.cat([shard.view(block).reshape(-1) for block in mine])
+                    )
+        ops: list[dist.P2POp] = []
+        for m in me.sends:
+            for block in me.training:
+                if buffer_kind(block) == m.kind:
+                    ops.append(
+                        dist.P2POp(
+                            dist.isend, shard.view(block), m.dst, self._group, self._tags[self.rank][block]
+                        )
+                    )
+        for m in me.receives:
+            buffer = torch.empty(m.numel, dtype=dtype, device=device)
+            gathered[(m.src, m.kind)] = buffer
+            offsets = self._offsets[m.src]
+            for block in self.plan.rank(m.src).training:
+                if buffer_kind(block) == m.kind:
+                    piece = buffer[offsets[block] : offsets[block] + block.numel]
+                    ops.append(dist.P2POp(dist.irecv, piece, m.src, self._group, self._tags[m.src][block]))
+        self._run(ops)
         del ops
         self._synchronize(device)
-        peak = _storage_bytes((kind, tensor) for (_, kind), tensor in gathered.items())
-        peak_total = _storage_bytes(
-            [*((kind, t) for (_, kind), t in gathered.items()), *((k, shard.buffer(k)) for k in BUFFER_KINDS)]
-        )
+        own_bytes = shard.nbytes() if me.reuses_training else ParamBytes()
+        others = _storage_bytes((kind, tensor) for (_, kind), tensor in gathered.items())
+        peak = others + own_bytes
+        peak_total = others + shard.nbytes()
         slices: dict[str, Block] = {}
         blocks: dict[str, list[torch.Tensor]] = {}
         for want, sources in me.generation:
             slices[want.name] = want
             pieces = blocks.setdefault(want.name, [])
             for source in sources:
+                if source.rank == self.rank and me.reuses_training:
+                    pieces.append(shard.view(source.block))
+                    continue
                 buffer = gathered[(source.rank, buffer_kind(source.block))]
                 offset = self._offsets[source.rank][source.block]
                 pieces.append(buffer[offset : offset + source.block.numel].view(source.block.shape))
@@ -487,15 +622,128 @@ class Resharder:
             received += ParamBytes(size, 0) if m.kind == "partitioned" else ParamBytes(0, size)
         return generation, received, peak, peak_total  # unread gathered buffers are freed on return
 
+    def generation_buckets(
+        self,
+        shard: TrainingShard,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        record: BucketRecord | None = None,
+    ) -> Iterator[GenerationShard]:
+        """Train -> generate for an engine that copies the weights into memory of its own, bucket by bucket.
+
+        HybridFlow plans only. Collective in lockstep inside the micro-DP group: every member
+        creates the iterator and advances it to the end. The rank's generation parameters, in
+        plan order, are cut into buckets of at most ``bucket_bytes`` of generation bytes in
+        ``dtype`` (one larger parameter forms a bucket alone); the cut depends on the plan alone
+        and the members of a micro-DP group hold the same generation slices, so they cut the
+        same buckets. Per bucket, each member posts the blocks its peers need for those
+        parameters and receives the ones it lacks, then gets the bucket as a
+        :class:`GenerationShard` (only the bucket's parameters): its own blocks as the shard
+        holds them (views of the trainer's memory: no copy) unless ``dtype`` differs from the
+        shard's (then cast once, and sent cast: weights travel in the engine's dtype), the
+        peers' blocks in fresh receive buffers. The bucket is released when the next one is
+        asked for, so the extra memory is one bucket's receive buffers and casts (``record``
+        measures it) plus whatever the consumer keeps. The training shard must not change
+        until the iteration ends.
+        """
+        if self.plan.design != "hybridflow":
+            raise ReshardingError(
+                f"generation_buckets needs a hybridflow plan (micro-DP groups), not {self.plan.design!r}"
+            )
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+        self._check(shard)
+        me = self._me
+        wants = [want for want, _ in me.generation]
+        for peer in me.group:
+            if [want for want, _ in self.plan.rank(peer).generation] != wants:
+                raise ReshardingError(f"internal: ranks {self.rank} and {peer} of a micro-DP group differ")
+        dtype = dtype or shard.dtype
+        device = shard.device
+        itemsize = dtype.itemsize
+        cut: list[list[int]] = []
+        size = 0
+        for index, want in enumerate(wants):
+            nbytes = want.numel * itemsize
+            if not cut or (cut[-1] and size + nbytes > bucket_bytes):
+                cut.append([])
+                size = 0
+            cut[-1].append(index)
+            size += nbytes
+        record = record if record is not None else BucketRecord()
+        peers = [peer for peer in me.group if peer != self.rank]
+        for indices in cut:
+            names = {wants[index].name for index in indices}
+            sends = [
+                (peer, source.block)
+                for peer in peers
+                for want, sources in self.plan.rank(peer).generation
+                if want.name in names
+                for source in sources
+                if source.rank == self.rank
+            ]
+            used = [
+                source.block
+                for index in indices
+                for source in me.generation[index][1]
+                if source.rank == self.rank
+            ]
+            created = 0
+            mine: dict[Block, torch.Tensor] = {}
+            for block in [*used, *(block for _, block in sends)]:
+                if block in mine:
+                    continue
+                tensor = shard.view(block)
+                if tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                    created += _nbytes(tensor)
+                    record.cast_bytes += _nbytes(tensor)
+                mine[block] = tensor
+            ops: list[dist.P2POp] = []
+            received: dict[tuple[int, Block], torch.Tensor] = {}
+            for index in indices:
+                for source in me.generation[index][1]:
+                    if source.rank != self.rank:
+                        buffer = torch.empty(source.block.shape, dtype=dtype, device=device)
+                        created += _nbytes(buffer)
+                        received[(source.rank, source.block)] = buffer
+                        tag = self._tags[source.rank][source.block]
+                        ops.append(dist.P2POp(dist.irecv, buffer, source.rank, self._group, tag))
+            for peer, block in sends:
+                ops.append(
+                    dist.P2POp(dist.isend, mine[block], peer, self._group, self._tags[self.rank][block])
+                )
+            self._run(ops)
+            del ops
+            self._synchronize(device)
+            slices = {wants[index].name: wants[index] for index in indices}
+            pieces: dict[str, list[torch.Tensor]] = {}
+            for index in indices:
+                want, sources = me.generation[index]
+                pieces[want.name] = [
+                    mine[source.block] if source.rank == self.rank else received[(source.rank, source.block)]
+                    for source in sources
+                ]
+                record.own_bytes += sum(
+                    source.block.numel * itemsize for source in sources if source.rank == self.rank
+                )
+            generation = GenerationShard(slices, pieces)
+            del received, mine, pieces
+            record.buckets += 1
+            record.largest_bucket_bytes = max(record.largest_bucket_bytes, created)
+            yield generation
+            generation.release()
+
     def to_training(self, generation: GenerationShard, shard: TrainingShard) -> TransitionStats:
         """Generate -> train: release the generation-only memory (local, no communication).
 
         ``shard`` is the training shard passed to :meth:`to_generation`; its memory stays.
         """
         start = time.perf_counter()
-        before = _storage_bytes([*generation.tensors(), *((k, shard.buffer(k)) for k in BUFFER_KINDS)])
+        before = self._held(generation.tensors(), shard)
         generation.release()
-        held = shard.storage_bytes()
+        held = shard.nbytes()
         return TransitionStats(
             design=self.plan.design,
             direction="to_training",

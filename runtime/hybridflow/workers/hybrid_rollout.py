@@ -10,24 +10,31 @@ its ranks, and collects the replica's output from its TP rank 0 of the last gene
 Protocol, per RL step, every rank of the pool taking part in each call:
 
 1. ``sync_weights`` (controller, before generation): asks the colocated actor for this rank's
-   :class:`~hybridflow.resharding.transfer.TrainingShard` and runs
-   :meth:`Resharder.to_generation`, the all-gather inside each micro-DP group (collective there),
-   then points the :class:`~hybridflow.engines.tp_engine.TensorParallelRolloutEngine` at the
-   resulting generation shard (no copy). The first call builds the engine, which creates the
-   generation TP and replica process groups (collective over the pool).
+   :class:`~hybridflow.resharding.transfer.TrainingShard` (views of its megatron parameters:
+   no copy where the fused layout allows) and runs :meth:`Resharder.to_generation`, the
+   all-gather inside each micro-DP group (collective there), then points the
+   :class:`~hybridflow.engines.tp_engine.TensorParallelRolloutEngine` at the resulting
+   generation shard (no copy): the engine reads the rank's own part of the weights where the
+   trainer keeps them, and only the received blocks are memory of its own. With
+   ``offloadDuringGeneration.parameters`` the trainer's storages leave the device during
+   generation, so the rank's own part is copied first (counted in ``packed_copy_bytes``). The
+   first call builds the engine, which creates the generation TP and replica process groups
+   (collective over the pool).
 2. ``generate_sequences`` (controller): decodes over each replica, then
    :meth:`Resharder.to_training` releases the generation-only memory (received buffers), and the
    training shard is dropped. If no shard is live (a second generation in one step, a
    validation pass), it runs step 1 first.
 3. ``transition_stats`` (controller, after the step): this rank's figures of the last round,
    measured from the process, which :mod:`hybridflow.trainer.runner` turns into ``reshard/*``
-   metrics: ``to_generation_seconds`` (packing the actor's shard included; ``packing_seconds``
-   apart), ``bytes_sent``/``bytes_received`` (handed to ``torch.distributed``, counted by the
+   metrics: ``to_generation_seconds`` (getting the actor's shard included, and copying it when
+   parameters are offloaded; ``packing_seconds`` apart), ``bytes_sent``/``bytes_received`` (handed to ``torch.distributed``, counted by the
    resharder's :class:`~hybridflow.resharding.meter.TrafficMeter`), ``peak_memory_bytes``
-   (:class:`~hybridflow.resharding.meter.PeakMemory` over packing and exchange; absent where the
-   process cannot be measured), ``redundant_bytes`` (held while generating and not read, plus
-   any packed copy of parameters the trainer also keeps: the actor reports the bytes of its
-   shard that do not live in its parameters' storages), ``to_training_seconds``, ``freed_bytes``.
+   (:class:`~hybridflow.resharding.meter.PeakMemory` over that and the exchange; absent where the
+   process cannot be measured), ``packed_copy_bytes`` (the actor reports the bytes of its shard
+   that do not live in its parameters' storages: 0 when every block is a view),
+   ``redundant_bytes`` (held while generating and not read, plus that copy while the parameters
+   it duplicates stay on the device: measured inside the offload window),
+   ``to_training_seconds``, ``freed_bytes``.
 
 Between 1 and 2 the actor must not train (the controller's step order guarantees it); the
 generation shard reads a snapshot of its weights.
@@ -93,6 +100,9 @@ class HybridRolloutWorker(Worker):
         self._shard: TrainingShard | None = None
         self._generation: GenerationShard | None = None
         self._stats: dict[str, float] = {}
+        self._resharding_redundant = 0.0
+        choice = spec.training.offload_during_generation
+        self._offloads_parameters = choice.parameters and not spec.rollout_has_own_pool
 
     @register(BROADCAST)
     def sync_weights(self) -> int:
@@ -101,7 +111,12 @@ class HybridRolloutWorker(Worker):
         actor = self.ctx.colocated("actor")
         start = time.perf_counter()
         with PeakMemory(self.ctx.torch_device) as probe:
-            self._shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
+            shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
+            if self._offloads_parameters:
+                # The engine reads its own blocks in place while the actor's storages leave the
+                # device: it needs them as memory of its own (one copy of M/(t*p)).
+                shard = TrainingShard.pack(shard.blocks, shard.views())
+            self._shard = shard
             packing_seconds = time.perf_counter() - start
             self._generation, stats = self.resharder.to_generation(self._shard, measure_memory=False)
         seconds = time.perf_counter() - start
@@ -127,6 +142,7 @@ class HybridRolloutWorker(Worker):
             "packed_copy_bytes": float(copied),
             "redundant_bytes": float(stats.redundant.total + copied),
         }
+        self._resharding_redundant = float(stats.redundant.total)
         if probe.bytes is not None:
             self._stats["peak_memory_bytes"] = float(probe.bytes)
         return stats.bytes_received
@@ -151,12 +167,17 @@ class HybridRolloutWorker(Worker):
             self.spec, prompts, stream=self.ctx.coord.dp, return_logprobs=wants_rollout_log_probs(self.spec)
         )
         prompt_ids = prompt_token_ids(prompts)
+        actor = self.ctx.colocated("actor")
         with actor_offloaded(self.spec, self.ctx, self._stats):
             self.engine.wake_up()
+            # A copy duplicates parameter bytes only while the parameters stay on the device.
+            resident = actor.local_parameter_bytes() > 0
             output = self.engine.generate(prompt_ids, params)
             self.engine.sleep()
+        copied = self._stats.get("packed_copy_bytes", 0.0) if resident else 0.0
+        self._stats["redundant_bytes"] = self._resharding_redundant + copied
         self._release()
-        version = int(self.ctx.colocated("actor").policy_version)
+        version = int(actor.policy_version)
         return pack_responses(
             self.spec,
             self.tokenizer,

@@ -115,8 +115,9 @@ class ActorWorker(_PolicyModel):
     def offload_for_generation(self) -> OffloadStats | None:
         """Move what ``spec.training.offloadDuringGeneration`` names to host memory (None: nothing).
 
-        Called by the colocated rollout after the weight sync (under the 3D-HybridEngine, after
-        packing and resharding this rank's training shard, a copy), before generating; the actor
+        Called by the colocated rollout after the weight sync (under the 3D-HybridEngine with
+        parameters offloaded, the rollout has copied this rank's own blocks first: the engine
+        reads them while the originals are away), before generating; the actor
         computes nothing until :meth:`reload_after_generation` (:mod:`hybridflow.backends.offload`).
         """
         choice = self.spec.training.offload_during_generation
@@ -188,6 +189,7 @@ class ActorWorker(_PolicyModel):
                     loss_fn,
                     fields=fields,
                     temperature=self.temperature,
+                    entropy_grad=algo.entropy_coef != 0,  # otherwise the entropy is only a metric
                 ):
                     for name, value in stats.items():
                         totals.setdefault(name, []).append(value)
@@ -216,7 +218,9 @@ class ActorWorker(_PolicyModel):
         """This rank's slices as the resharding plan's training shard (``RankPlan.training``; megatron only).
 
         Local, no communication. Called by the colocated 3D-HybridEngine rollout before each
-        transition; the shard is a copy the rollout frees after generation.
+        transition. The shard's blocks are views of the live parameters where megatron's fused
+        layout allows (copies otherwise, counted by :meth:`training_shard_copy_bytes`): the
+        rollout must be done with it before the next update.
         """
         return self.backend.training_shard(blocks)
 

@@ -13,9 +13,13 @@ must put generation TP groups there (checked at construction):
   bucket straight into vLLM's sharded parameters.
 * Megatron actor ``(p, t, d)``: ``DeviceMesh.generation(training, pp=1, tp=t_g)``, the
   3D-HybridEngine's layout (micro-DP groups exchange their training shards,
-  :class:`~hybridflow.resharding.transfer.Resharder`); its generation TP groups are consecutive
-  ranks when ``t_g`` is 1 or ``t`` (the spec allows only these with vLLM). The generation
-  shard, HF-named blocks of generation TP rank ``j``, is vLLM rank ``j``'s shard, written in.
+  :meth:`~hybridflow.resharding.transfer.Resharder.generation_buckets`); its generation TP
+  groups are consecutive ranks when ``t_g`` is 1 or ``t`` (the spec allows only these with
+  vLLM). The generation shard, HF-named blocks of generation TP rank ``j``, is vLLM rank
+  ``j``'s shard, written in bucket by bucket (64 MiB of generation bytes), in the engine's
+  dtype. The rank's own blocks are views of megatron's parameters (no copy, and no cast when
+  the dtypes agree: fp32 into fp32 on CPU, bf16 into bf16 on GPUs); only q/k/v of a rank
+  holding several key/value groups is a copy (megatron interleaves them per group).
 
 Protocol per RL step, every rank taking part in each call (as
 :class:`~hybridflow.workers.rollout.RolloutWorker`):
@@ -30,9 +34,13 @@ Protocol per RL step, every rank taking part in each call (as
    ``to_generation_seconds``, ``bytes_sent``/``bytes_received`` (the
    :class:`~hybridflow.resharding.meter.TrafficMeter`), ``loaded_bytes`` (written into vLLM),
    ``peak_memory_bytes`` (:class:`~hybridflow.resharding.meter.PeakMemory`), ``packed_copy_bytes``
-   (megatron: the packed copy of the training shard, freed before generation),
+   (megatron: bytes of the training shard that are copies, not views of the parameters; freed
+   before generation), for megatron the transfer's own figures measured from the tensors it
+   created (``buckets``, ``largest_bucket_bytes``: receive buffers and casts of one bucket,
+   ``cast_bytes``, ``own_bytes``: the rank's own blocks handed to vLLM), and
    ``redundant_bytes`` (the actor's parameter bytes left in place while the engine generates
-   from its own shard: 0 once ``offloadDuringGeneration.parameters`` moved them).
+   from its own shard, 0 once ``offloadDuringGeneration.parameters`` moved them, plus
+   ``packed_copy_bytes``: a copy is never hidden).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from hybridflow.engines.vllm_engine import VLLMRolloutEngine
 from hybridflow.resharding import DecoderSpec, ReshardingError, decoder_layout, hybridflow_plan
 from hybridflow.resharding.fsdp import FSDPResharder, fsdp_generation_plan
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
-from hybridflow.resharding.transfer import Resharder, SubgroupCache, TrainingShard
+from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCache
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.hybrid_rollout import actor_tokenizer
 from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
@@ -116,20 +124,25 @@ class ShardedVLLMRolloutWorker(Worker):
         self._stats: dict[str, float] = {}
         self._synced = False
 
-    def _load_megatron(self) -> tuple[int, int]:
+    def _load_megatron(self) -> tuple[int, int, BucketRecord]:
+        """The micro-DP exchange bucket by bucket, each bucket written into vLLM before the next.
+
+        The actor's shard is views of its parameters (copies only where megatron's fused layout
+        forces them: ``copied`` bytes); the rank's own blocks go into vLLM straight from them
+        (cast only if the engine's dtype differs), the peers' blocks through receive buffers of
+        one bucket at a time.
+        """
         actor = self.ctx.colocated("actor")
         shard = actor.training_shard(self.plan.rank(self.ctx.rank).training)
-        if shard.dtype != self.dtype:  # weights travel in the engine's dtype
-            shard = TrainingShard(
-                shard.blocks,
-                shard.buffer("partitioned").to(self.dtype),
-                shard.buffer("replicated").to(self.dtype),
-            )
         copied = actor.training_shard_copy_bytes(shard)
-        generation, _ = self.resharder.to_generation(shard, measure_memory=False)
-        loaded = self.engine.load_shard((name, generation.tensor(name)) for name in generation.names())
-        self.resharder.to_training(generation, shard)
-        return loaded, copied
+        record = BucketRecord()
+        loaded = 0
+        buckets = self.resharder.generation_buckets(
+            shard, bucket_bytes=WEIGHT_BUCKET_BYTES, dtype=self.dtype, record=record
+        )
+        for generation in buckets:
+            loaded += self.engine.load_shard((name, generation.blocks(name)) for name in generation.names())
+        return loaded, copied, record
 
     def _load_fsdp(self) -> int:
         model = self.ctx.colocated("actor").model
@@ -148,10 +161,11 @@ class ShardedVLLMRolloutWorker(Worker):
         self.engine.wake_up()
         wire_before = self.meter.total
         copied = 0
+        record: BucketRecord | None = None
         start = time.perf_counter()
         with PeakMemory(self.ctx.torch_device) as probe:
             if self.megatron:
-                loaded, copied = self._load_megatron()
+                loaded, copied, record = self._load_megatron()
             else:
                 loaded = self._load_fsdp()
         seconds = time.perf_counter() - start
@@ -164,6 +178,15 @@ class ShardedVLLMRolloutWorker(Worker):
             "loaded_bytes": float(loaded),
             "packed_copy_bytes": float(copied),
         }
+        if record is not None:
+            self._stats.update(
+                {
+                    "buckets": float(record.buckets),
+                    "largest_bucket_bytes": float(record.largest_bucket_bytes),
+                    "cast_bytes": float(record.cast_bytes),
+                    "own_bytes": float(record.own_bytes),
+                }
+            )
         if probe.bytes is not None:
             self._stats["peak_memory_bytes"] = float(probe.bytes)
         return loaded
@@ -189,7 +212,8 @@ class ShardedVLLMRolloutWorker(Worker):
             output = self.engine.generate(prompt_ids, params)
             self.engine.sleep(level=2)  # weights and KV cache go (on GPUs); the next sync reloads them
             self._synced = False
-        self._stats["redundant_bytes"] = float(kept)
+        # The copy megatron's fused layout forced is counted too: it duplicated parameter bytes.
+        self._stats["redundant_bytes"] = float(kept) + self._stats.get("packed_copy_bytes", 0.0)
         return pack_responses(
             self.spec,
             self.tokenizer,

@@ -68,6 +68,7 @@ def token_logprobs_and_entropy(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens under ``model`` and, optionally, the entropy ``[B, R]``.
 
@@ -75,7 +76,8 @@ def token_logprobs_and_entropy(
     one the rollout sampled with, so the log-probs are those of the distribution the tokens were
     drawn from. Both results are fp32 whatever the compute dtype. Entropy is that of the
     tempered distribution at each response position
-    (:func:`hybridflow.rlmath.core.entropy_from_logits`).
+    (:func:`hybridflow.rlmath.core.entropy_from_logits`); with ``entropy_grad=False`` it carries no
+    graph (a metric, not a loss term).
 
     Only the last ``R + 1`` columns' logits are computed (``logits_to_keep``): the LM head and
     the softmax never touch the prompt, whose logits would cost ``[B, T - R, vocab]``. Measured
@@ -98,6 +100,7 @@ def token_logprobs_and_entropy(
         input_ids[:, -response_len:],
         temperature=temperature,
         with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
     )
 
 
@@ -198,6 +201,7 @@ def packed_token_logprobs_and_entropy(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs_and_entropy` over the packed rows: same ``[B, R]`` results (0 at padding).
 
@@ -214,7 +218,11 @@ def packed_token_logprobs_and_entropy(
         logits_to_keep=packed.predictors,
     )
     log_probs, entropy = token_logprobs_and_entropy_from_logits(
-        output.logits[0], packed.targets, temperature=temperature, with_entropy=with_entropy
+        output.logits[0],
+        packed.targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
     )
     return packed.unpack(log_probs), packed.unpack(entropy) if entropy is not None else None
 

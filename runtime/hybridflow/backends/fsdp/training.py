@@ -129,7 +129,7 @@ class FSDPTrainingBackend:
     # ------------------------------------------------------------------ forward passes
 
     def _forward(
-        self, micro: Tensors, *, temperature: float, with_entropy: bool
+        self, micro: Tensors, *, temperature: float, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One micro-batch's log-probs (+ entropy) or values, on the device, with grad if enabled."""
         device = self.device
@@ -153,6 +153,7 @@ class FSDPTrainingBackend:
                 response_len=response_len,
                 temperature=temperature,
                 with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
             )
         return token_logprobs_and_entropy(
             self.model,
@@ -162,6 +163,7 @@ class FSDPTrainingBackend:
             response_len=response_len,
             temperature=temperature,
             with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
         )
 
     def log_probs(
@@ -201,13 +203,16 @@ class FSDPTrainingBackend:
         *,
         fields: Sequence[str],
         temperature: float = 1.0,
+        entropy_grad: bool = True,
     ) -> list[dict[str, float]]:
         """One ``backward()`` per micro-batch; FSDP reduce-scatters each one's gradients as it goes."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         results = []
         for micro in micro_batches:
-            outputs, entropy = self._forward(micro, temperature=temperature, with_entropy=True)
+            outputs, entropy = self._forward(
+                micro, temperature=temperature, with_entropy=True, entropy_grad=entropy_grad
+            )
             loss, metrics = loss_fn(outputs, entropy, {name: micro[name].to(self.device) for name in fields})
             loss.backward()
             results.append({name: float(value) for name, value in metrics.items()})

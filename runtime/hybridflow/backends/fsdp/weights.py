@@ -24,14 +24,16 @@ worker on every rank):
   checkpoint. A tied weight appears under each of its names (gathered once per name), which is
   what ``load_state_dict``-style consumers expect.
 * Tensors are fresh (never views of the live parameters) and lie on the parameters' device.
-* With a ``meter`` (:class:`~hybridflow.resharding.meter.TrafficMeter`), each ``Shard(0)``
-  parameter is gathered with an explicit ``all_gather_into_tensor`` of its local rows (padded
-  to equal chunks, as FSDP2 pads) through the meter, so the bytes handed to the wire are
-  counted; without one, ``DTensor.full_tensor()`` gathers it.
+* A bucket's ``Shard(0)`` parameters are gathered with one ``all_gather_into_tensor`` of the
+  rank's local rows of all of them (each padded to equal chunks, as FSDP2 pads), through the
+  ``meter`` (:class:`~hybridflow.resharding.meter.TrafficMeter`) when one is given, so the bytes
+  handed to the wire are counted. A bucket thus costs one collective, not one per tensor, and
+  briefly holds twice its size (the gathered rows and the full tensors cut from them).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import cast
 
@@ -63,40 +65,82 @@ def _full_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
     return tensor.numel() * (dtype or tensor.dtype).itemsize
 
 
-def _metered_gather(tensor: DTensor, dtype: torch.dtype | None, meter: TrafficMeter) -> torch.Tensor:
-    """The full tensor of a 1-D ``Shard(0)`` DTensor, gathered through ``meter``."""
-    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
-        raise ValueError(
-            f"metered weight gather supports FSDP2's 1-D Shard(0) parameters, got placements "
-            f"{tuple(tensor.placements)} on a {tensor.device_mesh.ndim}-D mesh"
-        )
-    group = tensor.device_mesh.get_group()
+def _is_fsdp_shard(tensor: torch.Tensor) -> bool:
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+    )
+
+
+def _gather_shards(
+    tensors: list[DTensor], dtype: torch.dtype, meter: TrafficMeter | None
+) -> list[torch.Tensor]:
+    """The full tensors of FSDP2 ``Shard(0)`` DTensors on one mesh, in ``dtype``, with one all-gather.
+
+    Each rank lays its local rows of every tensor, padded to ``ceil(rows / world)`` rows as FSDP2
+    pads them and cast to ``dtype``, end to end in one flat buffer; one
+    ``all_gather_into_tensor`` (through ``meter`` when given) brings every rank's buffer; each
+    full tensor is then copied out of the gathered rows (rank-major, so a tensor's rows are not
+    contiguous there). One collective per bucket instead of one per tensor: per-call latency
+    dominates a gloo or NCCL gather of small tensors. Transient memory: the gathered buffer and
+    the full tensors, two buckets' worth, until the buffer is dropped on return.
+    """
+    group = tensors[0].device_mesh.get_group()
     world = dist.get_world_size(group)
-    local = tensor.to_local()
-    if dtype is not None:
-        local = local.to(dtype)
-    rows = tensor.shape[0]
-    chunk = -(-rows // world)  # torch.chunk's sizes: full chunks first, the trailing ranks short
-    if local.shape[0] == chunk and local.is_contiguous():
-        padded = local
+    chunk_rows = [-(-t.shape[0] // world) for t in tensors]  # torch.chunk's sizes: trailing ranks short
+    row_numels = [math.prod(t.shape[1:]) for t in tensors]
+    sizes = [rows * numel for rows, numel in zip(chunk_rows, row_numels, strict=True)]
+    device = tensors[0].to_local().device
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    offset = 0
+    for tensor, size in zip(tensors, sizes, strict=True):
+        local = tensor.to_local().reshape(-1)
+        flat[offset : offset + local.numel()].copy_(local)  # the padding rows stay 0
+        offset += size
+    output = flat.new_empty(world * flat.numel())  # the collective concatenates along dim 0
+    if meter is not None:
+        meter.all_gather_into_tensor(output, flat, group)
     else:
-        padded = local.new_zeros((chunk, *local.shape[1:]))
-        padded[: local.shape[0]].copy_(local)
-    out = local.new_empty((chunk * world, *local.shape[1:]))
-    meter.all_gather_into_tensor(out, padded, group)
-    return out if chunk * world == rows else out[:rows]
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, flat, group=group)
+    gathered = output.view(world, flat.numel())
+    full: list[torch.Tensor] = []
+    offset = 0
+    for tensor, size, rows in zip(tensors, sizes, chunk_rows, strict=True):
+        # A copy where the rows are strided across ranks; the padding rows are cut off as a view.
+        full.append(
+            gathered[:, offset : offset + size].reshape(world * rows, *tensor.shape[1:])[: tensor.shape[0]]
+        )
+        offset += size
+    return full
 
 
-def _gather(
-    tensor: torch.Tensor, dtype: torch.dtype | None, meter: TrafficMeter | None = None
-) -> torch.Tensor:
-    if isinstance(tensor, DTensor):
-        if meter is not None:
-            return _metered_gather(tensor, dtype, meter)
-        # Cast the local shard before gathering: half the traffic when sending fp32 as bf16.
-        local = tensor if dtype is None else cast(DTensor, tensor.to(dtype))
-        return local.full_tensor()
-    return tensor.to(dtype=dtype or tensor.dtype, copy=True)
+def _gather_bucket(
+    planned: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, meter: TrafficMeter | None
+) -> list[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` of one planned bucket, in its order: one gather per dtype among its shards."""
+    shards: dict[torch.dtype, list[int]] = {}
+    for index, (name, tensor) in enumerate(planned):
+        if _is_fsdp_shard(tensor):
+            shards.setdefault(dtype or tensor.dtype, []).append(index)
+        elif isinstance(tensor, DTensor):
+            raise ValueError(
+                f"{name}: weight gather supports FSDP2's 1-D Shard(0) parameters, got placements "
+                f"{tuple(tensor.placements)} on a {tensor.device_mesh.ndim}-D mesh"
+            )
+    full: dict[int, torch.Tensor] = {}
+    for out_dtype, indices in shards.items():
+        tensors = [cast(DTensor, planned[index][1]) for index in indices]
+        if len({id(tensor.device_mesh.get_group()) for tensor in tensors}) > 1:
+            raise ValueError(
+                "a bucket's FSDP shards span more than one process group; expected the model's one"
+            )
+        full.update(zip(indices, _gather_shards(tensors, out_dtype, meter), strict=True))
+    return [
+        (hf_name(name), full[index] if index in full else tensor.to(dtype=dtype or tensor.dtype, copy=True))
+        for index, (name, tensor) in enumerate(planned)
+    ]
 
 
 def iter_full_weight_buckets(
@@ -127,7 +171,7 @@ def iter_full_weight_buckets(
         plan[-1].append((name, tensor.detach()))
         planned_bytes += size
     for planned in plan:
-        bucket = [(hf_name(name), _gather(tensor, dtype, meter)) for name, tensor in planned]
+        bucket = _gather_bucket(planned, dtype, meter)
         yield bucket
         bucket.clear()
 

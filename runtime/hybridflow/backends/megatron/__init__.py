@@ -23,7 +23,8 @@ Call order on every rank, after joining the ``torch.distributed`` world:
    every rank). Training: :func:`forward_backward` then :func:`clip_grad_norm_and_step` per
    mini-batch, ``scheduler.step()`` per RL step.
 5. Weight sync: :func:`iter_full_weight_buckets` (full HF tensors on every rank, bucket by
-   bucket) or :func:`local_shards` (this rank's HF slices, for the 3D-HybridEngine resharding).
+   bucket) or :func:`training_shard` (this rank's HF slices as views of its parameters, for the
+   3D-HybridEngine resharding; :func:`local_shards` lists them).
 6. :func:`save_train_state` / :func:`load_train_state` (megatron ``dist_checkpointing``).
 
 Weight layouts
@@ -67,7 +68,9 @@ Exact and approximate
   not below the smallest gradients (the tests use 1e-4: with 1e-8, a gradient of ~1e-8 turns
   fp32 rounding differences into steps of up to the learning rate, in any two implementations).
 * Checkpoint save/load restores model, optimizer and scheduler bit-exactly, also into another
-  TP/PP layout (megatron's sharded state dicts carry global offsets).
+  TP/PP/DP layout (megatron's sharded state dicts carry global offsets).
+* The distributed optimizer's steps equal the non-distributed optimizer's within fp32 rounding
+  (1e-6; the gradients are reduce-scattered instead of all-reduced).
 
 Known limits
 ------------
@@ -75,9 +78,12 @@ Known limits
   the key/value heads (no KV replication) and the intermediate size; PP must divide the layers.
 * One parallel layout per process (megatron's global ``parallel_state``): roles colocated in a
   process share it.
-* No sequence parallelism, context parallelism, virtual pipeline stages, distributed optimizer,
-  Transformer Engine kernels or fp16; bf16 uses megatron's mixed precision (bf16 parameters,
-  fp32 main weights in the optimizer).
+* No sequence parallelism, context parallelism, virtual pipeline stages, Transformer Engine
+  kernels or fp16; bf16 uses megatron's mixed precision (bf16 parameters, fp32 main weights in
+  the optimizer).
+* The optimizer is megatron's distributed optimizer at every DP size (Adam's state, and bf16's
+  fp32 main weights, split over the DP ranks: ``1/d`` per rank); the checkpoint keeps it in a
+  layout-independent format, so a run resumes into other TP/PP/DP sizes.
 * Gradient clipping and the norm use megatron's own helpers, which assert CUDA tensor types;
   on CPU they run only under the test shim (the product has no CPU branch).
 * Saving a checkpoint starts megatron's writer processes (a spawned multiprocessing manager per
@@ -126,6 +132,8 @@ from hybridflow.backends.megatron.weights import (
     full_state_dict,
     iter_full_weight_buckets,
     local_shards,
+    shard_copy_bytes,
+    training_shard,
 )
 
 __all__ = [
@@ -154,8 +162,10 @@ __all__ = [
     "offload_tensors",
     "padded_vocab_size",
     "save_train_state",
+    "shard_copy_bytes",
     "token_logprobs_and_entropy",
     "token_values",
+    "training_shard",
     "unwrap",
     "vocab_parallel_logprobs_and_entropy",
     "wrap_data_parallel",

@@ -12,15 +12,21 @@ Protocol with a worker (the same shape as :mod:`hybridflow.backends.fsdp.optim`)
   count RL steps, as in the FSDP backend, whose :func:`~hybridflow.backends.fsdp.optim.lr_factor`
   this schedule shares).
 
-Optimizer: megatron-core's non-distributed optimizer (``get_megatron_optimizer`` with
-``use_distributed_optimizer=False``) wrapping AdamW (torch's, or Apex/TE's fused one where
-installed): fp32 training steps the model's parameters directly (``FP32Optimizer``); bf16
-parameters get fp32 main weights (``Float16OptimizerWithFloat16Params``). Weight decay applies
-to every parameter alike (``config_overrides={}``), as in the FSDP backend; megatron's default
-would exempt biases and norms.
+Optimizer: megatron-core's distributed optimizer (``DistributedOptimizer``, the ZeRO-1 of
+megatron: Adam's state sharded over the DP ranks, see
+:func:`~hybridflow.backends.megatron.parallelize.wrap_data_parallel`), or its non-distributed
+one when the DDP wrapper was built without it (``FP32Optimizer``: fp32 training steps the
+model's parameters directly; ``Float16OptimizerWithFloat16Params``: bf16 parameters with fp32
+main weights), wrapping AdamW (torch's, or Apex/TE's fused one where installed). With the
+distributed optimizer each DP rank steps only its ``1/d`` range of the flat parameter buffer
+(fp32: views of the parameters; bf16: fp32 main copies of that range) and the step ends with the
+all-gather of the updated parameters over DP. Weight decay applies to every parameter alike
+(``config_overrides={}``), as in the FSDP backend; megatron's default would exempt biases and
+norms.
 
 Clipping: :func:`clip_grad_norm_and_step` calls megatron's own pieces (``prepare_grads``,
-``get_grad_norm``: the L2 norm over TP/PP shards, TP-replicated parameters counted once;
+``get_grad_norm``: the L2 norm over TP/PP shards (and, with the distributed optimizer, over the
+DP ranks' ranges), TP-replicated parameters counted once;
 ``clip_grad_by_total_norm_fp32``; ``step_with_ready_grads``) instead of ``optimizer.step()``
 so that a non-finite norm skips the step on every rank, as in the FSDP backend (megatron's fp32
 step would apply NaN gradients). megatron's clipping asserts that gradients are
@@ -76,7 +82,10 @@ def build_optimizer(
 ) -> MegatronOptimizer:
     """megatron's AdamW over ``model`` (the DDP wrapper), fp32 or bf16 as the model was built.
 
-    Collective only in that every rank builds its own (no communication). Same argument checks
+    Distributed (Adam's state sharded over DP) exactly when the wrapper was built for it
+    (``ddp_config.use_distributed_optimizer``, see :func:`wrap_data_parallel`): the two must
+    agree, so the choice is read from there. Collective only in that every rank builds its own
+    (no communication). Same argument checks
     as the FSDP backend's ``build_optimizer``; clipping is an argument of
     :func:`clip_grad_norm_and_step`, not of the optimizer.
     """
@@ -89,6 +98,7 @@ def build_optimizer(
     if not hasattr(model, "ddp_config"):
         raise TypeError("build_optimizer needs the DDP model from wrap_data_parallel")
     params_dtype = unwrap(model).config.params_dtype
+    ddp_config: Any = model.ddp_config
     config = OptimizerConfig(
         optimizer="adam",
         lr=learning_rate,
@@ -99,7 +109,7 @@ def build_optimizer(
         clip_grad=0.0,
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=bool(ddp_config.use_distributed_optimizer),
     )
     optimizer = get_megatron_optimizer(config, [model], config_overrides={}, use_gloo_process_groups=False)
     torch_optimizer(optimizer)  # refuses a chain of several optimizers early
@@ -141,6 +151,7 @@ def forward_backward(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ) -> list[dict[str, float]]:
     """Forward and backward every micro-batch through the pipeline; returns each one's metrics on every rank.
 
@@ -150,7 +161,7 @@ def forward_backward(
     ``sum(loss_fn(...)[0] over micro-batches)``, averaged over DP ranks: the same as calling
     ``backward()`` on each micro-batch's loss under FSDP, so a worker's loss scaling (e.g.
     ``len(micro) / len(mini)``) carries over unchanged. Collective; see the module docstring
-    for the once-per-step rule.
+    for the once-per-step rule. ``entropy_grad=False`` hands ``loss_fn`` the entropy detached.
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
@@ -172,7 +183,10 @@ def forward_backward(
     def head(output: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         _, results = read_out(output, micro)
         outputs = results["values"] if info.value_head else results["log_probs"]
-        loss, metrics = loss_fn(outputs, results.get("entropy"), micro)
+        entropy = results.get("entropy")
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        loss, metrics = loss_fn(outputs, entropy, micro)
         return loss, {
             name: torch.as_tensor(value, dtype=torch.float32).detach() for name, value in metrics.items()
         }
@@ -224,12 +238,12 @@ def offload_tensors(
     """(parameters and gradient buffers, optimizer state) of this rank's stage, for offloading.
 
     For :class:`~hybridflow.backends.offload.DeviceOffload`, which moves storages: megatron's
-    DDP keeps every ``main_grad`` as a view of its flat gradient buffer (and, where it has one,
-    every parameter as a view of a flat parameter buffer), so listing the views moves the
-    buffers whole. The optimizer's part is Adam's state plus, under bf16, the fp32 main
-    weights of ``Float16OptimizerWithFloat16Params`` (its param groups' tensors that are not
-    model parameters; in fp32 the groups hold the model's own parameters, which are not
-    optimizer state).
+    DDP keeps every ``main_grad`` as a view of its flat gradient buffer (and, with the
+    distributed optimizer, every parameter as a view of a flat parameter buffer), so listing the
+    views moves the buffers whole. The optimizer's part is Adam's state (this DP rank's range
+    only, with the distributed optimizer) plus, under bf16, the fp32 main weights (the param
+    groups' tensors that do not live in the model's parameters; in fp32 the groups hold the
+    parameters themselves or views of their buffer, which are not optimizer state).
     """
     parameters: list[torch.Tensor] = []
     for parameter in model.parameters():

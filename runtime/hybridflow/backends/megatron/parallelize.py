@@ -92,8 +92,9 @@ def initialize_parallel_state(*, tp_size: int, pp_size: int, seed: int = 0) -> P
     0. Weights come from checkpoints, so no other randomness is involved.
 
     Only gloo groups for megatron's own use are skipped (``create_gloo_process_groups=False``):
-    the non-distributed optimizer and dist-checkpointing paths used here do not need them, and
-    on CPU every group is gloo already.
+    megatron's distributed optimizer needs them only for its legacy DP-gathering checkpoint
+    formats, not for the ``fully_sharded_model_space`` format saved here
+    (:mod:`~hybridflow.backends.megatron.checkpoint`), and on CPU every group is gloo already.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -130,26 +131,37 @@ def destroy_parallel_state() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def wrap_data_parallel(model: MegatronModule, *, grad_reduce_in_fp32: bool = True) -> DistributedDataParallel:
-    """Megatron's DDP around ``model`` (contiguous gradient buffers, all-reduced over DP), ready for training.
+def wrap_data_parallel(
+    model: MegatronModule, *, grad_reduce_in_fp32: bool = True, distributed_optimizer: bool = True
+) -> DistributedDataParallel:
+    """Megatron's DDP around ``model`` (contiguous gradient buffers, reduced over DP), ready for training.
 
     Collective over the data-parallel group (DDP broadcasts nothing, but builds its buffers the
     same way on every rank). Gradients accumulate into each parameter's ``main_grad`` (fp32 with
-    ``grad_reduce_in_fp32``, what bf16 training needs) across micro-batches and are averaged over
+    ``grad_reduce_in_fp32``, what bf16 training needs) across micro-batches and are reduced over
     the DP ranks once per mini-batch, by ``finalize_model_grads`` at the end of the
     forward/backward schedule (:func:`~hybridflow.backends.megatron.optim.forward_backward`).
 
+    ``distributed_optimizer`` (the default; the job always uses it) prepares the buffers for
+    megatron's distributed optimizer, which
+    :func:`~hybridflow.backends.megatron.optim.build_optimizer` then builds (it reads the choice
+    from the wrapper): DDP keeps every parameter as a view of one flat parameter buffer,
+    reduce-scatters the gradients so that each DP rank gets the sum for the ``1/d`` of the
+    buffer it owns, the optimizer keeps Adam's moments (and, under bf16, the fp32 main weights)
+    for that ``1/d`` only, and after its step all-gathers the updated parameters over DP. With
+    ``d = 1`` this holds the same bytes as the non-distributed optimizer. It is used at every DP
+    size so that one checkpoint format serves every layout (a run resumes into another DP size).
+    ``False`` builds megatron's non-distributed optimizer (every DP rank holds the whole state of
+    its model-parallel shard): the tests compare the two.
+
     This installs on the shared ``TransformerConfig``: ``no_sync_func`` (no reduction until the
     last micro-batch) and ``finalize_model_grads_func``; the schedule reads both from there.
-    Non-distributed optimizer only (``use_distributed_optimizer=False``): megatron's distributed
-    optimizer is the next step for large models, but its buffers assert on CUDA tensor types and
-    so cannot be tested on CPU.
     """
     config = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,
     )
     wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)

@@ -38,7 +38,12 @@ from hybridflow.backends.megatron.optim import (
     offload_tensors,
 )
 from hybridflow.backends.megatron.parallelize import initialize_parallel_state, wrap_data_parallel
-from hybridflow.backends.megatron.weights import full_state_dict, iter_full_weight_buckets, local_shards
+from hybridflow.backends.megatron.weights import (
+    full_state_dict,
+    iter_full_weight_buckets,
+    shard_copy_bytes,
+    training_shard,
+)
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
 from hybridflow.resharding.transfer import TrainingShard
@@ -154,8 +159,13 @@ class MegatronTrainingBackend:
         *,
         fields: Sequence[str],
         temperature: float = 1.0,
+        entropy_grad: bool = True,
     ) -> list[dict[str, float]]:
-        """All micro-batches through megatron's schedule; the gradients are zero from the last step."""
+        """All micro-batches through megatron's schedule; the gradients are zero from the last step.
+
+        The vocab-parallel head computes log-probs and entropy in one fused autograd function;
+        with ``entropy_grad=False`` the entropy reaches ``loss_fn`` detached (its gradient is 0).
+        """
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
         self.model.train()
@@ -167,6 +177,7 @@ class MegatronTrainingBackend:
             loss_fn,
             response_len=int(micro_batches[0]["responses"].shape[1]),
             temperature=temperature,
+            entropy_grad=entropy_grad,
         )
 
     def clip_and_step(self, *, max_grad_norm: float) -> float:
@@ -219,21 +230,8 @@ class MegatronTrainingBackend:
         return {name: tensor.detach().cpu() for name, tensor in full_state_dict(self.model).items()}
 
     def training_shard(self, blocks: Sequence[Block]) -> TrainingShard:
-        """This rank's slices packed into the shard's two flat buffers (local, no communication).
-
-        One copy of ``M/(p*t)`` bytes per step: megatron stores its parameters fused
-        (``linear_qkv``, ``linear_fc1``) and in its own order, not as the plan's back-to-back HF
-        blocks. The copy is the rollout's to free after generation (it never aliases the
-        parameters the optimizer updates).
-        """
-        pieces = {name: shard.tensor for name, shard in local_shards(self.model).items()}
-        return TrainingShard.pack(blocks, pieces)
+        """See :func:`~hybridflow.backends.megatron.weights.training_shard` (views, no copy where possible)."""
+        return training_shard(self.model, blocks)
 
     def training_shard_copy_bytes(self, shard: TrainingShard) -> int:
-        """Measured from the tensors: views of the live parameters would count 0, today's packed copy whole."""
-        live = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
-        return sum(
-            shard.buffer(kind).nbytes
-            for kind in ("partitioned", "replicated")
-            if shard.buffer(kind).numel() and shard.buffer(kind).untyped_storage().data_ptr() not in live
-        )
+        return shard_copy_bytes(self.model, shard)

@@ -8,8 +8,8 @@ Two views, for two consumers:
 * :func:`local_shards` (the 3D-HybridEngine, :mod:`hybridflow.resharding`): this rank's own
   pieces of the HF parameters, with where they sit in the full tensors, without communication.
   Megatron's TP rank ``r`` holds exactly the HF slices the resharding layout assigns to ``r``
-  (see :mod:`~hybridflow.backends.megatron.convert`), so these can be packed into its
-  ``TrainingShard`` as they are.
+  (see :mod:`~hybridflow.backends.megatron.convert`), so :func:`training_shard` hands them to
+  the transfer as they are: views of the parameters, no copy where the layout allows.
 
 Protocol of :func:`iter_full_weight_buckets` (callers: the actor worker's weight sync on every
 rank, or a test):
@@ -37,7 +37,7 @@ rank, or a test):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +54,17 @@ from hybridflow.backends.megatron.convert import (
     units,
 )
 from hybridflow.backends.megatron.load import first_layer, model_info, owned_units, unwrap
+from hybridflow.resharding.layout import Block
+from hybridflow.resharding.transfer import TrainingShard
 
-__all__ = ["LocalShard", "full_state_dict", "iter_full_weight_buckets", "local_shards"]
+__all__ = [
+    "LocalShard",
+    "full_state_dict",
+    "iter_full_weight_buckets",
+    "local_shards",
+    "shard_copy_bytes",
+    "training_shard",
+]
 
 _FULL_STATE_DICT_BUCKET_BYTES = 1 << 30
 
@@ -118,6 +127,31 @@ def local_shards(model: nn.Module) -> dict[str, LocalShard]:
                 piece.tensor, piece.dim, piece.start, piece.stop, tp_rank, tp_size, pp_rank, pp_size
             )
     return shards
+
+
+def training_shard(model: nn.Module, blocks: Sequence[Block]) -> TrainingShard:
+    """This rank's slices as the resharding plan's training shard, handed over without a copy where the layout allows.
+
+    Local, no communication. Each block is :func:`local_shards`' tensor for it: a view of the
+    live parameter (norms, gate/up halves of ``linear_fc1``, vocabulary rows, row-parallel
+    weights whole, and q/k/v when the rank holds one key/value group, whose rows of
+    ``linear_qkv`` are then [q; k; v] back to back). Only q/k/v of a rank holding several groups
+    is a copy: megatron interleaves them per group, so the rank's HF q rows are not contiguous
+    there; :func:`shard_copy_bytes` counts it. The views read the parameters' current values:
+    use the shard before the next optimizer step changes them.
+    """
+    pieces = {name: shard.tensor for name, shard in local_shards(model).items()}
+    return TrainingShard.of_tensors(blocks, pieces)
+
+
+def shard_copy_bytes(model: nn.Module, shard: TrainingShard) -> int:
+    """Bytes of ``shard``'s tensors that do not live in ``model``'s parameter storages: its copies (by storage pointer)."""
+    live = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for _, tensor in shard.tensors()
+        if tensor.untyped_storage().data_ptr() not in live
+    )
 
 
 def _owner_stage(unit: Unit, *, num_layers: int, pp_size: int) -> int:
