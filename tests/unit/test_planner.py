@@ -387,3 +387,30 @@ def test_fsdp_per_unit_work_and_shared_module_decoding_are_counted() -> None:
     assert generation(shared, one_rank, replace(fsdp, rollout_engine="vllm")) == generation(
         bare, one_rank, replace(fsdp, rollout_engine="vllm")
     )
+
+
+@pytest.mark.parametrize("bucket_bytes", [40_000, 100_000, 64 << 20])
+def test_weight_sync_gathers_are_the_buckets_the_fsdp_sync_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
+) -> None:
+    """The planner counts one gather per bucket as ``iter_full_weight_buckets`` forms them."""
+    import torch
+
+    from hybridflow.backends.fsdp.weights import iter_full_weight_buckets
+    from hybridflow.models.tiny import build_tiny_model, write_tiny_model
+    from hybridflow.planner import cost
+    from hybridflow.planner.shapes import model_shape_from_dir
+    from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES
+
+    assert cost.WEIGHT_SYNC_BUCKET_BYTES == WEIGHT_BUCKET_BYTES
+    sizes = {"hidden": 64, "heads": 2, "layers": 3, "intermediate": 128}
+    directory = write_tiny_model(tmp_path / "qwen2", "qwen2", seed=0, vocab_size=384, **sizes)
+    model = build_tiny_model("qwen2", 384, seed=0, **sizes).to(torch.float32)
+    expected = sum(1 for _ in iter_full_weight_buckets(model, bucket_bytes=bucket_bytes))
+    monkeypatch.setattr(cost, "WEIGHT_SYNC_BUCKET_BYTES", bucket_bytes)
+    shape = model_shape_from_dir(directory, field="model")
+    workload = Workload(
+        actor=shape, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4, backend="fsdp"
+    )
+    assert cost.reshard_collectives(shape, ModelLayoutChoice(1, 1, 2, 1), workload) == expected
+    assert expected > 1 or bucket_bytes == 64 << 20

@@ -26,7 +26,7 @@ Time
     ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP each rank
     receives its generation block less the rows it holds (the full weights, ``(d-1)/d`` of
     them, at ``t_g = 1``; vLLM's ``t_g > 1`` blocks otherwise, as ``resharding.fsdp`` plans),
-    one gather per parameter tensor.
+    one flat gather per 64 MiB weight bucket (:data:`WEIGHT_SYNC_BUCKET_BYTES`).
   * collective latency: every latency-bound collective (FSDP's per-layer all-gathers and
     reduce-scatters, Megatron's per-layer TP all-reduces, per micro-batch) costs
     ``collective_latency_seconds``; on CPUs with gloo this, and FSDP's own work around each
@@ -253,11 +253,26 @@ def _fsdp_reshard_bytes(decoder: DecoderSpec, itemsize: int, world: int, t_g: in
     return most * itemsize
 
 
+WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
+"""The weight sync's bucket (``workers.weight_push.WEIGHT_BUCKET_BYTES``; a test keeps the two equal)."""
+
+
 def reshard_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:
-    """Latency-bound collectives of :func:`reshard_seconds` (FSDP's per-tensor gathers)."""
+    """Latency-bound collectives of :func:`reshard_seconds`: FSDP's weight sync gathers per bucket.
+
+    ``backends/fsdp/weights.py`` groups the parameters, in order, into buckets of at most
+    :data:`WEIGHT_SYNC_BUCKET_BYTES` (a larger tensor alone) and gathers each bucket's shards
+    with one flat all-gather; this counts those buckets.
+    """
     if workload.backend != "fsdp" or reshard_bytes(model, layout, workload) == 0:
         return 0
-    return len(model.layout(workload.param_bytes).params)
+    buckets, filled = 0, 0
+    for param in model.layout(workload.param_bytes).params:
+        size = param.numel * workload.param_bytes
+        if buckets == 0 or (filled and filled + size > WEIGHT_SYNC_BUCKET_BYTES):
+            buckets, filled = buckets + 1, 0
+        filled += size
+    return buckets
 
 
 def reshard_seconds(
@@ -272,7 +287,7 @@ def reshard_seconds(
     if received == 0:
         return 0.0
     if workload.backend == "fsdp":
-        # The weight sync gathers every parameter tensor on its own (backends/fsdp/weights.py).
+        # One flat gather per weight bucket (backends/fsdp/weights.py).
         gathers = reshard_collectives(model, layout, workload)
         return received / device.intra_node_bytes_per_second + gathers * device.collective_latency_seconds
     # A micro-DP group spans the TP ranks of one replica (one node) and, with p > 1, its stages.
