@@ -1,18 +1,19 @@
 """Placement figures: the tiny GRPO job on simulated GPUs, measured per placement and predicted by the planner.
 
-Each candidate is a placement of examples/grpo-tiny.yaml on a GPU budget (1, 2 or 4 simulated
-GPUs on this machine's cores): everything colocated, or the actor (with the rollout) and the
-reference on pools of their own. The planner (hybridflow.planner) costs each candidate with
-device constants measured in this process (``calibrate_device``, what ``hybridflow plan
---profile`` does), then every candidate runs ``run_training`` for a few steps in this process's
-one embedded Ray, twice (all candidates forwards, then backwards, so that a drifting load on the
-machine weighs on each alike); its step time is the mean over the two runs of the median
-``perf/step_seconds`` after the first step.
+The candidates are what the planner chooses between: for each GPU budget (1, 2 and 4 simulated
+GPUs on this machine's cores; 1 and 2 with ``--quick``), the best plan of each placement kind
+``plan_job`` returns for examples/grpo-tiny.yaml (everything colocated, or the actor with the
+rollout and the reference on pools of their own), costed with device constants measured in
+this process (``calibrate_device``, what ``hybridflow plan --profile`` does). Every candidate
+then runs ``run_training`` for a few steps in this process's one embedded Ray, twice (all
+candidates forwards, then backwards, so that a drifting load on the machine weighs on each
+alike); its step time is the mean over the two runs of the median ``perf/step_seconds`` after
+the first step, and its phases the same of the runner's ``timing/*`` (:data:`MEASURED_PHASES`).
 
 Figures: ``step_seconds_colocated_sync`` and ``step_seconds_split_sync`` (2 GPUs: both roles on
-both GPUs, or one GPU each), their ratio, each candidate's predicted and measured seconds, and
-``planner_rank_agreement``, Kendall's tau between the predicted and the measured step times
-(target >= 0.8).
+both GPUs, or one GPU each), their ratio, each candidate's predicted and measured step and
+phase seconds, the measured device constants, and ``planner_rank_agreement``, Kendall's tau
+between the predicted and the measured step times (target >= 0.8).
 
 Overlap: examples/grpo-tiny-overlap.yaml (actor and reference on one simulated GPU, the rollout
 on another) runs synchronously (``rollout.maxStaleness: 0``: generate, then score and update)
@@ -25,8 +26,7 @@ the ratio to ``step_seconds_split_sync``. ``overlap_reward_gain`` is the overlap
 reward over its last ``window`` steps minus over its first (target >= 0.3 over the full budget;
 the runs are seeded, so a repeat learns the same), ``sync_reward_gain`` the synchronous run's,
 for comparison. ``overlap_idle_fraction`` and ``sync_idle_fraction`` are the mean idle fraction
-per pool. ``--quick`` runs three candidates with fewer steps. The last line printed is one JSON
-object.
+per pool. ``--quick`` runs fewer candidates and steps. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -50,7 +50,7 @@ from hybridflow.controller.resource_pool import node_pool_resource
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.planner import ClusterShape, Plan, plan_job
 from hybridflow.planner.calibrate import calibrate_device
-from hybridflow.planner.hardware import SIMULATED_CPU_GPU
+from hybridflow.planner.hardware import SIMULATED_CPU_GPU, DeviceConstants
 from hybridflow.planner.job import apply_plan, workload_from_spec
 from hybridflow.rewards import make_toy_dataset
 from hybridflow.spec import RLHFJobSpec, load_job_manifest
@@ -65,25 +65,42 @@ TARGET_GAIN = 0.3
 OVERLAP_STEPS, QUICK_OVERLAP_STEPS = 30, 8
 
 
+BUDGETS, QUICK_BUDGETS = (1, 2, 4), (1, 2)
+"""GPU budgets whose plans are measured: for each, the best plan of each placement kind."""
+
+MEASURED_PHASES = {
+    "generate": ("timing/weight_sync", "timing/generate"),
+    "score": ("timing/old_log_probs", "timing/ref_log_probs", "timing/reward"),
+    "train": ("timing/actor_update", "timing/advantages"),
+}
+"""The runner's ``timing/*`` figures that make up each phase of the cost model's step."""
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A placement to measure: ``kind`` on ``gpus`` GPUs, with the actor's pool size for split ones."""
+    """A plan to measure: the planner's best plan of one placement kind on a budget of ``gpus``."""
 
     label: str
     gpus: int
-    kind: str
-    actor_gpus: int
+    plan: Plan
 
 
-FULL = (
-    Candidate("colocate-1", 1, "colocate", 1),
-    Candidate("colocate-2", 2, "colocate", 2),
-    Candidate("split-1-1", 2, "standalone", 1),
-    Candidate("colocate-4", 4, "colocate", 4),
-    Candidate("split-2-2", 4, "standalone", 2),
-    Candidate("split-1-3", 4, "standalone", 1),
-)
-QUICK = FULL[:3]
+def candidates(
+    workdir: Path, model: Path, data: Path, steps: int, budgets: tuple[int, ...], device: DeviceConstants
+) -> list[tuple[Candidate, RLHFJobSpec]]:
+    """For each budget, the best plan of each placement kind ``plan_job`` returns, and its spec."""
+    chosen = []
+    for gpus in budgets:
+        spec = budget_spec(workdir / f"budget-{gpus}", model, data, gpus, steps)
+        seen: set[str] = set()
+        for plan in plan_job(workload_from_spec(spec), ClusterShape(gpus, gpus), device):
+            if plan.placement.kind in seen:
+                continue
+            seen.add(plan.placement.kind)
+            sizes = "-".join(str(pool.gpus) for pool in plan.pools)
+            label = f"{'colocate' if plan.placement.kind == 'colocate' else 'split'}-{sizes}"
+            chosen.append((Candidate(label, gpus, plan), apply_plan(spec, plan)))
+    return chosen
 
 
 def budget_spec(workdir: Path, model: Path, data: Path, gpus: int, steps: int) -> RLHFJobSpec:
@@ -97,7 +114,7 @@ def budget_spec(workdir: Path, model: Path, data: Path, gpus: int, steps: int) -
             "resource_pools": (ResourcePoolSpec(name=BUDGET_POOL, nodes=1, gpus_per_node=gpus),),
             "roles": RolePlacementSpec(actor=BUDGET_POOL),
             "placement": "auto",
-            "output_dir": str(workdir / f"budget-{gpus}"),
+            "output_dir": str(workdir),
         }
     )
 
@@ -132,10 +149,9 @@ def main() -> None:
         "--quick",
         action="store_true",
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
-        help="three candidates, fewer steps (CI)",
+        help="budgets of 1 and 2 GPUs, fewer steps (CI)",
     )
     args = parser.parse_args()
-    candidates = QUICK if args.quick else FULL
     steps = 4 if args.quick else 8
 
     workdir = Path(tempfile.mkdtemp(prefix="hybridflow-pipeline-"))
@@ -143,30 +159,20 @@ def main() -> None:
     data = workdir / "target_char.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in make_toy_dataset("target_char", 256, seed=0)))
 
-    probe = workload_from_spec(budget_spec(workdir, model, data, 1, steps))
-    device = calibrate_device(probe.actor, SIMULATED_CPU_GPU)
-    chosen: list[tuple[Candidate, Plan, RLHFJobSpec]] = []
-    for candidate in candidates:
-        spec = budget_spec(workdir / candidate.label, model, data, candidate.gpus, steps)
-        plans = plan_job(
-            workload_from_spec(spec),
-            ClusterShape(candidate.gpus, candidate.gpus),
-            device,
-            kinds=(candidate.kind,),
-        )
-        plan = next(p for p in plans if p.pools[p.pool_index_of("actor")].gpus == candidate.actor_gpus)
-        chosen.append((candidate, plan, apply_plan(spec, plan)))
+    probe = workload_from_spec(budget_spec(workdir / "probe", model, data, 1, steps))
+    device = calibrate_device(probe, SIMULATED_CPU_GPU)
+    chosen = candidates(workdir, model, data, steps, QUICK_BUDGETS if args.quick else BUDGETS, device)
 
     overlap_steps = QUICK_OVERLAP_STEPS if args.quick else OVERLAP_STEPS
     overlap_specs = {s: overlap_spec(workdir / "overlap", model, data, overlap_steps, s) for s in (0, 1)}
     capacity: dict[str, float] = {}
-    for spec in [*(spec for _, _, spec in chosen), *overlap_specs.values()]:
+    for spec in [*(spec for _, spec in chosen), *overlap_specs.values()]:
         for pool in spec.resource_pools:
             key = node_pool_resource(pool.name)
             capacity[key] = max(capacity.get(key, 0.0), float(pool.world_size))
     ray.init(
         num_cpus=os.cpu_count() or 1,
-        num_gpus=max(c.gpus for c in candidates),
+        num_gpus=max(candidate.gpus for candidate, _ in chosen),
         resources=capacity,
         include_dashboard=False,
         configure_logging=False,
@@ -176,14 +182,16 @@ def main() -> None:
     # (ABC CBA), so a linear drift adds the same time to every candidate's mean.
     order = [*range(len(chosen)), *reversed(range(len(chosen)))]
     seconds: dict[int, list[float]] = {index: [] for index in range(len(chosen))}
+    phases: dict[int, list[dict[str, float]]] = {index: [] for index in range(len(chosen))}
     try:
         for round_index, index in enumerate(order):
-            candidate, plan, spec = chosen[index]
-            out = Path(spec.output_dir) / f"round-{round_index}"
+            candidate, spec = chosen[index]
+            out = Path(spec.output_dir) / candidate.label / f"round-{round_index}"
             summary = run_training(
                 spec.model_copy(update={"output_dir": str(out)}), on_step=lambda line: None
             )
             seconds[index].append(statistics.median(m["perf/step_seconds"] for m in summary.metrics[1:]))
+            phases[index].append(measured_phases(summary.metrics[1:]))
             print(
                 json.dumps({"label": candidate.label, "round": round_index, "seconds": seconds[index][-1]}),
                 file=sys.stderr,
@@ -214,32 +222,47 @@ def main() -> None:
         {
             "label": candidate.label,
             "gpus": candidate.gpus,
-            "placement": plan.placement.describe(),
-            "predicted_step_seconds": round(plan.step_seconds, 4),
+            "placement": candidate.plan.placement.describe(),
+            "predicted_step_seconds": round(candidate.plan.step_seconds, 4),
             "measured_step_seconds": round(statistics.mean(seconds[index]), 4),
+            "predicted_phase_seconds": {k: round(v, 4) for k, v in candidate.plan.phase_seconds.items()},
+            "measured_phase_seconds": {
+                phase: round(statistics.mean(run[phase] for run in phases[index]), 4)
+                for phase in MEASURED_PHASES
+            },
         }
-        for index, (candidate, plan, _) in enumerate(chosen)
+        for index, (candidate, _) in enumerate(chosen)
     ]
-
-    measured = {row["label"]: row["measured_step_seconds"] for row in rows}
-    tau = kendall_tau(
-        [float(row["predicted_step_seconds"]) for row in rows],
-        [float(row["measured_step_seconds"]) for row in rows],
-    )
+    measured = {
+        candidate.label: statistics.mean(seconds[index]) for index, (candidate, _) in enumerate(chosen)
+    }
+    tau = kendall_tau([candidate.plan.step_seconds for candidate, _ in chosen], list(measured.values()))
     figures = {
         "steps_per_run": steps,
         "device": device.name,
         "measured_compute_slots": round(device.compute_slots or 0.0, 2),
         "measured_collective_latency_seconds": round(device.collective_latency_seconds, 6),
-        "step_seconds_colocated_sync": measured["colocate-2"],
-        "step_seconds_split_sync": measured["split-1-1"],
-        "split_over_colocated_ratio": round(float(measured["split-1-1"]) / float(measured["colocate-2"]), 3),
-        **overlap_figures(overlap_runs, float(measured["split-1-1"]), window=2 if args.quick else 5),
+        "measured_device": {
+            name: round(value, 6) if isinstance(value, float) else value
+            for name, value in asdict(device).items()
+        },
+        "step_seconds_colocated_sync": round(measured["colocate-2"], 4),
+        "step_seconds_split_sync": round(measured["split-1-1"], 4),
+        "split_over_colocated_ratio": round(measured["split-1-1"] / measured["colocate-2"], 3),
+        **overlap_figures(overlap_runs, measured["split-1-1"], window=2 if args.quick else 5),
         "candidates": rows,
         "planner_rank_agreement": round(tau, 3),
         "target_rank_agreement": TARGET_TAU,
     }
     print(json.dumps(figures))
+
+
+def measured_phases(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per step of each phase of :data:`MEASURED_PHASES` over ``metrics``."""
+    return {
+        phase: statistics.median(sum(m.get(key, 0.0) for key in keys) for m in metrics)
+        for phase, keys in MEASURED_PHASES.items()
+    }
 
 
 def overlap_figures(

@@ -317,7 +317,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.profile:
         from hybridflow.planner.calibrate import calibrate_device
 
-        device = calibrate_device(workload.actor, A100_80GB)
+        device = calibrate_device(workload, A100_80GB)
     try:
         plans = plan_job(workload, cluster, device)
     except PlannerInputError as err:

@@ -27,10 +27,12 @@ from hybridflow.planner import (
     placements,
     plan_job,
 )
-from hybridflow.planner.cost import generation_estimate, reshard_bytes
+from hybridflow.planner.cost import forward_seconds, generation_estimate, reshard_bytes, train_seconds
+from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.job import apply_plan, resolve_auto_placement, workload_from_spec
-from hybridflow.planner.parallel import training_layouts
+from hybridflow.planner.parallel import generation_tensor_sizes, training_layouts
 from hybridflow.resharding import DecoderSpec, hybridflow_plan
+from hybridflow.resharding.fsdp import contiguous_tp_ranks, fsdp_generation_plan
 from hybridflow.spec import RLHFJobSpec, parse_job_manifest
 
 pytestmark = pytest.mark.unit
@@ -117,9 +119,97 @@ def test_training_layouts_obey_the_model_split_and_the_node() -> None:
         actor=PAPER_MODELS["llama-7b"], sequences=8, prompt_tokens=8, response_tokens=8, backend="fsdp"
     )
     assert training_layouts(PAPER_MODELS["llama-7b"], 16, 8, fsdp) == (ModelLayoutChoice(1, 1, 16),)
-    # megatron with a vllm rollout: no 3D-HybridEngine, so data parallelism only (the spec's rule)
-    vllm = replace(fsdp, backend="megatron", model_parallel_training=False)
-    assert training_layouts(PAPER_MODELS["llama-7b"], 16, 8, vllm) == (ModelLayoutChoice(1, 1, 16),)
+
+
+def test_generation_sizes_follow_the_engine_and_the_spec_rules(tmp_path: Path) -> None:
+    """torch reshards to every ``t_g | t``; vLLM takes megatron's shards at ``t_g`` 1 or ``t`` only."""
+    model = PAPER_MODELS["llama-7b"]
+    megatron = Workload(actor=model, sequences=64, prompt_tokens=256, response_tokens=256)
+    vllm = replace(megatron, rollout_engine="vllm")
+    t4 = ModelLayoutChoice(2, 4, 2)
+    assert generation_tensor_sizes(model, t4, 8, megatron) == [1, 2, 4]
+    assert generation_tensor_sizes(model, t4, 8, vllm) == [1, 4]
+    # vLLM plans model-parallel training too, and every plan is one the spec accepts.
+    plans = plan_job(replace(vllm, critic=model), ClusterShape(16, 8), A100_80GB)
+    actors = {plan.layout_of("actor") for plan in plans}
+    assert any(a.tp * a.pp > 1 for a in actors)
+    assert all(a.generation_tp in (1, a.tp) for a in actors)
+    assert any(a.tp > 1 and a.generation_tp == a.tp for a in actors)
+    # FSDP on vLLM: any t_g that divides the pool and the node; the torch engine stays at 1.
+    fsdp = replace(vllm, backend="fsdp")
+    assert generation_tensor_sizes(model, ModelLayoutChoice(1, 1, 16), 8, fsdp) == [1, 2, 4, 8]
+    assert generation_tensor_sizes(
+        model, ModelLayoutChoice(1, 1, 16), 8, replace(fsdp, rollout_engine="torch")
+    ) == [1]
+    # On a job spec: a 7B actor and critic on one node of 8 with vLLM. Decoding reads every
+    # weight of its shard per token, so the best plan generates at t_g = t > 1; every plan the
+    # search returns passes the spec's vLLM rules (apply_plan validates the spec it writes).
+    llama = tmp_path / "llama-7b"
+    llama.mkdir()
+    d = model.decoder
+    config = {
+        "model_type": "llama",
+        "vocab_size": d.vocab_size,
+        "hidden_size": d.hidden_size,
+        "intermediate_size": d.intermediate_size,
+        "num_hidden_layers": d.num_layers,
+        "num_attention_heads": d.num_heads,
+        "num_key_value_heads": d.num_kv_heads,
+        "rms_norm_eps": d.rms_norm_eps,
+        "rope_theta": d.rope_theta,
+        "max_position_embeddings": d.max_position_embeddings,
+        "tie_word_embeddings": False,
+    }
+    (llama / "config.json").write_text(json.dumps(config))
+    spec = _tiny_manifest(
+        tmp_path,
+        models={"actor": {"path": str(llama)}, "critic": {"path": str(llama)}},
+        rollout={"engine": "vllm", "maxResponseTokens": 512},
+        training={
+            "backend": "megatron",
+            "precision": "bf16",
+            "totalSteps": 2,
+            "promptsPerStep": 64,
+            "miniBatchSize": 32,
+            "microBatchSizePerGpu": 4,
+        },
+        resourcePools=[{"name": "gpus", "nodes": 1, "gpusPerNode": 8}],
+    )
+    workload = workload_from_spec(spec)
+    assert workload.rollout_engine == "vllm"
+    plans = plan_job(workload, ClusterShape(8, 8), A100_80GB)
+    for plan in plans:
+        actor = plan.layout_of("actor")
+        placed = apply_plan(spec, plan)
+        assert placed.training.tensor_parallel_size == actor.tp
+        assert placed.rollout.tensor_parallel_size == actor.generation_tp in (1, actor.tp)
+    best = plans[0].layout_of("actor")
+    assert best.tp > 1 and best.generation_tp == best.tp, plans[0].placement.describe()
+
+
+@pytest.mark.parametrize("world, t_g", [(4, 1), (4, 2), (8, 2), (4, 4), (6, 2)])
+def test_fsdp_reshard_bytes_equal_the_bytes_the_fsdp_plan_sends(world: int, t_g: int) -> None:
+    decoder = DecoderSpec(
+        arch="qwen2",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        qkv_bias=True,
+    )
+    model = PAPER_MODELS["llama-7b"].__class__("small", decoder)
+    workload = Workload(
+        actor=model, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4, backend="fsdp"
+    )
+    plan = fsdp_generation_plan(model.layout(4), world, t_g, contiguous_tp_ranks(world, t_g))
+    received = max(plan.bytes_received(rank) for rank in range(world))
+    assert reshard_bytes(model, ModelLayoutChoice(1, 1, world, t_g), workload) == received
 
 
 def test_generation_is_infeasible_when_no_sequence_fits_the_kv_budget() -> None:
@@ -238,3 +328,89 @@ def test_plan_command_prints_ranked_plans_and_names_bad_input(
     code, _, err = plan("--gpus", "16", "--gpus-per-node", "8")
     assert code == 2
     assert "with miniBatchSize 16 in whole micro-batches of 8" in err
+
+
+def test_simulated_gpu_terms_price_threads_contention_and_oversubscribed_collectives() -> None:
+    cpu = replace(
+        A100_80GB,
+        compute_slots=2.0,
+        collective_latency_seconds=1e-3,
+        oversubscribed_collective_latencies=((2.0, 5e-3), (4.0, 9e-3)),
+        host_cores=2,
+        all_cores_speedup=1.5,
+    )
+    # A 1-GPU job's worker has both cores' threads; from 2 GPUs on, one thread each.
+    assert cpu.for_budget(1).peak_flops == pytest.approx(1.5 * cpu.peak_flops)
+    assert cpu.for_budget(2).peak_flops == cpu.peak_flops == cpu.for_budget(4).peak_flops
+    assert A100_80GB.for_budget(1) == A100_80GB
+    # Contention and collective latency follow the busy workers per compute slot.
+    assert [cpu.contention(busy) for busy in (1, 2, 4)] == [1.0, 1.0, 2.0]
+    assert [cpu.collective_latency(busy) for busy in (2, 3, 4, 6, 8, 16)] == pytest.approx(
+        [1e-3, 3e-3, 5e-3, 7e-3, 9e-3, 9e-3]
+    )
+    assert A100_80GB.collective_latency(1000) == A100_80GB.collective_latency_seconds
+
+
+def test_fsdp_per_unit_work_and_shared_module_decoding_are_counted() -> None:
+    model = PAPER_MODELS["llama-7b"]
+    fsdp = Workload(
+        actor=model,
+        sequences=64,
+        prompt_tokens=64,
+        response_tokens=32,
+        backend="fsdp",
+        micro_batch_sequences=8,
+    )
+    units = model.decoder.num_layers + 1
+    bare = replace(A100_80GB, training_pass_ratio=4.0)
+    wrapped = replace(bare, fsdp_unit_overhead_seconds=1e-3)
+    one_rank = ModelLayoutChoice(1, 1, 1, 1)
+    micro = 64 // 8
+    # Every forward micro-batch runs FSDP's work on each unit, on one rank too; training r times it.
+    assert forward_seconds(model, one_rank, fsdp, wrapped) - forward_seconds(
+        model, one_rank, fsdp, bare
+    ) == pytest.approx(micro * units * 1e-3)
+    assert train_seconds(model, one_rank, fsdp, wrapped, 8) - train_seconds(
+        model, one_rank, fsdp, bare, 8
+    ) == pytest.approx(4.0 * micro * units * 1e-3)
+    # The one-rank actor's torch engine decodes from the wrapped module: each step pays the extra.
+    shared = replace(bare, shared_decode_step_overhead_seconds=2e-3)
+
+    def generation(device: DeviceConstants, layout: ModelLayoutChoice, workload: Workload) -> float:
+        estimate = generation_estimate(model, layout, workload, device, kv_budget_bytes_per_gpu=70e9)
+        assert estimate is not None
+        return estimate.seconds
+
+    assert generation(shared, one_rank, fsdp) - generation(bare, one_rank, fsdp) == pytest.approx(32 * 2e-3)
+    two_ranks = ModelLayoutChoice(1, 1, 2, 1)
+    assert generation(shared, two_ranks, fsdp) == generation(bare, two_ranks, fsdp)
+    assert generation(shared, one_rank, replace(fsdp, rollout_engine="vllm")) == generation(
+        bare, one_rank, replace(fsdp, rollout_engine="vllm")
+    )
+
+
+@pytest.mark.parametrize("bucket_bytes", [40_000, 100_000, 64 << 20])
+def test_weight_sync_gathers_are_the_buckets_the_fsdp_sync_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
+) -> None:
+    """The planner counts one gather per bucket as ``iter_full_weight_buckets`` forms them."""
+    import torch
+
+    from hybridflow.backends.fsdp.weights import iter_full_weight_buckets
+    from hybridflow.models.tiny import build_tiny_model, write_tiny_model
+    from hybridflow.planner import cost
+    from hybridflow.planner.shapes import model_shape_from_dir
+    from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES
+
+    assert cost.WEIGHT_SYNC_BUCKET_BYTES == WEIGHT_BUCKET_BYTES
+    sizes = {"hidden": 64, "heads": 2, "layers": 3, "intermediate": 128}
+    directory = write_tiny_model(tmp_path / "qwen2", "qwen2", seed=0, vocab_size=384, **sizes)
+    model = build_tiny_model("qwen2", 384, seed=0, **sizes).to(torch.float32)
+    expected = sum(1 for _ in iter_full_weight_buckets(model, bucket_bytes=bucket_bytes))
+    monkeypatch.setattr(cost, "WEIGHT_SYNC_BUCKET_BYTES", bucket_bytes)
+    shape = model_shape_from_dir(directory, field="model")
+    workload = Workload(
+        actor=shape, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4, backend="fsdp"
+    )
+    assert cost.reshard_collectives(shape, ModelLayoutChoice(1, 1, 2, 1), workload) == expected
+    assert expected > 1 or bucket_bytes == 64 << 20

@@ -1,23 +1,51 @@
 """``hybridflow plan --profile``: the device constants measured on this machine (needs torch).
 
-A short run, a few seconds: the job's own actor model (random weights of its config, so no
-checkpoint is read) runs forward passes of two sizes on one device, single-threaded on a CPU
-as one simulated GPU worker is. The time of a pass is fitted as ``a + T/r`` for ``T`` tokens:
-``a`` becomes the fixed cost of a call and of a decoding step, ``2*N*r`` the sustained FLOP/s
-(``peak_flops`` with ``train_efficiency = 1`` and no small-batch penalty: the fit already is
-the sustained rate). A large tensor copy gives the memory bandwidth.
+A short run of the job's own code paths with its actor architecture (random weights of its
+config, so no checkpoint is read). On a CPU it runs in a worker process like a simulated GPU's,
+one thread, with the model wrapped as the job's backend wraps it (FSDP2 over a one-rank group:
+every forward pass runs FSDP's per-unit work even without a peer). Measured, each the fastest
+of a few runs (other load only adds time):
 
-On a CPU, the simulated GPUs of a local run are processes sharing its cores, with whatever
-else runs there. Two worker processes measure what that costs (:func:`measure_host_sharing`):
-the same compute loop alone and in both at once gives ``compute_slots`` (how many workers
-progress in parallel: 2 on two idle cores, 1 when they only take turns), and a gloo all-reduce
-of one float between them, issued between slices of that loop as a training step issues its
-collectives, ``collective_latency_seconds`` (the wait includes the ranks' skew under load). Bandwidths are those of gloo on one
-host (docs/placement.md). On a GPU the link constants of the base device are kept.
+* **Forward passes** as the actor, the reference and the scoring models run them (the
+  log-prob pass of ``backends/fsdp/logprobs.py``), on a micro-batch of the job's shape and on
+  a one-row, short one, through the plain model. The time is fitted as ``a + T/r`` for ``T``
+  tokens: ``a`` becomes the fixed cost of a call (``call_overhead_seconds``), ``2*N*r`` the
+  sustained FLOP/s (``peak_flops`` with ``train_efficiency = 1`` and no small-batch penalty:
+  the fit already is the rate at the job's micro-batch).
+* With FSDP, the micro-batch's forward pass through the wrapped model: its extra time per
+  FSDP unit (one per decoder layer, one for the root) is ``fsdp_unit_overhead_seconds`` (the
+  copies into and out of the gathered buffer, hooks).
+* **A training pass** on the micro-batch (forward with entropy, backward) through the wrapped
+  model: its time over the wrapped forward's is ``training_pass_ratio`` (3 by FLOPs; more
+  where elementwise work and FSDP's backward hooks weigh).
+* **Decoding** with the torch engine (``engines/torch_engine.py``) at two batch sizes, one and
+  several new tokens, from a plain copy of the model (what a rollout with its own weights
+  runs): a decoding step costs ``a_d + rows*c_d``; ``a_d`` becomes
+  ``decode_step_overhead_seconds`` and ``2*N/(c_d*peak_flops)`` the ``decode_efficiency`` (one
+  token per sequence makes thin GEMMs, and a step's sampling and cache updates are per row
+  too). With FSDP, the same from the wrapped module (what a one-rank FSDP actor's engine
+  generates from): the extra fixed cost per step is ``shared_decode_step_overhead_seconds``.
+* A 64 MiB copy: the memory bandwidth.
+* On a CPU, the forward pass again with one thread per core gives ``all_cores_speedup`` (a
+  one-GPU job's worker gets every core's thread).
+
+On a CPU, two more worker processes measure how simulated GPUs share the host
+(:func:`measure_host_sharing`): the same compute loop alone and in both at once gives
+``compute_slots`` (how many workers progress in parallel: 2 on two idle cores, 1 when they only
+take turns), and a gloo all-gather of one decoder layer's parameters (FSDP's collective per
+unit) issued between slices of that loop, as a training step issues its collectives,
+``collective_latency_seconds`` (the wait includes the ranks' skew under load). The same among
+four workers pinned to two cores, then to one, gives ``oversubscribed_collective_latencies`` at
+2 and 4 workers per core: with more workers than cores a collective waits for ranks that are
+not running (milliseconds, against a fraction of one). Bandwidths are those of gloo on one host (docs/placement.md). On a GPU the
+measurements run in this process on the plain model, and the link constants of the base
+device are kept. The whole run takes 20-60 s on two cores, most of it starting processes and
+importing torch and transformers.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -26,28 +54,267 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.planner.hardware import DeviceConstants
-from hybridflow.planner.shapes import ModelShape
+from hybridflow.planner.shapes import Workload
+from hybridflow.resharding.layout import DecoderSpec
 
-__all__ = ["GLOO_HOST_BYTES_PER_SECOND", "HostSharing", "calibrate_device", "measure_host_sharing"]
+__all__ = [
+    "GLOO_HOST_BYTES_PER_SECOND",
+    "HostSharing",
+    "MicroBatchShape",
+    "WorkerFigures",
+    "calibrate_device",
+    "measure_host_sharing",
+    "measure_worker",
+]
 
 GLOO_HOST_BYTES_PER_SECOND = 1.1e9
 """gloo all-reduce on one host: 64 MiB fp32 in ~60 ms between 2 ranks (shared/notes/cpu-stack.md)."""
 
-
-@dataclass(frozen=True)
-class HostSharing:
-    """How two worker processes share this host: parallel compute slots and collective latency."""
-
-    compute_slots: float
-    collective_latency_seconds: float
-
-
 COMPUTE_LOOP_MATMULS = 400
 """128x128 fp32 matmuls per timed loop: ~0.1 s on one idle core."""
 
-
 INTERLEAVED_COLLECTIVES = 50
 """Collectives in the interleaved loop, one after each slice of the compute loop."""
+
+MAX_TIMED_TOKENS = 2048
+"""Tokens of the largest timed pass: the job's micro-batch, cut to this (a large model profiled
+on a CPU must still finish)."""
+
+DEFAULT_RAY_WORKER_NICENESS = 15
+"""The niceness Ray's raylet gives the worker processes it starts (ray_config_def.h, ``worker_niceness``)."""
+
+OVERSUBSCRIBED_WORKERS = 4
+"""Workers of the oversubscribed measurements: on two cores (2 per core), then on one (4)."""
+
+MAX_COLLECTIVE_ELEMENTS = 1 << 16
+"""Largest per-worker shard of the timed all-gather (256 KiB of fp32)."""
+
+DECODE_ROWS = (8, 64)
+"""Batch sizes of the two timed generations (each at most the job's sequences)."""
+
+DECODE_STEPS = 16
+"""New tokens of the longer timed generation (at most the job's response length)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """The timed pass: ``rows`` sequences of ``tokens`` tokens, the last ``response`` of them scored."""
+
+    rows: int
+    tokens: int
+    response: int
+
+    @staticmethod
+    def of(workload: Workload) -> MicroBatchShape:
+        tokens = workload.prompt_tokens + workload.response_tokens
+        if tokens > MAX_TIMED_TOKENS:
+            scale = MAX_TIMED_TOKENS / tokens
+            return MicroBatchShape(1, MAX_TIMED_TOKENS, max(1, int(workload.response_tokens * scale)))
+        rows = max(1, min(workload.micro_batch_sequences, MAX_TIMED_TOKENS // tokens))
+        return MicroBatchShape(rows, tokens, workload.response_tokens)
+
+    @property
+    def total(self) -> int:
+        return self.rows * self.tokens
+
+
+@dataclass(frozen=True)
+class WorkerFigures:
+    """What one worker's passes cost (see the module docstring for each figure's source)."""
+
+    call_overhead_seconds: float
+    peak_flops: float
+    training_pass_ratio: float
+    decode_step_overhead_seconds: float
+    decode_efficiency: float
+    shared_decode_step_overhead_seconds: float
+    fsdp_unit_overhead_seconds: float
+    memory_bandwidth_bytes_per_second: float
+    all_cores_speedup: float
+
+
+@dataclass(frozen=True)
+class HostSharing:
+    """How worker processes share this host: parallel compute slots and collective latencies."""
+
+    compute_slots: float
+    collective_latency_seconds: float
+    oversubscribed_collective_latencies: tuple[tuple[float, float], ...]
+
+
+def _random_model(decoder: DecoderSpec, device: Any) -> Any:
+    """The decoder with random weights (seeded: every process builds the same one), in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        decoder.arch,
+        vocab_size=decoder.vocab_size,
+        hidden_size=decoder.hidden_size,
+        intermediate_size=decoder.intermediate_size,
+        num_hidden_layers=decoder.num_layers,
+        num_attention_heads=decoder.num_heads,
+        num_key_value_heads=decoder.num_kv_heads,
+        head_dim=decoder.head_dim,
+        max_position_embeddings=decoder.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+
+
+def _pass(net: Any, shape: MicroBatchShape, vocab: int, device: Any, *, train: bool) -> Callable[[], object]:
+    """One micro-batch as the policy workers run it: the log-prob pass, or a training pass."""
+    import torch
+
+    from hybridflow.backends.fsdp.logprobs import token_logprobs_and_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (shape.rows, shape.tokens), generator=generator).to(device)
+    mask = torch.ones_like(ids)
+    positions = torch.arange(shape.tokens, device=device).expand(shape.rows, shape.tokens)
+
+    def run() -> object:
+        with torch.set_grad_enabled(train):
+            log_probs, entropy = token_logprobs_and_entropy(
+                net, ids, mask, positions, response_len=shape.response, with_entropy=train
+            )
+            if train:
+                assert entropy is not None
+                (log_probs.mean() + entropy.mean()).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return log_probs
+
+    return run
+
+
+def _best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed runs after a warm-up: other load on the machine only adds time."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return min(samples)
+
+
+def _decode_step_fit(net: Any, workload: Workload, repeats: int) -> tuple[float, float]:
+    """``(a_d, c_d)``: a decoding step of ``rows`` sequences takes ``a_d + rows*c_d`` seconds."""
+    from hybridflow.engines.base import SamplingParams
+    from hybridflow.engines.torch_engine import TorchRolloutEngine
+
+    # No eos: every row decodes every step, so the steps timed are the steps counted.
+    engine = TorchRolloutEngine(net, eos_token_ids=[])
+    prompt = list(range(min(workload.prompt_tokens, 64)))
+    steps = max(2, min(DECODE_STEPS, workload.response_tokens))
+    rows_timed = sorted({min(rows, workload.sequences) for rows in DECODE_ROWS})
+    if len(rows_timed) == 1:
+        rows_timed = [max(1, rows_timed[0] // 2), rows_timed[0]]
+    per_step = []
+    for rows in rows_timed:
+
+        def generate(tokens: int, rows: int = rows) -> Callable[[], object]:
+            params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=0)
+            return lambda: engine.generate([prompt] * rows, params)
+
+        first = _best_seconds(generate(1), repeats)
+        longer = _best_seconds(generate(steps), max(3, repeats // 2))
+        per_step.append(max(longer - first, 0.0) / (steps - 1))
+    (small_rows, large_rows), (small, large) = rows_timed, per_step
+    per_row = max((large - small) / (large_rows - small_rows), 1e-12)
+    return max(small - small_rows * per_row, 0.0), per_row
+
+
+def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
+    """The passes of one worker, in this process, on its device (see the module docstring).
+
+    On a CPU the caller has set one thread; with FSDP, a one-rank process group must exist
+    (the model is wrapped over it as the backend wraps it).
+    """
+    import torch
+
+    from hybridflow.backends.fsdp.parallelize import shard_model
+
+    model = workload.actor
+    decoder = model.decoder
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    plain = _random_model(decoder, device)
+    wrapped = plain
+    if workload.backend == "fsdp" and not on_gpu:
+        wrapped = shard_model(copy.deepcopy(plain), device=device)
+    large_shape = MicroBatchShape.of(workload)
+    small_shape = MicroBatchShape(1, min(16, large_shape.tokens), min(8, large_shape.response))
+    vocab = decoder.vocab_size
+    small = _best_seconds(_pass(plain, small_shape, vocab, device, train=False), repeats)
+    forward = _pass(plain, large_shape, vocab, device, train=False)
+    large = _best_seconds(forward, repeats)
+    seconds_per_token = max((large - small) / max(large_shape.total - small_shape.total, 1), 1e-12)
+    fixed = max(small - small_shape.total * seconds_per_token, 0.0)
+    flops = 2 * model.params / seconds_per_token
+    decode_fixed, decode_per_row = _decode_step_fit(plain, workload, repeats)
+    wrapped_forward = large
+    shared_decode = 0.0
+    unit = 0.0
+    if wrapped is not plain:
+        wrapped_forward = _best_seconds(_pass(wrapped, large_shape, vocab, device, train=False), repeats)
+        unit = max(wrapped_forward - large, 0.0) / (decoder.num_layers + 1)
+        shared_fixed, _ = _decode_step_fit(wrapped, workload, repeats)
+        shared_decode = max(shared_fixed - decode_fixed, 0.0)
+    train = _best_seconds(_pass(wrapped, large_shape, vocab, device, train=True), max(3, repeats // 2))
+    buffer = torch.empty(64 * 2**20 // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(buffer)
+    bandwidth = 2 * buffer.numel() * 4 / _best_seconds(lambda: target.copy_(buffer), repeats)
+    speedup = 1.0
+    cores = _cores()
+    if not on_gpu and cores > 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cores)
+        try:
+            # Below 1 when the cores are busy: a worker's threads then wait for one another.
+            speedup = large / _best_seconds(forward, repeats)
+        finally:
+            torch.set_num_threads(threads)
+    return WorkerFigures(
+        call_overhead_seconds=fixed,
+        peak_flops=flops,
+        training_pass_ratio=train / wrapped_forward,
+        decode_step_overhead_seconds=decode_fixed,
+        decode_efficiency=min(1.0, 2 * model.params / (decode_per_row * flops)),
+        shared_decode_step_overhead_seconds=shared_decode,
+        fsdp_unit_overhead_seconds=unit,
+        memory_bandwidth_bytes_per_second=bandwidth,
+        all_cores_speedup=speedup,
+    )
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _as_ray_worker() -> None:
+    """Lower this process's priority as Ray lowers its workers' (``RAY_worker_niceness``, 15).
+
+    A simulated GPU is a Ray worker: on a loaded host it yields to every process of normal
+    priority. Measured at normal priority, the figures would hold for an idle host only.
+    """
+    os.nice(int(os.environ.get("RAY_worker_niceness", DEFAULT_RAY_WORKER_NICENESS)))  # noqa: SIM112 (Ray's name)
+
+
+def _worker_process(port: int, workload: Workload, repeats: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _as_ray_worker()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        results.put(measure_worker(workload, repeats=repeats))
+    finally:
+        dist.destroy_process_group()
 
 
 def _compute_loop(matmuls: int = COMPUTE_LOOP_MATMULS) -> float:
@@ -60,19 +327,39 @@ def _compute_loop(matmuls: int = COMPUTE_LOOP_MATMULS) -> float:
     return time.perf_counter() - started
 
 
-def _sharing_worker(rank: int, port: int, results: Any) -> None:
+def _sharing_worker(
+    rank: int, world: int, port: int, pin: tuple[int, ...] | None, elements: int, results: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
+    _as_ray_worker()
+    if pin is not None:
+        os.sched_setaffinity(0, pin)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    one = torch.zeros(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # One worker's loop while the others wait, then every worker's at once: compute_slots.
+    alone_loops = []
+    for _ in range(3):
+        dist.barrier()
+        if rank == 0:
+            alone_loops.append(_compute_loop())
+    dist.barrier()
+    shard = torch.zeros(elements)
+    gathered = torch.zeros(elements * world)
+
+    # torch 2.13 renamed the collective all_gather_single (the old name warns on every call).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def collective() -> None:
+        gather(gathered, shard)
+
     for _ in range(20):
-        dist.all_reduce(one)
+        collective()
     latencies = []
-    for _ in range(200):
+    for _ in range(100):
         started = time.perf_counter()
-        dist.all_reduce(one)
+        collective()
         latencies.append(time.perf_counter() - started)
     loops = []
     for _ in range(3):
@@ -87,127 +374,116 @@ def _sharing_worker(rank: int, port: int, results: Any) -> None:
     started = time.perf_counter()
     for _ in range(INTERLEAVED_COLLECTIVES):
         _compute_loop(chunk)
-        dist.all_reduce(one)
+        collective()
     interleaved = (time.perf_counter() - started - alone) / INTERLEAVED_COLLECTIVES
     dist.destroy_process_group()
-    results.put((rank, max(statistics.median(latencies), interleaved), min(loops)))
+    results.put(
+        (rank, max(statistics.median(latencies), interleaved), min(loops), min(alone_loops, default=0.0))
+    )
 
 
-def measure_host_sharing() -> HostSharing:
-    """Start two gloo workers on this host and measure their parallelism and collective latency."""
-    import multiprocessing
+def _free_port() -> int:
     import socket
 
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _compute_loop()
-        alone = min(_compute_loop() for _ in range(3))
-    finally:
-        torch.set_num_threads(threads)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return int(probe.getsockname()[1])
+
+
+def _run_sharing_workers(
+    world: int, pin: tuple[int, ...] | None, elements: int
+) -> list[tuple[int, float, float, float]]:
+    import multiprocessing
+
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    workers = [context.Process(target=_sharing_worker, args=(rank, port, results)) for rank in range(2)]
+    port = _free_port()
+    workers = [
+        context.Process(target=_sharing_worker, args=(rank, world, port, pin, elements, results))
+        for rank in range(world)
+    ]
     for worker in workers:
         worker.start()
     measured = [results.get(timeout=300) for _ in workers]
     for worker in workers:
         worker.join(timeout=60)
-    together = statistics.mean(loop for _, _, loop in measured)
-    latency = statistics.mean(lat for _, lat, _ in measured)
+    return measured
+
+
+def measure_host_sharing(workload: Workload) -> HostSharing:
+    """Gloo workers on this host: their parallelism and collective latency, and oversubscribed.
+
+    The collective is the one FSDP issues per unit: an all-gather of one decoder layer's
+    parameters, sharded over the workers (at most :data:`MAX_COLLECTIVE_ELEMENTS` per worker:
+    bandwidth is costed apart). Two workers on all cores give ``compute_slots`` and
+    ``collective_latency_seconds``; four workers pinned to two cores, then to one, the
+    latency at 2 and 4 workers per core.
+    """
+    layer_elements = sum(param.numel for param in workload.actor.layout(4).params if param.layer == 0)
+    measured = _run_sharing_workers(2, None, max(1, min(MAX_COLLECTIVE_ELEMENTS, layer_elements // 2)))
+    alone = max(m[3] for m in measured)
+    together = statistics.mean(m[2] for m in measured)
+    latency = statistics.mean(m[1] for m in measured)
+    allowed = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (0,)
+    over = []
+    for cores in {allowed[:2], allowed[:1]}:
+        workers = OVERSUBSCRIBED_WORKERS
+        timed = _run_sharing_workers(
+            workers, cores, max(1, min(MAX_COLLECTIVE_ELEMENTS, layer_elements // workers))
+        )
+        over.append((workers / len(cores), statistics.mean(m[1] for m in timed)))
     return HostSharing(
-        compute_slots=max(0.5, min(2.0, 2 * alone / together)), collective_latency_seconds=latency
+        compute_slots=max(0.5, min(2.0, 2 * alone / together)),
+        collective_latency_seconds=latency,
+        oversubscribed_collective_latencies=tuple(sorted(over)),
     )
 
 
-def _best_seconds(run: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` timed runs after a warm-up: other load on the machine only adds time."""
-    run()
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - started)
-    return min(samples)
+def calibrate_device(workload: Workload, base: DeviceConstants, *, repeats: int = 7) -> DeviceConstants:
+    """``base`` with the constants measured on this machine (see the module docstring)."""
+    import multiprocessing
 
-
-def calibrate_device(model: ModelShape, base: DeviceConstants, *, repeats: int = 7) -> DeviceConstants:
-    """``base`` with compute, call and memory constants measured on this machine (see the module docstring)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    decoder = model.decoder
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    threads = torch.get_num_threads()
-    if not on_gpu:
-        torch.set_num_threads(1)
-    try:
-        config = AutoConfig.for_model(
-            decoder.arch,
-            vocab_size=decoder.vocab_size,
-            hidden_size=decoder.hidden_size,
-            intermediate_size=decoder.intermediate_size,
-            num_hidden_layers=decoder.num_layers,
-            num_attention_heads=decoder.num_heads,
-            num_key_value_heads=decoder.num_kv_heads,
-            head_dim=decoder.head_dim,
-            max_position_embeddings=decoder.max_position_embeddings,
-            tie_word_embeddings=False,
-        )
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        net = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-        small_tokens, large_tokens = 8, 8 * min(256, decoder.max_position_embeddings)
-
-        def forward(tokens: int) -> Callable[[], object]:
-            ids = torch.randint(0, decoder.vocab_size, (tokens // 8, 8) if tokens == 8 else (8, tokens // 8))
-            ids = ids.to(device)
-
-            def run() -> object:
-                with torch.no_grad():
-                    out = net(input_ids=ids).logits
-                if on_gpu:
-                    torch.cuda.synchronize()
-                return out
-
-            return run
-
-        small = _best_seconds(forward(small_tokens), repeats)
-        large = _best_seconds(forward(large_tokens), repeats)
-        seconds_per_token = max((large - small) / (large_tokens - small_tokens), 1e-12)
-        fixed = max(small - small_tokens * seconds_per_token, 0.0)
-        flops = 2 * model.params / seconds_per_token
-        buffer = torch.empty(64 * 2**20 // 4, dtype=torch.float32, device=device)
-        target = torch.empty_like(buffer)
-        copy = _best_seconds(lambda: target.copy_(buffer), repeats)
-        bandwidth = 2 * buffer.numel() * 4 / copy
-    finally:
-        torch.set_num_threads(threads)
+    if on_gpu:
+        figures = measure_worker(workload, repeats=repeats)
+    else:
+        # A worker process of its own: one thread and a one-rank group, as a simulated GPU has.
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        worker = context.Process(target=_worker_process, args=(_free_port(), workload, repeats, results))
+        worker.start()
+        figures = results.get(timeout=600)
+        worker.join(timeout=60)
     measured = replace(
         base,
-        name=f"{'cuda' if on_gpu else 'cpu'} (measured with {model.name})",
-        peak_flops=flops,
+        name=f"{'cuda' if on_gpu else 'cpu'} (measured with {workload.actor.name})",
+        peak_flops=figures.peak_flops,
         train_efficiency=1.0,
         tokens_for_half_efficiency=0.0,
-        memory_bandwidth_bytes_per_second=bandwidth,
+        memory_bandwidth_bytes_per_second=figures.memory_bandwidth_bytes_per_second,
         decode_bandwidth_efficiency=1.0,
-        call_overhead_seconds=fixed,
-        decode_step_overhead_seconds=fixed,
+        decode_efficiency=figures.decode_efficiency,
+        call_overhead_seconds=figures.call_overhead_seconds,
+        decode_step_overhead_seconds=figures.decode_step_overhead_seconds,
+        training_pass_ratio=figures.training_pass_ratio,
+        fsdp_unit_overhead_seconds=figures.fsdp_unit_overhead_seconds,
+        shared_decode_step_overhead_seconds=figures.shared_decode_step_overhead_seconds,
     )
     if on_gpu:
         return replace(measured, memory_bytes=float(torch.cuda.get_device_properties(0).total_memory))
-    sharing = measure_host_sharing()
+    sharing = measure_host_sharing(workload)
+    cores = _cores()
     return replace(
         measured,
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         intra_node_bytes_per_second=GLOO_HOST_BYTES_PER_SECOND,
         inter_node_bytes_per_second=GLOO_HOST_BYTES_PER_SECOND,
         collective_latency_seconds=sharing.collective_latency_seconds,
+        oversubscribed_collective_latencies=sharing.oversubscribed_collective_latencies,
         # Two workers measured; more cores scale the same share.
-        compute_slots=sharing.compute_slots * (os.cpu_count() or 1) / 2,
+        compute_slots=sharing.compute_slots * cores / 2,
+        host_cores=cores,
+        all_cores_speedup=max(0.05, figures.all_cores_speedup),
     )

@@ -9,23 +9,28 @@ tokens of the step (prompt + response of every sequence), ``b`` the bytes per pa
 Time
   * forward (log-probs, values, scores): ``2*N*T`` FLOPs over ``n`` GPUs at ``efficiency(T/n)``
     of peak, stretched by the pipeline bubble ``1 + (p-1)/m`` (``m`` micro-batches per DP rank),
-    plus Megatron's two TP all-reduces of the activations per layer and a fixed cost per call.
-  * training: ``6*N*T`` FLOPs per epoch (forward and backward), four TP all-reduces per layer,
+    plus Megatron's two TP all-reduces of the activations per layer and a fixed cost per call
+    (with FSDP, also its per-unit work: ``L + 1`` units per pass, on one rank too).
+  * training: ``training_pass_ratio`` (3: ``6*N*T`` FLOPs) times the forward's compute and
+    fixed costs per epoch (forward and backward), four TP all-reduces per layer,
     and the gradient synchronisation over ``d`` ranks: ``2(d-1)/d`` of the shard's bytes for
     Megatron's all-reduce, ``3(d-1)/d`` of them for FSDP (all-gather in forward and backward,
     reduce-scatter of gradients).
   * generation: each of the ``n/t_g`` replicas decodes its share of the sequences in waves that
     fit its KV cache; a decoding step reads the whole generation shard (``b*N/t_g`` bytes) and
-    the KV cache of the wave at its average context, or computes ``2*N*batch/t_g`` FLOPs,
-    whichever is slower (a roofline), plus two TP all-reduce latencies per layer and a fixed
-    cost; prefill is a forward pass over the prompts.
+    the KV cache of the wave at its average context, or computes ``2*N*batch/t_g`` FLOPs at
+    the device's decode efficiency (thin GEMMs), whichever is slower (a roofline), plus two TP
+    all-reduce latencies per layer and a fixed cost; prefill is a forward pass over the prompts.
   * resharding (train -> generate): the bytes each rank receives in the 3D-HybridEngine
     transition, :func:`hybridflow.resharding.plan.table2` (``(tp - t_g)/(t_g tp) M`` with
-    ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP the rollout
-    gathers the full weights, ``(d-1)/d`` of them.
+    ``p_g = 1``), over NVLink when the micro-DP group sits in one node; with FSDP each rank
+    receives its generation block less the rows it holds (the full weights, ``(d-1)/d`` of
+    them, at ``t_g = 1``; vLLM's ``t_g > 1`` blocks otherwise, as ``resharding.fsdp`` plans),
+    one flat gather per 64 MiB weight bucket (:data:`WEIGHT_SYNC_BUCKET_BYTES`).
   * collective latency: every latency-bound collective (FSDP's per-layer all-gathers and
     reduce-scatters, Megatron's per-layer TP all-reduces, per micro-batch) costs
-    ``collective_latency_seconds``; on CPUs with gloo this, not bandwidth, dominates.
+    ``collective_latency_seconds``; on CPUs with gloo this, and FSDP's own work around each
+    unit's collective, not bandwidth, dominates (``--profile`` measures the two together).
 
 Memory per GPU (bytes)
   * trained models: weights and gradients ``2b*N/(p t)``; Adam moments and (for 16-bit
@@ -43,21 +48,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.parallel import ModelLayoutChoice
 from hybridflow.planner.shapes import ModelShape, Workload
+from hybridflow.resharding.layout import DecoderSpec, decoder_layout
 from hybridflow.resharding.plan import table2
 
 __all__ = [
     "ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER",
     "GenerationEstimate",
     "ModelMemory",
+    "forward_collectives",
     "forward_seconds",
     "generation_estimate",
     "model_memory",
     "reshard_bytes",
+    "reshard_collectives",
     "reshard_seconds",
+    "train_collectives",
     "train_seconds",
 ]
 
@@ -116,6 +126,27 @@ def _collectives_per_micro_batch(
     return 0 if layout.tp == 1 else 2 * passes * layers // layout.pp
 
 
+def forward_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:
+    """Latency-bound collectives one rank issues in :func:`forward_seconds`."""
+    return _micro_batches(workload, layout) * _collectives_per_micro_batch(model, layout, workload, 1)
+
+
+def train_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:
+    """Latency-bound collectives one rank issues in :func:`train_seconds`."""
+    micro = _micro_batches(workload, layout)
+    return workload.update_epochs * micro * _collectives_per_micro_batch(model, layout, workload, 3)
+
+
+def _fsdp_units(model: ModelShape, workload: Workload) -> int:
+    """FSDP wraps each decoder layer and the root: its per-unit work runs on every pass, one rank or many."""
+    return model.decoder.num_layers + 1 if workload.backend == "fsdp" else 0
+
+
+def _micro_batch_fixed_seconds(model: ModelShape, workload: Workload, device: DeviceConstants) -> float:
+    """The fixed cost of one forward call: the call itself and FSDP's per-unit work."""
+    return device.call_overhead_seconds + _fsdp_units(model, workload) * device.fsdp_unit_overhead_seconds
+
+
 def forward_seconds(
     model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants
 ) -> float:
@@ -123,7 +154,7 @@ def forward_seconds(
     tokens = workload.tokens
     compute = _compute_seconds(2 * model.params * tokens, tokens, layout, workload, device)
     micro = _micro_batches(workload, layout)
-    calls = micro * device.call_overhead_seconds
+    calls = micro * _micro_batch_fixed_seconds(model, workload, device)
     latency = (
         micro * _collectives_per_micro_batch(model, layout, workload, 1) * device.collective_latency_seconds
     )
@@ -159,9 +190,10 @@ def train_seconds(
     """The optimizer passes over the step's sequences (``update_epochs`` of them)."""
     tokens = workload.tokens
     epochs = workload.update_epochs
-    compute = _compute_seconds(6 * model.params * tokens, tokens, layout, workload, device)
+    ratio = device.training_pass_ratio
+    compute = ratio * _compute_seconds(2 * model.params * tokens, tokens, layout, workload, device)
     micro = _micro_batches(workload, layout)
-    calls = 3 * micro * device.call_overhead_seconds
+    calls = ratio * micro * _micro_batch_fixed_seconds(model, workload, device)
     latency = (
         micro * _collectives_per_micro_batch(model, layout, workload, 3) * device.collective_latency_seconds
     )
@@ -178,15 +210,69 @@ def reshard_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Worklo
 
     Table 2's ``M`` is the TP-partitioned bytes (``ModelLayout.partitioned_bytes``); the
     replicated RMSNorm weights move only when ``p > 1`` and are added as the plan does: each
-    rank receives the other stages' copies.
+    rank receives the other stages' copies. FSDP: :func:`_fsdp_reshard_bytes`.
     """
-    if workload.backend == "fsdp":
-        # The rollout gathers the full weights from the FSDP shards into its own engine.
-        return (layout.dp - 1) * model.params * workload.param_bytes // layout.dp
     t_g = layout.generation_tp or 1
+    if workload.backend == "fsdp":
+        return _fsdp_reshard_bytes(model.decoder, workload.param_bytes, layout.dp, t_g)
     partitioned, _ = model.param_bytes(workload.param_bytes)
     row = table2("hybridflow", p=layout.pp, t=layout.tp, d=layout.dp, p_g=1, t_g=t_g, model_bytes=partitioned)
     return int(row.traffic) + model.replicated_bytes_from_other_stages(layout.pp, workload.param_bytes)
+
+
+def _fsdp_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """FSDP2's rows of ``rank`` (``torch.chunk`` sizes), as ``hybridflow.resharding.fsdp.fsdp_rows``."""
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+@lru_cache(maxsize=256)
+def _fsdp_reshard_bytes(decoder: DecoderSpec, itemsize: int, world: int, t_g: int) -> int:
+    """The most bytes any of ``world`` FSDP ranks receives to hold its ``t_g``-way generation block.
+
+    A rank receives every element of its blocks except the rows it holds already:
+    ``resharding.fsdp.fsdp_generation_plan`` with vLLM's consecutive TP groups (generation TP
+    rank ``r % t_g``), counted per rank in ``O(params)`` instead of listing every piece (a
+    paper-scale pool has 10^4 ranks' worth of pairs).
+    """
+    layout = decoder_layout(decoder, itemsize)
+    most = 0
+    for rank in range(world):
+        received = 0
+        for param in layout.params:
+            want = param.block(t_g, rank % t_g)
+            start, stop = _fsdp_rows(param.shape[0], world, rank)
+            per_row = math.prod(want.shape[1:])
+            if want.dim == 0:
+                held_rows = max(0, min(stop, want.stop) - max(start, want.start))
+            else:  # whole (replicated) or split by columns: the rank holds its rows of the block
+                held_rows = stop - start
+            received += want.numel - held_rows * per_row
+        most = max(most, received)
+    return most * itemsize
+
+
+WEIGHT_SYNC_BUCKET_BYTES = 64 << 20
+"""The weight sync's bucket (``workers.weight_push.WEIGHT_BUCKET_BYTES``; a test keeps the two equal)."""
+
+
+def reshard_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:
+    """Latency-bound collectives of :func:`reshard_seconds`: FSDP's weight sync gathers per bucket.
+
+    ``backends/fsdp/weights.py`` groups the parameters, in order, into buckets of at most
+    :data:`WEIGHT_SYNC_BUCKET_BYTES` (a larger tensor alone) and gathers each bucket's shards
+    with one flat all-gather; this counts those buckets.
+    """
+    if workload.backend != "fsdp" or reshard_bytes(model, layout, workload) == 0:
+        return 0
+    buckets, filled = 0, 0
+    for param in model.layout(workload.param_bytes).params:
+        size = param.numel * workload.param_bytes
+        if buckets == 0 or (filled and filled + size > WEIGHT_SYNC_BUCKET_BYTES):
+            buckets, filled = buckets + 1, 0
+        filled += size
+    return buckets
 
 
 def reshard_seconds(
@@ -201,7 +287,8 @@ def reshard_seconds(
     if received == 0:
         return 0.0
     if workload.backend == "fsdp":
-        gathers = model.decoder.num_layers + 1
+        # One flat gather per weight bucket (backends/fsdp/weights.py).
+        gathers = reshard_collectives(model, layout, workload)
         return received / device.intra_node_bytes_per_second + gathers * device.collective_latency_seconds
     # A micro-DP group spans the TP ranks of one replica (one node) and, with p > 1, its stages.
     group_span = layout.tp if layout.pp == 1 else layout.tp * layout.dp * layout.pp
@@ -275,6 +362,8 @@ class GenerationEstimate:
     sequences_per_wave: int
     kv_bytes_per_gpu: float
     weights_bytes_per_gpu: float
+    collectives: int = 0
+    """Latency-bound collectives on the way (TP all-reduces of the decoding steps)."""
 
 
 def generation_estimate(
@@ -308,16 +397,25 @@ def generation_estimate(
     read = (weights + kv_read) / (
         device.memory_bandwidth_bytes_per_second * device.decode_bandwidth_efficiency
     )
-    # Roofline: a decoding step is bound by reading the shard or by its GEMMs at full efficiency
-    # (the saturating curve would count the small batch's memory-boundness twice).
-    compute = 2 * model.params * batch / (t_g * device.peak_flops * device.train_efficiency)
+    # Roofline: a decoding step is bound by reading the shard or by its thin GEMMs at the
+    # device's decode efficiency (the saturating curve would count the small batch twice).
+    decode_efficiency = device.decode_efficiency or device.train_efficiency
+    compute = 2 * model.params * batch / (t_g * device.peak_flops * decode_efficiency)
     # Two TP all-reduces per layer per decoding step; their latency, not their bytes, dominates.
     all_reduces = 2 * model.decoder.num_layers * device.collective_latency_seconds if t_g > 1 else 0.0
-    step = max(read, compute) + all_reduces + device.decode_step_overhead_seconds
+    # A one-rank FSDP actor's torch engine generates from the wrapped module itself (no copy):
+    # every step also runs FSDP's per-unit work (workers/rollout.py, shares_actor_module).
+    shared = (
+        device.shared_decode_step_overhead_seconds
+        if workload.backend == "fsdp" and workload.rollout_engine == "torch" and layout.world_size == 1
+        else 0.0
+    )
+    step = max(read, compute) + all_reduces + device.decode_step_overhead_seconds + shared
     prompt_tokens = batch * workload.prompt_tokens
     prefill = (
         2 * model.params * prompt_tokens / (t_g * device.peak_flops * device.efficiency(prompt_tokens))
         + device.call_overhead_seconds
     )
     seconds = waves * (prefill + workload.response_tokens * step)
-    return GenerationEstimate(seconds, waves, batch, batch * kv_per_sequence, weights)
+    collectives = waves * workload.response_tokens * 2 * model.decoder.num_layers if t_g > 1 else 0
+    return GenerationEstimate(seconds, waves, batch, batch * kv_per_sequence, weights, collectives)

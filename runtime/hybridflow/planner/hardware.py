@@ -9,7 +9,8 @@ compute and memory constants with figures measured on the current machine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 from hybridflow.planner.shapes import PlannerInputError
 
@@ -35,9 +36,27 @@ class DeviceConstants:
     * ``call_overhead_seconds``: fixed cost of one forward call (kernel launches, Python, the
       controller's dispatch); ``decode_step_overhead_seconds``: fixed cost of one decoding step;
       ``collective_latency_seconds``: latency of one small all-reduce (TP inside a decoding step).
+    * ``training_pass_ratio``: a training micro-batch (forward with entropy, backward) over a
+      forward one: 3 by FLOPs (the backward computes twice the forward's).
+    * ``fsdp_unit_overhead_seconds``: FSDP's own work per unit (decoder layer, root) and forward
+      pass, even on one rank (copies into and out of the gathered buffer, hooks); hidden behind
+      compute on GPUs (0), a millisecond-scale cost of every pass on a CPU.
+    * ``shared_decode_step_overhead_seconds``: the extra fixed cost of a decoding step when the
+      torch engine generates from a one-rank FSDP actor's own (wrapped) module.
+    * ``decode_efficiency``: the fraction of ``peak_flops`` a decoding step's GEMMs sustain (one
+      token per sequence: thin matrices); ``None`` means ``train_efficiency``.
     * ``compute_slots``: how many GPUs can compute at the same time. ``None`` on real GPUs (each
       computes on its own). With simulated GPUs on a CPU the workers share the cores: at most
       ``compute_slots`` of them make progress at once.
+    * ``oversubscribed_collective_latencies`` (simulated GPUs only): ``(workers per compute
+      slot, seconds)`` of the same collective when more workers than cores compete (a
+      collective waits for ranks that are not running: milliseconds instead of a fraction of
+      one), measured at a few ratios above 1. Empty: GPUs do not share compute.
+    * ``host_cores`` and ``all_cores_speedup`` (simulated GPUs only): a local run gives each
+      worker ``host_cores // job GPUs`` torch threads (``trainer/roles.py``), and a worker with
+      every core's thread computes ``all_cores_speedup`` times as fast as with one (small models
+      barely gain; on a busy host it is below 1: the threads wait for one another).
+      :meth:`for_budget` turns that into the compute rate of one worker.
     """
 
     name: str
@@ -54,6 +73,55 @@ class DeviceConstants:
     decode_step_overhead_seconds: float
     collective_latency_seconds: float
     compute_slots: float | None = None
+    training_pass_ratio: float = 3.0
+    fsdp_unit_overhead_seconds: float = 0.0
+    shared_decode_step_overhead_seconds: float = 0.0
+    decode_efficiency: float | None = None
+    oversubscribed_collective_latencies: tuple[tuple[float, float], ...] = ()
+    host_cores: int | None = None
+    all_cores_speedup: float = 1.0
+
+    def for_budget(self, gpus: int) -> DeviceConstants:
+        """The constants of one GPU of a job that has ``gpus`` GPUs in all.
+
+        Real GPUs do not depend on the budget. A simulated GPU is a worker process with
+        ``host_cores // gpus`` threads (at least one); ``peak_flops`` is one thread's, and each
+        thread beyond the first adds its share of ``all_cores_speedup - 1`` (linear between one
+        thread and all of them).
+        """
+        if self.host_cores is None or self.host_cores < 2:
+            return self
+        threads = max(1, self.host_cores // gpus)
+        speedup = 1.0 + (threads - 1) / (self.host_cores - 1) * (self.all_cores_speedup - 1.0)
+        return replace(self, peak_flops=self.peak_flops * speedup, host_cores=None)
+
+    def contention(self, busy_gpus: float) -> float:
+        """How much slower each GPU computes while ``busy_gpus`` GPUs compute at the same time.
+
+        Real GPUs (``compute_slots is None``) do not slow each other down. Simulated GPUs share
+        ``compute_slots`` CPU cores evenly: with more busy workers than cores, each gets
+        ``slots/busy`` of a core.
+        """
+        if self.compute_slots is None:
+            return 1.0
+        return max(1.0, busy_gpus / self.compute_slots)
+
+    def collective_latency(self, busy_gpus: float) -> float:
+        """One latency-bound collective while ``busy_gpus`` GPUs compute at the same time.
+
+        Up to ``compute_slots`` busy workers it is ``collective_latency_seconds``; beyond, it
+        follows the measured ``oversubscribed_collective_latencies`` (piecewise linear in
+        workers per slot, held past the last point).
+        """
+        slots = self.compute_slots
+        if slots is None or not self.oversubscribed_collective_latencies or busy_gpus <= slots:
+            return self.collective_latency_seconds
+        ratio = busy_gpus / slots
+        points = [(1.0, self.collective_latency_seconds), *sorted(self.oversubscribed_collective_latencies)]
+        for (low, low_seconds), (high, high_seconds) in itertools.pairwise(points):
+            if ratio <= high:
+                return low_seconds + (ratio - low) / max(high - low, 1e-9) * (high_seconds - low_seconds)
+        return points[-1][1]
 
     def efficiency(self, tokens_per_gpu: float) -> float:
         """Sustained fraction of ``peak_flops`` for a pass of ``tokens_per_gpu`` tokens on each GPU."""
@@ -122,13 +190,17 @@ class ClusterShape:
 SIMULATED_CPU_GPU = DeviceConstants(
     name="simulated GPU (one CPU thread)",
     # `hybridflow plan --profile` on the 2-core development machine with the tiny model
-    # (hidden 64, 2 layers): ~8 GFLOP/s sustained by one thread, ~1.6 ms fixed per forward
-    # call, ~8 GB/s memory copy. Fixed here so that `placement: auto` picks the same plan on
-    # every (re)start of a job; --profile measures the current machine instead.
-    peak_flops=8e9,
+    # (hidden 64, 2 layers), rounded from its calibrations near idle (docs/placement.md): ~57
+    # GFLOP/s per thread at the job's micro-batch, ~0.9 ms fixed per forward call and per
+    # decoding step, decoded tokens at ~10% of that rate, a training pass ~3.8 forwards, FSDP's
+    # work ~1.1 ms per unit and pass (+2 ms per decoding step from the wrapped module), gloo's
+    # all-gather ~1.1 ms between two workers and ~6.5 ms with 2-4 workers per core. Fixed here
+    # so that `placement: auto` picks the same plan on every (re)start of a job; --profile
+    # measures the current machine instead.
+    peak_flops=57e9,
     train_efficiency=1.0,
     tokens_for_half_efficiency=0.0,
-    memory_bandwidth_bytes_per_second=8e9,
+    memory_bandwidth_bytes_per_second=23e9,
     decode_bandwidth_efficiency=1.0,
     # A simulated GPU has no memory of its own; tiny models fit anywhere (assumed share of host RAM).
     memory_bytes=8e9,
@@ -136,9 +208,16 @@ SIMULATED_CPU_GPU = DeviceConstants(
     # gloo on one host (shared/notes/cpu-stack.md: 64 MiB all-reduce in ~60 ms).
     intra_node_bytes_per_second=1.1e9,
     inter_node_bytes_per_second=1.1e9,
-    call_overhead_seconds=0.0016,
-    decode_step_overhead_seconds=0.0016,
-    collective_latency_seconds=100e-6,
+    call_overhead_seconds=0.0009,
+    decode_step_overhead_seconds=0.0009,
+    collective_latency_seconds=0.0011,
     compute_slots=None,
+    training_pass_ratio=3.8,
+    fsdp_unit_overhead_seconds=0.0011,
+    shared_decode_step_overhead_seconds=0.002,
+    decode_efficiency=0.1,
+    oversubscribed_collective_latencies=((2.0, 0.0065), (4.0, 0.0065)),
+    all_cores_speedup=1.3,
 )
-"""The device of local runs without GPUs; set ``compute_slots`` to the core count when using it."""
+"""The device of local runs without GPUs; set ``compute_slots`` and ``host_cores`` to the core count
+when using it (``planner.job.local_device``)."""

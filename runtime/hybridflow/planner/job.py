@@ -45,7 +45,7 @@ def workload_from_spec(spec: RLHFJobSpec) -> Workload:
         prompt_tokens=spec.data.max_prompt_tokens,
         response_tokens=spec.rollout.max_response_tokens,
         backend=training.backend,
-        model_parallel_training=spec.rollout.engine == "torch",
+        rollout_engine=spec.rollout.engine,
         param_bytes=2 if training.precision == "bf16" else 4,
         micro_batch_sequences=training.micro_batch_size_per_gpu,
         update_epochs=spec.algorithm.ppo_epochs,
@@ -121,4 +121,5 @@ def resolve_auto_placement(
 
 def local_device() -> DeviceConstants:
     """The device ``hybridflow run`` plans for: the simulated CPU GPU sharing this machine's cores."""
-    return replace(SIMULATED_CPU_GPU, compute_slots=os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return replace(SIMULATED_CPU_GPU, compute_slots=cores, host_cores=cores)

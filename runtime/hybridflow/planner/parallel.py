@@ -50,7 +50,7 @@ def training_layouts(
     model: ModelShape, gpus: int, gpus_per_node: int, workload: Workload
 ) -> tuple[ModelLayoutChoice, ...]:
     """Every valid training layout of ``model`` on ``gpus`` GPUs (see the module docstring)."""
-    if workload.backend == "fsdp" or not workload.model_parallel_training:
+    if workload.backend == "fsdp":
         return (ModelLayoutChoice(1, 1, gpus),)
     return _megatron_layouts(model, gpus, gpus_per_node)
 
@@ -71,6 +71,25 @@ def _megatron_layouts(model: ModelShape, gpus: int, gpus_per_node: int) -> tuple
     return tuple(found)
 
 
-def generation_tensor_sizes(train: ModelLayoutChoice) -> list[int]:
-    """Generation TP sizes the 3D-HybridEngine can reshard to from ``train``: the divisors of ``t``."""
-    return _divisors(train.tp)
+def generation_tensor_sizes(
+    model: ModelShape, train: ModelLayoutChoice, gpus_per_node: int, workload: Workload
+) -> list[int]:
+    """Generation TP sizes the actor's engine can reshard to from ``train`` (the module docstring).
+
+    torch: the divisors of ``t`` (FSDP: ``t = 1``). vLLM on megatron: ``1`` and ``t``. vLLM on
+    FSDP: the divisors of the pool's GPUs that divide the node and split the model into whole
+    heads.
+    """
+    if workload.rollout_engine == "torch":
+        return _divisors(train.tp)
+    if workload.backend == "megatron":
+        return sorted({1, train.tp})
+    return [t_g for t_g in _divisors(train.world_size) if gpus_per_node % t_g == 0 and _splits(model, t_g)]
+
+
+def _splits(model: ModelShape, t_g: int) -> bool:
+    try:
+        model.layout(1).check(1, t_g)
+    except ReshardingError:
+        return False
+    return True

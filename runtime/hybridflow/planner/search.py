@@ -7,7 +7,7 @@ Placements (HybridFlow Sec. 8.3):
   the other; only for jobs that have a critic or a reward/cost model;
 * ``standalone``: every model on its own pool.
 
-The rollout always shares the actor's GPUs (the 3D-HybridEngine), so it is not placed separately.
+The rollout always shares the actor's GPUs (resharded in place), so it is not placed separately.
 Pools are cut at node boundaries: a pool is a whole number of nodes, or part of one node that
 it shares with other part-node pools.
 
@@ -17,7 +17,8 @@ values, reward/cost scores), pools in parallel and the models of one pool one af
 train the actor and the critic, pools in parallel. Each pool is costed on its own: for each
 pool the search takes the layouts of its models that minimise the pool's busy time and fit in
 memory together. ``compute_slots`` (simulated GPUs on a CPU) stretches a phase by the share of
-cores its pool gets while other pools compute at the same time.
+cores its pool gets while other pools compute at the same time, and prices its collectives by
+how oversubscribed the cores are (``DeviceConstants.contention``, ``collective_latency``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from typing import Literal
 from hybridflow.planner.cost import (
     GenerationEstimate,
     ModelMemory,
+    forward_collectives,
     forward_seconds,
     generation_estimate,
     model_memory,
     reshard_bytes,
+    reshard_collectives,
     reshard_seconds,
+    train_collectives,
     train_seconds,
 )
 from hybridflow.planner.hardware import ClusterShape, DeviceConstants
@@ -82,6 +86,9 @@ class PoolPlan:
     train_seconds: float
     peak_memory_bytes: float
     generation: GenerationEstimate | None = None
+    collectives: tuple[int, int, int] = (0, 0, 0)
+    """Latency-bound collectives in ``generate``, ``score`` and ``train`` (costed at
+    ``collective_latency_seconds`` here; :func:`_combine` re-prices them under contention)."""
 
     @property
     def busy_seconds(self) -> float:
@@ -161,6 +168,9 @@ class _Candidate:
     train_seconds: float
     memory: ModelMemory
     reshard_seconds: float = 0.0
+    forward_collectives: int = 0
+    train_collectives: int = 0
+    reshard_collectives: int = 0
 
     @property
     def seconds(self) -> float:
@@ -205,13 +215,20 @@ def _model_candidates(
             continue
         forward = forward_seconds(model, layout, workload, device)
         train = train_seconds(model, layout, workload, device, cluster.node_gpus) if trains else 0.0
+        counts = {
+            "forward_collectives": forward_collectives(model, layout, workload),
+            "train_collectives": train_collectives(model, layout, workload) if trains else 0,
+        }
         if role != "actor":
-            found.append(_Candidate(layout, forward, train, memory))
+            found.append(_Candidate(layout, forward, train, memory, **counts))
             continue
-        for t_g in generation_tensor_sizes(layout):
+        for t_g in generation_tensor_sizes(model, layout, cluster.node_gpus, workload):
             choice = ModelLayoutChoice(layout.pp, layout.tp, layout.dp, t_g)
             reshard = reshard_seconds(model, choice, workload, device, cluster.node_gpus)
-            found.append(_Candidate(choice, forward, train, memory, reshard))
+            gathers = reshard_collectives(model, choice, workload)
+            found.append(
+                _Candidate(choice, forward, train, memory, reshard, **counts, reshard_collectives=gathers)
+            )
     return found
 
 
@@ -251,6 +268,7 @@ def _cost_pool(
             continue
         generation = None
         generate = 0.0
+        generate_collectives = 0
         if "actor" in chosen:
             actor = chosen["actor"]
             gen_budget = device.usable_memory_bytes - (static - actor.memory.weights)
@@ -260,6 +278,7 @@ def _cost_pool(
             if generation is None:
                 continue
             generate = generation.seconds + actor.reshard_seconds
+            generate_collectives = generation.collectives + actor.reshard_collectives
             peak = max(
                 peak,
                 static
@@ -269,46 +288,60 @@ def _cost_pool(
             )
         score = sum(c.forward_seconds for c in combo)
         train = sum(c.train_seconds for c in combo)
+        collectives = (
+            generate_collectives,
+            sum(c.forward_collectives for c in combo),
+            sum(c.train_collectives for c in combo),
+        )
         pool = PoolPlan(
-            roles, gpus, {r: c.layout for r, c in chosen.items()}, generate, score, train, peak, generation
+            roles,
+            gpus,
+            {r: c.layout for r, c in chosen.items()},
+            generate,
+            score,
+            train,
+            peak,
+            generation,
+            collectives,
         )
         if best is None or pool.busy_seconds < best.busy_seconds:
             best = pool
     return best
 
 
-def _contention(active: Sequence[int], device: DeviceConstants) -> float:
-    """How much slower each GPU computes while pools of ``active`` GPUs compute at the same time.
-
-    Real GPUs (``compute_slots is None``) do not slow each other down. Simulated GPUs share
-    ``compute_slots`` CPU cores evenly: with more busy workers than cores, each gets
-    ``slots/busy`` of a core.
-    """
-    slots = device.compute_slots
-    if slots is None:
-        return 1.0
-    return max(1.0, sum(active) / slots)
-
-
 def _combine(
     placement: Placement, pools: list[PoolPlan], workload: Workload, device: DeviceConstants
 ) -> Plan:
+    """The step of ``pools``: each phase on every pool taking part, stretched by what runs beside it.
+
+    With simulated GPUs the pools of a phase share the host's cores: its compute and fixed
+    costs stretch by ``device.contention(busy)`` and its collectives cost
+    ``device.collective_latency(busy)``, where ``busy`` counts the GPUs of every pool in that
+    phase. Real GPUs do not change.
+    """
     actor_pool = next(pool for pool in pools if "actor" in pool.roles)
-    generate = actor_pool.generate_seconds * _contention([actor_pool.gpus], device)
+    generating = [actor_pool.gpus]
     scoring = [p.gpus for p in pools if p.score_seconds > 0]
-    score = max(p.score_seconds * _contention(scoring, device) for p in pools)
     training = [p.gpus for p in pools if p.train_seconds > 0]
-    train = max(
-        (p.train_seconds * _contention(training, device) for p in pools if p.train_seconds > 0),
-        default=0.0,
-    )
-    step = generate + score + train
-    busy = [
-        (generate if p is actor_pool else 0.0)
-        + p.score_seconds * _contention(scoring, device)
-        + p.train_seconds * _contention(training, device)
-        for p in pools
+
+    def stretched(seconds: float, collectives: int, busy: Sequence[int]) -> float:
+        latency = collectives * device.collective_latency_seconds
+        busy_gpus = sum(busy)
+        return (seconds - latency) * device.contention(busy_gpus) + collectives * device.collective_latency(
+            busy_gpus
+        )
+
+    phases = [
+        [
+            stretched(p.generate_seconds, p.collectives[0], generating) if p is actor_pool else 0.0
+            for p in pools
+        ],
+        [stretched(p.score_seconds, p.collectives[1], scoring) for p in pools],
+        [stretched(p.train_seconds, p.collectives[2], training) for p in pools],
     ]
+    generate, score, train = (max(per_pool, default=0.0) for per_pool in phases)
+    step = generate + score + train
+    busy = [sum(phase[i] for phase in phases) for i in range(len(pools))]
     actor = actor_pool.layouts["actor"]
     return Plan(
         placement=placement,
@@ -329,6 +362,7 @@ def plan_job(
     kinds: Sequence[PlacementKind] = PLACEMENT_KINDS,
 ) -> list[Plan]:
     """Every feasible plan, fastest first; raises :class:`PlannerInputError` when nothing fits."""
+    device = device.for_budget(cluster.gpus)
     plans = []
     shared_options: Sequence[ModelParallel | None] = [None]
     if workload.shared_model_parallel:

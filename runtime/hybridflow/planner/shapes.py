@@ -161,11 +161,12 @@ class Workload:
     reward: ModelShape | None = None
     cost: ModelShape | None = None
     backend: Literal["fsdp", "megatron"] = "megatron"
-    model_parallel_training: bool = True
-    """Whether the search may give megatron ``t*p > 1``. With ``rollout.engine: vllm`` it does not:
-    vLLM takes megatron's shards only at ``t_g = 1`` or ``t_g = t`` with ``p_g = 1`` (the spec's
-    ``vllm-tensor-parallel-is-one-or-training`` and ``vllm-generates-without-pipeline-parallel``),
-    pairings this search does not enumerate yet, so it plans data-parallel training there."""
+    rollout_engine: Literal["torch", "vllm"] = "torch"
+    """The actor's generation engine, which decides the generation layouts it can reshard to:
+    the torch engine follows the 3D-HybridEngine (megatron: every ``t_g`` dividing ``t``; FSDP:
+    ``t_g = 1``); vLLM takes megatron's shards only at ``t_g = 1`` or ``t_g = t`` (its TP groups
+    are consecutive ranks: the spec's ``vllm-tensor-parallel-is-one-or-training``) and FSDP's at
+    any ``t_g`` dividing the pool (``vllm-tensor-parallel-divides-actor-pool``)."""
     param_bytes: int = 2
     micro_batch_sequences: int = 8
     update_epochs: int = 1
