@@ -18,6 +18,7 @@ megatron actually built.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -142,10 +143,9 @@ def destroy_parallel_state() -> None:
                 groups[id(item)] = item
     parallel_state.destroy_model_parallel()
     for group in groups.values():
-        try:
+        # ValueError: already destroyed, or a group another owner tore down.
+        with contextlib.suppress(ValueError):
             dist.destroy_process_group(group)
-        except ValueError:  # already destroyed, or a group another owner tore down
-            pass
 
 
 def wrap_data_parallel(
