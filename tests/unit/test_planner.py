@@ -31,6 +31,7 @@ from hybridflow.planner.cost import forward_seconds, generation_estimate, reshar
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.job import apply_plan, resolve_auto_placement, workload_from_spec
 from hybridflow.planner.parallel import generation_tensor_sizes, training_layouts
+from hybridflow.planner.shapes import ModelShape
 from hybridflow.resharding import DecoderSpec, hybridflow_plan
 from hybridflow.resharding.fsdp import contiguous_tp_ranks, fsdp_generation_plan
 from hybridflow.spec import RLHFJobSpec, parse_job_manifest
@@ -81,22 +82,27 @@ def test_insight_more_gpus_for_the_actor_shorten_the_critical_path() -> None:
     assert actor_gpus == max(pool.gpus for pool in standalone.pools)
 
 
-def test_reshard_bytes_equal_the_bytes_the_transition_plan_sends() -> None:
+def small_model(arch: str, *, vocab_size: int, num_layers: int, qkv_bias: bool) -> ModelShape:
+    """A tiny decoder (hidden 32, 4 heads of 8) whose resharding plans list every piece cheaply."""
     decoder = DecoderSpec(
-        arch="llama",
-        vocab_size=64,
+        arch=arch,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
-        num_layers=4,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=4,
         head_dim=8,
         rms_norm_eps=1e-5,
         rope_theta=1e4,
         max_position_embeddings=64,
-        qkv_bias=False,
+        qkv_bias=qkv_bias,
     )
-    model = PAPER_MODELS["llama-7b"].__class__("small", decoder)
+    return ModelShape("small", decoder)
+
+
+def test_reshard_bytes_equal_the_bytes_the_transition_plan_sends() -> None:
+    model = small_model("llama", vocab_size=64, num_layers=4, qkv_bias=False)
     workload = Workload(actor=model, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4)
     for pp, tp, dp, t_g in [(1, 4, 2, 2), (1, 4, 2, 1), (2, 2, 2, 1), (1, 2, 4, 2)]:
         train = DeviceMesh.training(pp * tp * dp, pp=pp, tp=tp)
@@ -189,21 +195,7 @@ def test_generation_sizes_follow_the_engine_and_the_spec_rules(tmp_path: Path) -
 
 @pytest.mark.parametrize("world, t_g", [(4, 1), (4, 2), (8, 2), (4, 4), (6, 2)])
 def test_fsdp_reshard_bytes_equal_the_bytes_the_fsdp_plan_sends(world: int, t_g: int) -> None:
-    decoder = DecoderSpec(
-        arch="qwen2",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-        max_position_embeddings=64,
-        qkv_bias=True,
-    )
-    model = PAPER_MODELS["llama-7b"].__class__("small", decoder)
+    model = small_model("qwen2", vocab_size=96, num_layers=2, qkv_bias=True)
     workload = Workload(
         actor=model, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4, backend="fsdp"
     )
