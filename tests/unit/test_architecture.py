@@ -111,6 +111,7 @@ RUNTIME_LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: pure math, topology, rules, data and files; no Ray, no workers
     (
         "hybridflow.mesh",
+        "hybridflow.host",
         "hybridflow.rlmath",
         "hybridflow.rewards",
         "hybridflow.rewards.rules",

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hybridflow.host import available_cores
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.shapes import Workload
 from hybridflow.resharding.layout import DecoderSpec
@@ -269,7 +270,7 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     target = torch.empty_like(buffer)
     bandwidth = 2 * buffer.numel() * 4 / _best_seconds(lambda: target.copy_(buffer), repeats)
     speedup = 1.0
-    cores = _cores()
+    cores = available_cores()
     if not on_gpu and cores > 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(cores)
@@ -289,10 +290,6 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
         memory_bandwidth_bytes_per_second=bandwidth,
         all_cores_speedup=speedup,
     )
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _as_ray_worker() -> None:
@@ -474,7 +471,7 @@ def calibrate_device(workload: Workload, base: DeviceConstants, *, repeats: int 
     if on_gpu:
         return replace(measured, memory_bytes=float(torch.cuda.get_device_properties(0).total_memory))
     sharing = measure_host_sharing(workload)
-    cores = _cores()
+    cores = available_cores()
     return replace(
         measured,
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),

@@ -9,10 +9,10 @@ does before ``hybridflow run`` deploys anything.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 
+from hybridflow.host import available_cores
 from hybridflow.planner.hardware import SIMULATED_CPU_GPU, ClusterShape, DeviceConstants
 from hybridflow.planner.search import PLACEMENT_KINDS, PlacementKind, Plan, plan_job, pool_shape
 from hybridflow.planner.shapes import ModelShape, PlannerInputError, Workload, model_shape_from_dir
@@ -121,5 +121,5 @@ def resolve_auto_placement(
 
 def local_device() -> DeviceConstants:
     """The device ``hybridflow run`` plans for: the simulated CPU GPU sharing this machine's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = available_cores()
     return replace(SIMULATED_CPU_GPU, compute_slots=cores, host_cores=cores)

@@ -11,12 +11,12 @@ and the sample it failed on, not as a bare traceback.
 from __future__ import annotations
 
 import multiprocessing
-import os
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 import torch
 
 from hybridflow.controller import Batch, WorkerGroup
+from hybridflow.host import available_cores
 from hybridflow.rewards import resolve_reward_function
 from hybridflow.rewards.parallel import Sample, SampleFailure, score_chunk
 from hybridflow.spec import RLHFJobSpec
@@ -30,9 +30,7 @@ class RewardFunctionError(RuntimeError):
 
 def reward_processes() -> int:
     """Processes of the reward pool: the cores this process may use, at most 8."""
-    return max(
-        1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    )
+    return max(1, min(8, available_cores()))
 
 
 class RewardScorer:

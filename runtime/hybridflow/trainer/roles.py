@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from hybridflow.algorithms.api import JobWorkers, needs_reference
 from hybridflow.controller import BridgeSpec, DeviceMesh, ResourcePool, RoleSpec, Worker
+from hybridflow.host import available_cores
 from hybridflow.spec import RLHFJobSpec, RoleName
 from hybridflow.workers.policy import ActorWorker, ReferenceWorker
 from hybridflow.workers.rollout import RolloutWorker
@@ -41,11 +40,6 @@ def resource_pools(spec: RLHFJobSpec, *, simulated: bool) -> list[ResourcePool]:
         )
         for p in spec.resource_pools
     ]
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def uses_hybrid_engine(spec: RLHFJobSpec) -> bool:
