@@ -93,6 +93,18 @@ def _storage_bytes(tensors: Iterable[tuple[BufferKind, torch.Tensor]]) -> ParamB
 # --------------------------------------------------------------------------- shards
 
 
+def _block_tensor(block: Block, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A backend's local tensor for ``block`` (by HF name), checked to have the block's shape."""
+    tensor = tensors.get(block.name)
+    if tensor is None:
+        raise ReshardingError(f"the training shard lacks {block.name}")
+    if tuple(tensor.shape) != block.shape:
+        raise ReshardingError(
+            f"{block.name}: the local tensor has shape {tuple(tensor.shape)}, expected {block.shape}"
+        )
+    return tensor
+
+
 class TrainingShard:
     """A rank's training parameters, block by block, as the plan names them (``RankPlan.training``).
 
@@ -151,13 +163,7 @@ class TrainingShard:
         if not shard.blocks:
             raise ReshardingError("a training shard needs at least one block")
         for block in shard.blocks:
-            tensor = tensors.get(block.name)
-            if tensor is None:
-                raise ReshardingError(f"the training shard lacks {block.name}")
-            if tuple(tensor.shape) != block.shape:
-                raise ReshardingError(
-                    f"{block.name}: the local tensor has shape {tuple(tensor.shape)}, expected {block.shape}"
-                )
+            tensor = _block_tensor(block, tensors)
             if not tensor.is_contiguous():
                 raise ReshardingError(f"{block.name}: the local tensor is not contiguous")
             shard._views[block] = tensor
@@ -195,14 +201,7 @@ class TrainingShard:
         shard = cls.allocate(blocks, dtype or first.dtype, device or first.device)
         views = shard.views()
         for block in shard.blocks:
-            local = tensors.get(block.name)
-            if local is None:
-                raise ReshardingError(f"the training shard lacks {block.name}")
-            if tuple(local.shape) != block.shape:
-                raise ReshardingError(
-                    f"{block.name}: the local shard has shape {tuple(local.shape)}, expected {block.shape}"
-                )
-            views[block.name].copy_(local)
+            views[block.name].copy_(_block_tensor(block, tensors))
         return shard
 
     @classmethod
