@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from hybridflow.backends.fsdp import (
     build_lr_scheduler,
@@ -60,6 +60,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 CHECKS = [
     "buckets_reassemble_the_unsharded_state_dict",
     "sharded_loss_and_step_match_unsharded",
+    "every_unit_grouping_trains_identically",
     "checkpoint_round_trip_continues_identically",
     "sharded_value_model_matches_unsharded",
     "non_finite_grad_on_one_rank_skips_the_step_everywhere",
@@ -132,11 +133,13 @@ def train_step(
 
 
 def build_trainer(
-    model_dir: Path, *, sharded: bool
+    model_dir: Path, *, sharded: bool, unit_min_parameters: int | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """``unit_min_parameters`` None: ``shard_model``'s default (the tiny model's layers join the root unit)."""
     model = load_causal_lm(model_dir)
     if sharded:
-        model = shard_model(model, device=torch.device("cpu"))
+        grouping = {} if unit_min_parameters is None else {"unit_min_parameters": unit_min_parameters}
+        model = shard_model(model, device=torch.device("cpu"), **grouping)
     optimizer = build_optimizer(model, learning_rate=LEARNING_RATE, weight_decay=0.1)
     scheduler = build_lr_scheduler(optimizer, warmup_steps=0, total_steps=4, schedule="cosine")
     return model, optimizer, scheduler
@@ -229,6 +232,26 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
         assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > MAX_GRAD_NORM
         assert_same_weights(state, reference[0].state_dict(), atol=1e-6)
 
+    def unit_grouping() -> None:
+        # Per-layer units (0), both layers in one unit (a minimum above one layer's size) and the
+        # default (layers in the root unit): different collectives, the same sums, the same bits.
+        layer = sum(p.numel() for p in load_causal_lm(directory).model.layers[0].parameters())
+        groupings = {"per-layer": 0, "two-layer unit": layer + 1}
+        states = {}
+        for label, minimum in groupings.items():
+            trainer = build_trainer(directory, sharded=True, unit_min_parameters=minimum)
+            # One FSDP state per unit; a grouped unit's modules share theirs.
+            units = {id(m._get_fsdp_state()) for m in trainer[0].modules() if isinstance(m, FSDPModule)}
+            train_step(*trainer, [mine], WORLD_SIZE / tokens)
+            states[label] = (full_state_dict(trainer[0]), len(units))
+        default_state = full_state_dict(shared["sharded"][0])
+        assert [count for _, count in states.values()] == [3, 2], states
+        for label, (state, _) in states.items():
+            try:
+                assert_same_weights(state, default_state, atol=0.0)
+            except AssertionError as error:
+                raise AssertionError(f"{label}: {error}") from None
+
     def checkpoint() -> None:
         model, optimizer, scheduler = shared["sharded"]
         save_train_state(work / "train-state", model, optimizer, scheduler)
@@ -285,6 +308,7 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
     try:
         check("buckets_reassemble_the_unsharded_state_dict", buckets)
         check("sharded_loss_and_step_match_unsharded", train)
+        check("every_unit_grouping_trains_identically", unit_grouping)
         check("checkpoint_round_trip_continues_identically", checkpoint)
         check("sharded_value_model_matches_unsharded", value_model)
         check("non_finite_grad_on_one_rank_skips_the_step_everywhere", non_finite)

@@ -29,6 +29,7 @@ from hybridflow.backends.fsdp import (
     build_optimizer,
     clip_grad_norm_and_step,
     decoder_layers,
+    fsdp_units,
     full_state_dict,
     iter_full_weight_buckets,
     load_causal_lm,
@@ -636,3 +637,24 @@ def test_packed_flash_attention_matches_padded_sdpa_on_cuda(model_dir: Path) -> 
             packed_model, input_ids, attention_mask, response_len=RESPONSE_WIDTH
         )
     torch.testing.assert_close(got[mask], expected[mask], atol=0.05, rtol=0)  # bf16 kernels
+
+
+@pytest.mark.parametrize(
+    ("sizes", "minimum", "units"),
+    [
+        ([5, 5, 5], 0, [[0], [1], [2]]),  # 0: a unit per layer
+        ([5, 5, 5, 5], 10, [[0, 1], [2, 3]]),
+        ([5, 5, 5], 10, [[0, 1]]),  # the last layer, too small alone, joins the root
+        ([20, 5, 5], 10, [[0], [1, 2]]),
+        ([5, 5], 100, []),  # a small model: every layer in the root unit
+    ],
+)
+def test_fsdp_units_group_consecutive_layers_up_to_the_minimum(
+    sizes: list[int], minimum: int, units: list[list[int]]
+) -> None:
+    assert fsdp_units(sizes, minimum) == units
+
+
+def test_fsdp_units_refuse_a_negative_minimum() -> None:
+    with pytest.raises(ValueError, match="min_parameters=-1"):
+        fsdp_units([1], -1)

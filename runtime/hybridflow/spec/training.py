@@ -16,6 +16,9 @@ from pydantic import Field
 from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
+DEFAULT_FSDP_UNIT_MIN_PARAMETERS = 100_000_000
+"""Default smallest FSDP unit, in parameters (FSDP1's size-based wrapping used the same 1e8)."""
+
 
 class OffloadSpec(SpecModel):
     """What the actor moves to host memory while the rollout generates, and brings back after."""
@@ -134,6 +137,18 @@ class TrainingSpec(SpecModel):
             "from the forward: activation memory of about one layer instead of all of them, for about "
             "one more forward pass of compute per update. Same gradients either way. FSDP: transformers' "
             "gradient checkpointing (non-reentrant); megatron: full recompute of every layer."
+        ),
+    )
+    fsdp_unit_min_parameters: int = Field(
+        default=DEFAULT_FSDP_UNIT_MIN_PARAMETERS,
+        ge=0,
+        description=(
+            "FSDP: consecutive decoder layers are sharded as one unit (one all-gather and one "
+            "reduce-scatter per unit and pass) until the unit holds at least this many parameters; "
+            "layers too few to fill a unit join the root unit. Bigger units mean fewer collectives "
+            "(each has a fixed latency) and more memory gathered at once; 0 makes every layer its "
+            "own unit. The default 100M gives one unit per layer to 7B-size models (about 200M "
+            "parameters per layer) and groups the layers of smaller ones. Same results at any value. Ignored by megatron."
         ),
     )
     offload_during_generation: OffloadSpec = Field(

@@ -4,7 +4,7 @@ Plain functions, no Ray: the worker classes (:mod:`hybridflow.workers`) call the
 of a role's group after joining the ``torch.distributed`` world, in this order:
 
 1. :func:`load_causal_lm` / :func:`load_value_model`: identical full weights on every rank.
-2. :func:`shard_model`: FSDP2 ``fully_shard`` per decoder layer and on the root (collective).
+2. :func:`shard_model`: FSDP2 ``fully_shard`` per unit of decoder layers and on the root (collective).
 3. For a trained role, :func:`build_optimizer` and :func:`build_lr_scheduler`.
 4. Per batch: :func:`token_logprobs_and_entropy` / :func:`token_values` (forward passes, all
    ranks together), ``backward()``, then :func:`clip_grad_norm_and_step` per mini-batch
@@ -38,7 +38,12 @@ from hybridflow.backends.fsdp.optim import (
     lr_factor,
     offload_tensors,
 )
-from hybridflow.backends.fsdp.parallelize import decoder_layers, enable_activation_checkpointing, shard_model
+from hybridflow.backends.fsdp.parallelize import (
+    decoder_layers,
+    enable_activation_checkpointing,
+    fsdp_units,
+    shard_model,
+)
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "build_optimizer",
     "clip_grad_norm_and_step",
     "decoder_layers",
+    "fsdp_units",
     "enable_activation_checkpointing",
     "full_state_dict",
     "iter_full_weight_buckets",

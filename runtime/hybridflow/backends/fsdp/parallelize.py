@@ -5,14 +5,27 @@ Protocol: every rank of the worker group loads the same weights
 ``fully_shard`` keeps, on each rank, that rank's dim-0 slice of its *local* full copy and frees
 the rest, so the ranks must hold identical weights before the call; nothing is broadcast.
 
-Layout: each decoder layer is its own FSDP unit (one all-gather before its forward, a
-reduce-scatter of its gradients after its backward, parameters freed again after use), and the
-root is one more unit holding what is left (embeddings, final norm, LM or value head). Peak
-parameter memory is thus the shards plus about one gathered layer, and the communication of one
-layer overlaps the compute of its neighbour on GPUs.
+Layout: consecutive decoder layers form FSDP units (:func:`fsdp_units`: one all-gather before
+a unit's forward, a reduce-scatter of its gradients after its backward, parameters freed again
+after use), and the root is one more unit holding what is left (embeddings, final norm, LM or
+value head). Peak parameter memory is thus the shards plus about one or two gathered units, and
+the communication of one unit overlaps the compute of its neighbour on GPUs.
+
+Why units have a minimum size (``spec.training.fsdpUnitMinParameters``, like FSDP1's size-based
+wrapping policy): every unit costs a fixed latency per collective and per hook on top of its
+bytes, three collectives per update (all-gather for the forward and again for the backward,
+reduce-scatter of the gradients). A 7B model's layers hold about 200M parameters each, far
+above the default 100M, so each is its own unit; the layers of a small model are grouped until a
+unit reaches the minimum, and layers too small to make one join the root unit. Measured on the
+tiny model (131,776 parameters, 2 gloo ranks on 2 cores, 32 rows each): one update took
+0.094 s with a unit per layer and 0.076 s with the root as the only unit. Grouping changes
+neither a parameter's sharding (each is split on dim 0 alone) nor any value: the gradients are
+the same sums, reduced in bigger pieces.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,7 +33,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["decoder_layers", "enable_activation_checkpointing", "shard_model"]
+from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS
+
+__all__ = ["decoder_layers", "enable_activation_checkpointing", "fsdp_units", "shard_model"]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -46,6 +61,27 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         f"cannot find the decoder layers of {type(model).__name__}: it names no block class in "
         "_no_split_modules and has no ModuleList called 'layers'"
     )
+
+
+def fsdp_units(layer_parameters: Sequence[int], min_parameters: int) -> list[list[int]]:
+    """Indices of consecutive layers grouped into FSDP units of at least ``min_parameters`` each.
+
+    Greedy in execution order: a unit closes as soon as it holds ``min_parameters``; the layers
+    left at the end, if they hold fewer, are returned in no unit (they join the root's). 0 gives
+    one unit per layer. ``layer_parameters`` are the layers' parameter counts.
+    """
+    if min_parameters < 0:
+        raise ValueError(f"min_parameters={min_parameters} must be >= 0")
+    units: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, count in enumerate(layer_parameters):
+        current.append(index)
+        held += count
+        if held >= min_parameters:
+            units.append(current)
+            current, held = [], 0
+    return units
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -78,6 +114,7 @@ def shard_model(
     device: torch.device,
     mixed_precision: bool = False,
     activation_checkpointing: bool = False,
+    unit_min_parameters: int = DEFAULT_FSDP_UNIT_MIN_PARAMETERS,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 across every rank of the default process group; returns it.
 
@@ -96,6 +133,9 @@ def shard_model(
     training). Meant for GPUs; on CPU it works too but buys nothing. Outputs (logits, values)
     come back in bf16 then; :mod:`~hybridflow.backends.fsdp.logprobs` upcasts them to fp32.
 
+    ``unit_min_parameters``: the smallest FSDP unit of decoder layers (:func:`fsdp_units`; 0: one
+    unit per layer).
+
     ``activation_checkpointing``: :func:`enable_activation_checkpointing` first
     (``spec.training.activationCheckpointing``).
     """
@@ -113,7 +153,10 @@ def shard_model(
     )
     # fully_shard moves each unit's parameters to the mesh's device as it shards them; moving
     # the whole model first would need a device copy of every full weight at once.
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    layers = decoder_layers(model)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    for unit in fsdp_units(sizes, unit_min_parameters):
+        members = [layers[index] for index in unit]
+        fully_shard(members[0] if len(members) == 1 else members, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

@@ -92,6 +92,7 @@ class FSDPTrainingBackend:
             device=self.device,
             mixed_precision=self.mixed_precision,
             activation_checkpointing=trained and self.spec.training.activation_checkpointing,
+            unit_min_parameters=self.spec.training.fsdp_unit_min_parameters,
         )
         if learning_rate is None:
             self._model.requires_grad_(False)
