@@ -27,7 +27,14 @@ from hybridflow.planner import (
     placements,
     plan_job,
 )
-from hybridflow.planner.cost import forward_seconds, generation_estimate, reshard_bytes, train_seconds
+from hybridflow.planner.cost import (
+    forward_collectives,
+    forward_seconds,
+    fsdp_unit_count,
+    generation_estimate,
+    reshard_bytes,
+    train_seconds,
+)
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.job import apply_plan, resolve_auto_placement, workload_from_spec
 from hybridflow.planner.parallel import generation_tensor_sizes, training_layouts
@@ -35,6 +42,7 @@ from hybridflow.planner.shapes import ModelShape
 from hybridflow.resharding import DecoderSpec, hybridflow_plan
 from hybridflow.resharding.fsdp import contiguous_tp_ranks, fsdp_generation_plan
 from hybridflow.spec import RLHFJobSpec, parse_job_manifest
+from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS
 
 pytestmark = pytest.mark.unit
 
@@ -406,3 +414,25 @@ def test_weight_sync_gathers_are_the_buckets_the_fsdp_sync_forms(
     )
     assert cost.reshard_collectives(shape, ModelLayoutChoice(1, 1, 2, 1), workload) == expected
     assert expected > 1 or bucket_bytes == 64 << 20
+
+
+def test_fsdp_collectives_follow_the_unit_grouping() -> None:
+    """Per-layer units: L + 1 collectives per pass; the tiny model at the default minimum: the root only."""
+    model = small_model("qwen2", vocab_size=64, num_layers=3, qkv_bias=True)
+    per_layer = Workload(
+        actor=model,
+        sequences=8,
+        prompt_tokens=8,
+        response_tokens=8,
+        backend="fsdp",
+        fsdp_unit_min_parameters=0,
+    )
+    grouped = replace(per_layer, fsdp_unit_min_parameters=DEFAULT_FSDP_UNIT_MIN_PARAMETERS)
+    two_layer_units = replace(per_layer, fsdp_unit_min_parameters=2 * model.layer_params)
+    layout = ModelLayoutChoice(pp=1, tp=1, dp=2, generation_tp=1)
+    assert fsdp_unit_count(model, per_layer) == model.decoder.num_layers + 1
+    assert fsdp_unit_count(model, grouped) == 1
+    assert fsdp_unit_count(model, two_layer_units) == 2  # layers 0-1, then layer 2 joins the root
+    assert forward_collectives(model, layout, per_layer) == (
+        model.decoder.num_layers + 1
+    ) * forward_collectives(model, layout, grouped)

@@ -13,7 +13,7 @@ of a few runs (other load only adds time):
   sustained FLOP/s (``peak_flops`` with ``train_efficiency = 1`` and no small-batch penalty:
   the fit already is the rate at the job's micro-batch).
 * With FSDP, the micro-batch's forward pass through the wrapped model: its extra time per
-  FSDP unit (one per decoder layer, one for the root) is ``fsdp_unit_overhead_seconds`` (the
+  FSDP unit (groups of decoder layers, and the root) is ``fsdp_unit_overhead_seconds`` (the
   copies into and out of the gathered buffer, hooks).
 * **A training pass** on the micro-batch (forward with entropy, backward) through the wrapped
   model: its time over the wrapped forward's is ``training_pass_ratio`` (3 by FLOPs; more
@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.host import available_cores
+from hybridflow.planner.cost import fsdp_unit_count
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.shapes import Workload
 from hybridflow.resharding.layout import DecoderSpec
@@ -246,7 +247,9 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     plain = _random_model(decoder, device)
     wrapped = plain
     if workload.backend == "fsdp" and not on_gpu:
-        wrapped = shard_model(copy.deepcopy(plain), device=device)
+        wrapped = shard_model(
+            copy.deepcopy(plain), device=device, unit_min_parameters=workload.fsdp_unit_min_parameters
+        )
     large_shape = MicroBatchShape.of(workload)
     small_shape = MicroBatchShape(1, min(16, large_shape.tokens), min(8, large_shape.response))
     vocab = decoder.vocab_size
@@ -262,7 +265,7 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     unit = 0.0
     if wrapped is not plain:
         wrapped_forward = _best_seconds(_pass(wrapped, large_shape, vocab, device, train=False), repeats)
-        unit = max(wrapped_forward - large, 0.0) / (decoder.num_layers + 1)
+        unit = max(wrapped_forward - large, 0.0) / fsdp_unit_count(model, workload)
         shared_fixed, _ = _decode_step_fit(wrapped, workload, repeats)
         shared_decode = max(shared_fixed - decode_fixed, 0.0)
     train = _best_seconds(_pass(wrapped, large_shape, vocab, device, train=True), max(3, repeats // 2))

@@ -10,7 +10,7 @@ Time
   * forward (log-probs, values, scores): ``2*N*T`` FLOPs over ``n`` GPUs at ``efficiency(T/n)``
     of peak, stretched by the pipeline bubble ``1 + (p-1)/m`` (``m`` micro-batches per DP rank),
     plus Megatron's two TP all-reduces of the activations per layer and a fixed cost per call
-    (with FSDP, also its per-unit work: ``L + 1`` units per pass, on one rank too).
+    (with FSDP, also its per-unit work: :func:`fsdp_unit_count` units per pass, on one rank too).
   * training: ``training_pass_ratio`` (3: ``6*N*T`` FLOPs) times the forward's compute and
     fixed costs per epoch (forward and backward), four TP all-reduces per layer,
     and the gradient synchronisation over ``d`` ranks: ``2(d-1)/d`` of the shard's bytes for
@@ -55,6 +55,7 @@ from hybridflow.planner.parallel import ModelLayoutChoice
 from hybridflow.planner.shapes import ModelShape, Workload
 from hybridflow.resharding.layout import DecoderSpec, decoder_layout
 from hybridflow.resharding.plan import table2
+from hybridflow.spec.training import fsdp_units
 
 __all__ = [
     "ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER",
@@ -62,6 +63,7 @@ __all__ = [
     "ModelMemory",
     "forward_collectives",
     "forward_seconds",
+    "fsdp_unit_count",
     "generation_estimate",
     "model_memory",
     "reshard_bytes",
@@ -116,13 +118,13 @@ def _collectives_per_micro_batch(
 ) -> int:
     """Latency-bound collectives of one micro-batch over ``passes`` (1: forward, 3: forward+backward).
 
-    FSDP gathers each layer's parameters (plus the root's) in the forward and again in the
-    backward, and reduce-scatters their gradients: ``L + 1`` collectives per pass. Megatron's TP
-    all-reduces twice per layer and pass.
+    FSDP gathers each unit's parameters (:func:`fsdp_unit_count`) in the forward and again in the
+    backward, and reduce-scatters their gradients: one collective per unit and pass. Megatron's
+    TP all-reduces twice per layer and pass.
     """
     layers = model.decoder.num_layers
     if workload.backend == "fsdp":
-        return 0 if layout.dp == 1 else passes * (layers + 1)
+        return 0 if layout.dp == 1 else passes * fsdp_unit_count(model, workload)
     return 0 if layout.tp == 1 else 2 * passes * layers // layout.pp
 
 
@@ -137,14 +139,18 @@ def train_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: Wo
     return workload.update_epochs * micro * _collectives_per_micro_batch(model, layout, workload, 3)
 
 
-def _fsdp_units(model: ModelShape, workload: Workload) -> int:
-    """FSDP wraps each decoder layer and the root: its per-unit work runs on every pass, one rank or many."""
-    return model.decoder.num_layers + 1 if workload.backend == "fsdp" else 0
+def fsdp_unit_count(model: ModelShape, workload: Workload) -> int:
+    """FSDP's units (groups of decoder layers, :func:`~hybridflow.spec.training.fsdp_units`, and the
+    root): its per-unit work runs on every pass, one rank or many."""
+    if workload.backend != "fsdp":
+        return 0
+    layers = [model.layer_params] * model.decoder.num_layers
+    return len(fsdp_units(layers, workload.fsdp_unit_min_parameters)) + 1
 
 
 def _micro_batch_fixed_seconds(model: ModelShape, workload: Workload, device: DeviceConstants) -> float:
     """The fixed cost of one forward call: the call itself and FSDP's per-unit work."""
-    return device.call_overhead_seconds + _fsdp_units(model, workload) * device.fsdp_unit_overhead_seconds
+    return device.call_overhead_seconds + fsdp_unit_count(model, workload) * device.fsdp_unit_overhead_seconds
 
 
 def forward_seconds(

@@ -51,6 +51,7 @@ def workload_from_spec(spec: RLHFJobSpec) -> Workload:
         update_epochs=spec.algorithm.ppo_epochs,
         mini_batch_sequences=training.mini_batch_size,
         shared_model_parallel=True,
+        fsdp_unit_min_parameters=training.fsdp_unit_min_parameters,
     )
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Literal
 
 from hybridflow.resharding.layout import DecoderSpec, ModelLayout, ReshardingError, decoder_layout
+from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS
 
 __all__ = [
     "PAPER_MODELS",
@@ -47,6 +48,11 @@ class ModelShape:
     def params(self) -> int:
         """Number of parameters (untied embedding and ``lm_head`` both counted)."""
         return _param_bytes(self.decoder, 1)[0] + _param_bytes(self.decoder, 1)[1]
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (every layer of a decoder has the same)."""
+        return sum(param.numel for param in _layout(self.decoder, 1).params if param.layer == 0)
 
     def param_bytes(self, itemsize: int) -> tuple[int, int]:
         """``(partitioned, replicated)`` bytes of the weights: ``ModelLayout``'s two kinds (cached)."""
@@ -172,6 +178,9 @@ class Workload:
     update_epochs: int = 1
     mini_batch_sequences: int | None = None
     shared_model_parallel: bool = False
+    fsdp_unit_min_parameters: int = DEFAULT_FSDP_UNIT_MIN_PARAMETERS
+    """FSDP's smallest unit of decoder layers (``spec.training.fsdpUnitMinParameters``): how many
+    units, hence collectives, a pass issues."""
 
     def __post_init__(self) -> None:
         for name in (

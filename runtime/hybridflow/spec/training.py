@@ -9,6 +9,7 @@ every trained model (actor and critic); data parallelism fills the rest of the r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -18,6 +19,30 @@ from hybridflow.spec.rules import CrossFieldRule
 
 DEFAULT_FSDP_UNIT_MIN_PARAMETERS = 100_000_000
 """Default smallest FSDP unit, in parameters (FSDP1's size-based wrapping used the same 1e8)."""
+
+
+def fsdp_units(layer_parameters: Sequence[int], min_parameters: int) -> list[list[int]]:
+    """Indices of consecutive layers grouped into FSDP units of at least ``min_parameters`` each.
+
+    What ``training.fsdpUnitMinParameters`` means; the FSDP backend shards by it and the planner
+    counts its collectives by it.
+
+    Greedy in execution order: a unit closes as soon as it holds ``min_parameters``; the layers
+    left at the end, if they hold fewer, are returned in no unit (they join the root's). 0 gives
+    one unit per layer. ``layer_parameters`` are the layers' parameter counts.
+    """
+    if min_parameters < 0:
+        raise ValueError(f"min_parameters={min_parameters} must be >= 0")
+    units: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, count in enumerate(layer_parameters):
+        current.append(index)
+        held += count
+        if held >= min_parameters:
+            units.append(current)
+            current, held = [], 0
+    return units
 
 
 class OffloadSpec(SpecModel):

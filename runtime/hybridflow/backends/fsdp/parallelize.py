@@ -25,15 +25,13 @@ the same sums, reduced in bigger pieces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS
+from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS, fsdp_units
 
 __all__ = ["decoder_layers", "enable_activation_checkpointing", "fsdp_units", "shard_model"]
 
@@ -61,27 +59,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         f"cannot find the decoder layers of {type(model).__name__}: it names no block class in "
         "_no_split_modules and has no ModuleList called 'layers'"
     )
-
-
-def fsdp_units(layer_parameters: Sequence[int], min_parameters: int) -> list[list[int]]:
-    """Indices of consecutive layers grouped into FSDP units of at least ``min_parameters`` each.
-
-    Greedy in execution order: a unit closes as soon as it holds ``min_parameters``; the layers
-    left at the end, if they hold fewer, are returned in no unit (they join the root's). 0 gives
-    one unit per layer. ``layer_parameters`` are the layers' parameter counts.
-    """
-    if min_parameters < 0:
-        raise ValueError(f"min_parameters={min_parameters} must be >= 0")
-    units: list[list[int]] = []
-    current: list[int] = []
-    held = 0
-    for index, count in enumerate(layer_parameters):
-        current.append(index)
-        held += count
-        if held >= min_parameters:
-            units.append(current)
-            current, held = [], 0
-    return units
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
