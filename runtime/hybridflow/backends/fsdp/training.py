@@ -4,8 +4,8 @@ One HF model per role, sharded with ``fully_shard`` over the default (data-paral
 units of decoder layers (``spec.training.fsdpUnitMinParameters``); the functions of this
 package in the order of its ``__init__``. With ``spec.training.packSequences`` every pass runs
 on packed rows (one row of real tokens per micro-batch); otherwise on the engine layout as it
-comes. bf16 mixed precision on CUDA only,
-fp32 parameters always (the optimizer steps fp32 master weights).
+comes. bf16 mixed precision on CUDA only, fp32 parameters always (the optimizer steps fp32
+master weights).
 
 FSDP has no model-parallel slices: :meth:`FSDPTrainingBackend.training_shard` raises (the
 3D-HybridEngine needs megatron); a colocated rollout reads the full weights through
