@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.backends.fsdp import (
@@ -43,6 +44,7 @@ from hybridflow.backends.fsdp import (
     token_values,
 )
 from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
+from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS
 
 pytestmark = pytest.mark.unit
 
@@ -442,14 +444,25 @@ def _sharded_gradients(model: nn.Module, *, value: bool) -> dict[str, torch.Tens
 
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize("value", [False, True], ids=["causal-lm", "value-model"])
+@pytest.mark.parametrize(
+    ("unit_min_parameters", "units"),
+    [(0, 3), (50_000, 2), (DEFAULT_FSDP_UNIT_MIN_PARAMETERS, 1)],
+    ids=["unit-per-layer", "two-layer-unit", "root-unit"],  # the tiny model's layers: ~41k each
+)
 def test_activation_checkpointing_recomputes_and_gives_the_same_gradients(
-    model_dir: Path, value: bool
+    model_dir: Path, value: bool, unit_min_parameters: int, units: int
 ) -> None:
     load = load_value_model if value else load_causal_lm
-    plain = shard_model(load(model_dir), device=torch.device("cpu"))
-    checkpointed = shard_model(load(model_dir), device=torch.device("cpu"), activation_checkpointing=True)
+    cpu = torch.device("cpu")
+    plain = shard_model(load(model_dir), device=cpu, unit_min_parameters=unit_min_parameters)
+    checkpointed = shard_model(
+        load(model_dir), device=cpu, activation_checkpointing=True, unit_min_parameters=unit_min_parameters
+    )
     layers = decoder_layers(checkpointed)
     assert layers and all(getattr(layer, "gradient_checkpointing", False) for layer in layers)
+    # One FSDP state per unit; the modules of a grouped unit share theirs.
+    states = {id(m._get_fsdp_state()) for m in checkpointed.modules() if isinstance(m, FSDPModule)}
+    assert len(states) == units
     forwards = []
     mlp = layers[0].mlp
     plain_forward = mlp.forward
