@@ -28,11 +28,14 @@ from hybridflow.planner import (
     plan_job,
 )
 from hybridflow.planner.cost import (
+    OPTIMIZER_BYTES_PER_PARAMETER,
     forward_collectives,
     forward_seconds,
     fsdp_unit_count,
     generation_estimate,
+    optimizer_steps,
     reshard_bytes,
+    train_collectives,
     train_seconds,
 )
 from hybridflow.planner.hardware import DeviceConstants
@@ -436,3 +439,42 @@ def test_fsdp_collectives_follow_the_unit_grouping() -> None:
     assert forward_collectives(model, layout, per_layer) == (
         model.decoder.num_layers + 1
     ) * forward_collectives(model, layout, grouped)
+
+
+def test_optimizer_steps_cost_their_fixed_work_traffic_and_norm_all_reduce() -> None:
+    """One optimizer step per mini-batch and epoch: fixed cost, AdamW's traffic over the shard, and
+    on several ranks the gradient norm's all-reduce."""
+    model = small_model("qwen2", vocab_size=64, num_layers=3, qkv_bias=True)
+    workload = Workload(
+        actor=model,
+        sequences=64,
+        prompt_tokens=8,
+        response_tokens=8,
+        backend="fsdp",
+        micro_batch_sequences=8,
+        mini_batch_sequences=32,
+        update_epochs=2,
+    )
+    assert optimizer_steps(workload) == 4  # 2 mini-batches x 2 epochs
+    assert optimizer_steps(replace(workload, mini_batch_sequences=None)) == 2
+    bare = replace(A100_80GB, optimizer_step_overhead_seconds=0.0)
+    stepping = replace(bare, optimizer_step_overhead_seconds=5e-3)
+    for dp in (1, 4):
+        layout = ModelLayoutChoice(1, 1, dp, 1)
+        fixed = train_seconds(model, layout, workload, stepping, 8) - train_seconds(
+            model, layout, workload, bare, 8
+        )
+        assert fixed == pytest.approx(4 * 5e-3)
+    # The traffic: 28 bytes per parameter of the shard, at the memory bandwidth.
+    slow_memory = replace(bare, memory_bandwidth_bytes_per_second=bare.memory_bandwidth_bytes_per_second / 2)
+    one, four = ModelLayoutChoice(1, 1, 1, 1), ModelLayoutChoice(1, 1, 4, 1)
+    for layout in (one, four):
+        traffic = OPTIMIZER_BYTES_PER_PARAMETER * model.params / layout.world_size
+        extra = train_seconds(model, layout, workload, slow_memory, 8) - train_seconds(
+            model, layout, workload, bare, 8
+        )
+        assert extra == pytest.approx(4 * traffic / bare.memory_bandwidth_bytes_per_second)
+    # The norm's all-reduce joins the latency-bound collectives on more than one rank only:
+    # 2 epochs x 2 micro-batches per rank x 3 passes x the FSDP units, then one per optimizer step.
+    assert train_collectives(model, four, workload) == 2 * 2 * 3 * fsdp_unit_count(model, workload) + 4
+    assert train_collectives(model, one, workload) == 0

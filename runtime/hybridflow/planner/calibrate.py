@@ -17,7 +17,11 @@ of a few runs (other load only adds time):
   copies into and out of the gathered buffer, hooks).
 * **A training pass** on the micro-batch (forward with entropy, backward) through the wrapped
   model: its time over the wrapped forward's is ``training_pass_ratio`` (3 by FLOPs; more
-  where elementwise work and FSDP's backward hooks weigh).
+  where elementwise work and FSDP's backward hooks weigh), the median over back-to-back pairs
+  of the two passes (:func:`_paired_ratio`).
+* **An optimizer step** after each training pass (``backends/fsdp/optim``: gradient norm,
+  clip, AdamW): its time less the memory traffic the cost model prices
+  (``cost.OPTIMIZER_BYTES_PER_PARAMETER``) is ``optimizer_step_overhead_seconds``.
 * **Decoding** with the torch engine (``engines/torch_engine.py``) at two batch sizes, one and
   several new tokens, from a plain copy of the model (what a rollout with its own weights
   runs): a decoding step costs ``a_d + rows*c_d``; ``a_d`` becomes
@@ -26,8 +30,9 @@ of a few runs (other load only adds time):
   too). With FSDP, the same from the wrapped module (what a one-rank FSDP actor's engine
   generates from): the extra fixed cost per step is ``shared_decode_step_overhead_seconds``.
 * A 64 MiB copy: the memory bandwidth.
-* On a CPU, the forward pass again with one thread per core gives ``all_cores_speedup`` (a
-  one-GPU job's worker gets every core's thread).
+* On a CPU, the forward pass with one thread per core against one thread, in back-to-back
+  pairs of blocks (a worker's thread count does not change between its calls), gives
+  ``all_cores_speedup`` (a one-GPU job's worker gets every core's thread).
 
 On a CPU, two more worker processes measure how simulated GPUs share the host
 (:func:`measure_host_sharing`): the same compute loop alone and in both at once gives
@@ -54,7 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.host import available_cores
-from hybridflow.planner.cost import fsdp_unit_count
+from hybridflow.planner.cost import OPTIMIZER_BYTES_PER_PARAMETER, fsdp_unit_count
 from hybridflow.planner.hardware import DeviceConstants
 from hybridflow.planner.shapes import Workload
 from hybridflow.resharding.layout import DecoderSpec
@@ -74,6 +79,9 @@ GLOO_HOST_BYTES_PER_SECOND = 1.1e9
 
 COMPUTE_LOOP_MATMULS = 400
 """128x128 fp32 matmuls per timed loop: ~0.1 s on one idle core."""
+
+SLOT_PAIRS = 7
+"""Pairs of (one worker's loop alone, every worker's loop at once) behind ``compute_slots``."""
 
 INTERLEAVED_COLLECTIVES = 50
 """Collectives in the interleaved loop, one after each slice of the compute loop."""
@@ -131,6 +139,7 @@ class WorkerFigures:
     decode_efficiency: float
     shared_decode_step_overhead_seconds: float
     fsdp_unit_overhead_seconds: float
+    optimizer_step_seconds: float
     memory_bandwidth_bytes_per_second: float
     all_cores_speedup: float
 
@@ -203,6 +212,50 @@ def _best_seconds(run: Callable[[], object], repeats: int) -> float:
     return min(samples)
 
 
+def _paired_seconds(
+    first: Callable[[], object], second: Callable[[], object], repeats: int
+) -> list[tuple[float, float]]:
+    """``repeats`` back-to-back timings ``(seconds(first), seconds(second))``, after one warm-up pair.
+
+    Each pair runs within a fraction of a second, so load that drifts on the machine weighs on
+    both of a pair alike; the callers take the median over the pairs, which drops those a burst
+    of other work hit. (Two separate minima moved by half between runs on a shared two-core
+    machine: the ratio of training to forward pass measured 3.0 in one run and 4.7 in the next.)
+    """
+    first()
+    second()
+    pairs = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        first()
+        middle = time.perf_counter()
+        second()
+        pairs.append((middle - started, time.perf_counter() - middle))
+    return pairs
+
+
+def _paired_ratio(first: Callable[[], object], second: Callable[[], object], repeats: int) -> float:
+    """The median over back-to-back pairs of ``seconds(second) / seconds(first)``."""
+    return statistics.median(b / max(a, 1e-12) for a, b in _paired_seconds(first, second, repeats))
+
+
+def _optimizer_step_seconds(net: Any, train: Callable[[], object], repeats: int) -> float:
+    """One clipped AdamW step over ``net``'s gradients (``backends/fsdp/optim``), the fastest of ``repeats``.
+
+    Each step follows an untimed training pass, so it steps real gradients of the job's shape.
+    """
+    from hybridflow.backends.fsdp.optim import build_optimizer, clip_grad_norm_and_step
+
+    optimizer = build_optimizer(net, learning_rate=1e-6)
+    samples = []
+    for _ in range(repeats + 1):
+        train()
+        started = time.perf_counter()
+        clip_grad_norm_and_step(net, optimizer, None, max_grad_norm=1.0)  # type: ignore[arg-type]
+        samples.append(time.perf_counter() - started)
+    return min(samples[1:])
+
+
 def _decode_step_fit(net: Any, workload: Workload, repeats: int) -> tuple[float, float]:
     """``(a_d, c_d)``: a decoding step of ``rows`` sequences takes ``a_d + rows*c_d`` seconds."""
     from hybridflow.engines.base import SamplingParams
@@ -222,9 +275,9 @@ def _decode_step_fit(net: Any, workload: Workload, repeats: int) -> tuple[float,
             params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=0)
             return lambda: engine.generate([prompt] * rows, params)
 
-        first = _best_seconds(generate(1), repeats)
-        longer = _best_seconds(generate(steps), max(3, repeats // 2))
-        per_step.append(max(longer - first, 0.0) / (steps - 1))
+        # The difference of back-to-back pairs: the prefill and the first token cancel out.
+        pairs = _paired_seconds(generate(1), generate(steps), repeats)
+        per_step.append(max(statistics.median(b - a for a, b in pairs), 0.0) / (steps - 1))
     (small_rows, large_rows), (small, large) = rows_timed, per_step
     per_row = max((large - small) / (large_rows - small_rows), 1e-12)
     return max(small - small_rows * per_row, 0.0), per_row
@@ -268,7 +321,10 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
         unit = max(wrapped_forward - large, 0.0) / fsdp_unit_count(model, workload)
         shared_fixed, _ = _decode_step_fit(wrapped, workload, repeats)
         shared_decode = max(shared_fixed - decode_fixed, 0.0)
-    train = _best_seconds(_pass(wrapped, large_shape, vocab, device, train=True), max(3, repeats // 2))
+    wrapped_pass = _pass(wrapped, large_shape, vocab, device, train=False)
+    training_pass = _pass(wrapped, large_shape, vocab, device, train=True)
+    train_ratio = _paired_ratio(wrapped_pass, training_pass, repeats)
+    optimizer_step = _optimizer_step_seconds(wrapped, training_pass, max(3, repeats // 2))
     buffer = torch.empty(64 * 2**20 // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(buffer)
     bandwidth = 2 * buffer.numel() * 4 / _best_seconds(lambda: target.copy_(buffer), repeats)
@@ -276,20 +332,30 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     cores = available_cores()
     if not on_gpu and cores > 1:
         threads = torch.get_num_threads()
-        torch.set_num_threads(cores)
-        try:
-            # Below 1 when the cores are busy: a worker's threads then wait for one another.
-            speedup = large / _best_seconds(forward, repeats)
-        finally:
-            torch.set_num_threads(threads)
+
+        def with_threads(count: int) -> Callable[[], object]:
+            def run() -> float:
+                # A warm-up call after the switch (the thread pool resizes), then the fastest of three.
+                torch.set_num_threads(count)
+                try:
+                    return _best_seconds(forward, 3)
+                finally:
+                    torch.set_num_threads(threads)
+
+            return run
+
+        # Below 1 when the cores are busy: a worker's threads then wait for one another.
+        pairs = [(with_threads(threads)(), with_threads(cores)()) for _ in range(repeats)]
+        speedup = statistics.median(one / max(every, 1e-12) for one, every in pairs)
     return WorkerFigures(
         call_overhead_seconds=fixed,
         peak_flops=flops,
-        training_pass_ratio=train / wrapped_forward,
+        training_pass_ratio=train_ratio,
         decode_step_overhead_seconds=decode_fixed,
         decode_efficiency=min(1.0, 2 * model.params / (decode_per_row * flops)),
         shared_decode_step_overhead_seconds=shared_decode,
         fsdp_unit_overhead_seconds=unit,
+        optimizer_step_seconds=optimizer_step,
         memory_bandwidth_bytes_per_second=bandwidth,
         all_cores_speedup=speedup,
     )
@@ -338,12 +404,15 @@ def _sharing_worker(
         os.sched_setaffinity(0, pin)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    # One worker's loop while the others wait, then every worker's at once: compute_slots.
-    alone_loops = []
-    for _ in range(3):
+    # One worker's loop while the others wait, then every worker's at once, in back-to-back
+    # pairs (compute_slots is the median over the pairs: the cores' speed drifts on a shared host).
+    alone_loops, loops = [], []
+    for _ in range(SLOT_PAIRS):
         dist.barrier()
         if rank == 0:
             alone_loops.append(_compute_loop())
+        dist.barrier()
+        loops.append(_compute_loop())
     dist.barrier()
     shard = torch.zeros(elements)
     gathered = torch.zeros(elements * world)
@@ -361,10 +430,6 @@ def _sharing_worker(
         started = time.perf_counter()
         collective()
         latencies.append(time.perf_counter() - started)
-    loops = []
-    for _ in range(3):
-        dist.barrier()
-        loops.append(_compute_loop())
     # A training step interleaves compute and collectives; under load the ranks reach each
     # collective at different times, and that skew, not the idle round trip, is what a step pays.
     chunk = COMPUTE_LOOP_MATMULS // INTERLEAVED_COLLECTIVES
@@ -377,9 +442,7 @@ def _sharing_worker(
         collective()
     interleaved = (time.perf_counter() - started - alone) / INTERLEAVED_COLLECTIVES
     dist.destroy_process_group()
-    results.put(
-        (rank, max(statistics.median(latencies), interleaved), min(loops), min(alone_loops, default=0.0))
-    )
+    results.put((rank, max(statistics.median(latencies), interleaved), loops, alone_loops))
 
 
 def _free_port() -> int:
@@ -392,7 +455,7 @@ def _free_port() -> int:
 
 def _run_sharing_workers(
     world: int, pin: tuple[int, ...] | None, elements: int
-) -> list[tuple[int, float, float, float]]:
+) -> list[tuple[int, float, list[float], list[float]]]:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -421,8 +484,8 @@ def measure_host_sharing(workload: Workload) -> HostSharing:
     """
     layer_elements = sum(param.numel for param in workload.actor.layout(4).params if param.layer == 0)
     measured = _run_sharing_workers(2, None, max(1, min(MAX_COLLECTIVE_ELEMENTS, layer_elements // 2)))
-    alone = max(m[3] for m in measured)
-    together = statistics.mean(m[2] for m in measured)
+    alone = next(m[3] for m in measured if m[0] == 0)
+    together = [statistics.mean(m[2][pair] for m in measured) for pair in range(SLOT_PAIRS)]
     latency = statistics.mean(m[1] for m in measured)
     allowed = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (0,)
     over = []
@@ -433,7 +496,10 @@ def measure_host_sharing(workload: Workload) -> HostSharing:
         )
         over.append((workers / len(cores), statistics.mean(m[1] for m in timed)))
     return HostSharing(
-        compute_slots=max(0.5, min(2.0, 2 * alone / together)),
+        compute_slots=max(
+            0.5,
+            min(2.0, statistics.median(2 * one / both for one, both in zip(alone, together, strict=True))),
+        ),
         collective_latency_seconds=latency,
         oversubscribed_collective_latencies=tuple(sorted(over)),
     )
@@ -470,6 +536,13 @@ def calibrate_device(workload: Workload, base: DeviceConstants, *, repeats: int 
         training_pass_ratio=figures.training_pass_ratio,
         fsdp_unit_overhead_seconds=figures.fsdp_unit_overhead_seconds,
         shared_decode_step_overhead_seconds=figures.shared_decode_step_overhead_seconds,
+        optimizer_step_overhead_seconds=max(
+            0.0,
+            figures.optimizer_step_seconds
+            - OPTIMIZER_BYTES_PER_PARAMETER
+            * workload.actor.params
+            / figures.memory_bandwidth_bytes_per_second,
+        ),
     )
     if on_gpu:
         return replace(measured, memory_bytes=float(torch.cuda.get_device_properties(0).total_memory))

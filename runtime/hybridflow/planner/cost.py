@@ -15,7 +15,10 @@ Time
     fixed costs per epoch (forward and backward), four TP all-reduces per layer,
     and the gradient synchronisation over ``d`` ranks: ``2(d-1)/d`` of the shard's bytes for
     Megatron's all-reduce, ``3(d-1)/d`` of them for FSDP (all-gather in forward and backward,
-    reduce-scatter of gradients).
+    reduce-scatter of gradients); and one optimizer step per mini-batch and epoch: its fixed
+    cost (``optimizer_step_overhead_seconds``) plus :data:`OPTIMIZER_BYTES_PER_PARAMETER` of
+    memory traffic per parameter of the optimizer's shard, and, on more than one rank, the
+    all-reduce of the gradient norm.
   * generation: each of the ``n/t_g`` replicas decodes its share of the sequences in waves that
     fit its KV cache; a decoding step reads the whole generation shard (``b*N/t_g`` bytes) and
     the KV cache of the wave at its average context, or computes ``2*N*batch/t_g`` FLOPs at
@@ -59,6 +62,7 @@ from hybridflow.spec.training import fsdp_units
 
 __all__ = [
     "ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER",
+    "OPTIMIZER_BYTES_PER_PARAMETER",
     "GenerationEstimate",
     "ModelMemory",
     "forward_collectives",
@@ -66,6 +70,7 @@ __all__ = [
     "fsdp_unit_count",
     "generation_estimate",
     "model_memory",
+    "optimizer_steps",
     "reshard_bytes",
     "reshard_collectives",
     "reshard_seconds",
@@ -81,6 +86,10 @@ Sec. 4: ``s*b*h*34/t`` bytes per layer with sequence parallelism and selective r
 FP32_BYTES = 4
 ADAM_MOMENT_BYTES = 8
 """Adam's two fp32 moments per parameter."""
+
+OPTIMIZER_BYTES_PER_PARAMETER = 28
+"""Memory traffic of one AdamW step per fp32 parameter: it reads the weight, the gradient and
+both moments (16 bytes) and writes the weight and both moments (12 bytes)."""
 
 
 def _micro_batches(workload: Workload, layout: ModelLayoutChoice) -> int:
@@ -134,9 +143,39 @@ def forward_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: 
 
 
 def train_collectives(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:
-    """Latency-bound collectives one rank issues in :func:`train_seconds`."""
+    """Latency-bound collectives one rank issues in :func:`train_seconds`.
+
+    Per micro-batch those of its passes; per optimizer step, on more than one rank, the
+    all-reduce of the gradient norm.
+    """
     micro = _micro_batches(workload, layout)
-    return workload.update_epochs * micro * _collectives_per_micro_batch(model, layout, workload, 3)
+    per_step = 1 if layout.world_size > 1 else 0
+    return workload.update_epochs * micro * _collectives_per_micro_batch(
+        model, layout, workload, 3
+    ) + per_step * optimizer_steps(workload)
+
+
+def optimizer_steps(workload: Workload) -> int:
+    """Optimizer steps of one RL step: one per mini-batch and epoch."""
+    minis = (
+        1
+        if workload.mini_batch_sequences is None
+        else math.ceil(workload.sequences / workload.mini_batch_sequences)
+    )
+    return workload.update_epochs * minis
+
+
+def _optimizer_step_seconds(
+    model: ModelShape, layout: ModelLayoutChoice, workload: Workload, device: DeviceConstants
+) -> float:
+    """One optimizer step on one rank: its fixed cost and the memory traffic of its shard.
+
+    FSDP shards the optimizer over every rank; megatron's distributed optimizer over all
+    ``p*t*d`` of them too (each rank updates its slice of its ``(p, t)`` shard).
+    """
+    shard = model.params / layout.world_size
+    traffic = OPTIMIZER_BYTES_PER_PARAMETER * shard / device.memory_bandwidth_bytes_per_second
+    return device.optimizer_step_overhead_seconds + traffic
 
 
 def fsdp_unit_count(model: ModelShape, workload: Workload) -> int:
@@ -208,7 +247,11 @@ def train_seconds(
         + _gradient_sync_seconds(model, layout, workload, device, gpus_per_node)
         + latency
     )
-    return epochs * (compute + calls + comm)
+    steps = optimizer_steps(workload)
+    step_latency = (1 if layout.world_size > 1 else 0) * device.collective_latency_seconds
+    return epochs * (compute + calls + comm) + steps * (
+        _optimizer_step_seconds(model, layout, workload, device) + step_latency
+    )
 
 
 def reshard_bytes(model: ModelShape, layout: ModelLayoutChoice, workload: Workload) -> int:

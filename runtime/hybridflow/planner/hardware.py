@@ -43,6 +43,10 @@ class DeviceConstants:
       compute on GPUs (0), a millisecond-scale cost of every pass on a CPU.
     * ``shared_decode_step_overhead_seconds``: the extra fixed cost of a decoding step when the
       torch engine generates from a one-rank FSDP actor's own (wrapped) module.
+    * ``optimizer_step_overhead_seconds``: the fixed cost of one optimizer step (the gradient
+      norm, the clip and AdamW's per-tensor work) on top of its memory traffic
+      (``cost.OPTIMIZER_BYTES_PER_PARAMETER`` per parameter of the shard); launch overhead on
+      GPUs, milliseconds of Python and small-tensor work on a CPU.
     * ``decode_efficiency``: the fraction of ``peak_flops`` a decoding step's GEMMs sustain (one
       token per sequence: thin matrices); ``None`` means ``train_efficiency``.
     * ``compute_slots``: how many GPUs can compute at the same time. ``None`` on real GPUs (each
@@ -76,6 +80,7 @@ class DeviceConstants:
     training_pass_ratio: float = 3.0
     fsdp_unit_overhead_seconds: float = 0.0
     shared_decode_step_overhead_seconds: float = 0.0
+    optimizer_step_overhead_seconds: float = 0.0
     decode_efficiency: float | None = None
     oversubscribed_collective_latencies: tuple[tuple[float, float], ...] = ()
     host_cores: int | None = None
@@ -193,7 +198,8 @@ SIMULATED_CPU_GPU = DeviceConstants(
     # (hidden 64, 2 layers), rounded from its calibrations near idle (docs/placement.md): ~57
     # GFLOP/s per thread at the job's micro-batch, ~0.9 ms fixed per forward call and per
     # decoding step, decoded tokens at ~10% of that rate, a training pass ~3.8 forwards, FSDP's
-    # work ~1.1 ms per unit and pass (+2 ms per decoding step from the wrapped module), gloo's
+    # work ~1.1 ms per unit and pass (+2 ms per decoding step from the wrapped module), an
+    # optimizer step ~6 ms (clip and AdamW over the tiny model's 27 tensors), gloo's
     # all-gather ~1.1 ms between two workers and ~6.5 ms with 2-4 workers per core. Fixed here
     # so that `placement: auto` picks the same plan on every (re)start of a job; --profile
     # measures the current machine instead.
@@ -215,6 +221,7 @@ SIMULATED_CPU_GPU = DeviceConstants(
     training_pass_ratio=3.8,
     fsdp_unit_overhead_seconds=0.0011,
     shared_decode_step_overhead_seconds=0.002,
+    optimizer_step_overhead_seconds=0.006,
     decode_efficiency=0.1,
     oversubscribed_collective_latencies=((2.0, 0.0065), (4.0, 0.0065)),
     all_cores_speedup=1.3,
