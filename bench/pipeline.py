@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -269,7 +270,8 @@ def main() -> None:
         "candidates": rows,
         "measured_ties": [[chosen[i][0].label, chosen[j][0].label] for i, j in sorted(ties)],
         "planner_rank_agreement": round(kendall_tau(predicted, list(measured.values())), 3),
-        "planner_rank_agreement_resolved_pairs": round(agreement, 3),
+        # None when the measurement resolves no pair (a NaN would not be JSON).
+        "planner_rank_agreement_resolved_pairs": None if math.isnan(agreement) else round(agreement, 3),
         "resolved_pairs": resolved_pairs,
         "target_rank_agreement": TARGET_TAU,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -419,17 +420,15 @@ def test_weight_sync_gathers_are_the_buckets_the_fsdp_sync_forms(
     assert expected > 1 or bucket_bytes == 64 << 20
 
 
+def small_fsdp_workload(model: ModelShape, **fields: Any) -> Workload:
+    """A step of 8-token prompts and responses on the FSDP backend; ``fields`` set the rest."""
+    return Workload(actor=model, prompt_tokens=8, response_tokens=8, backend="fsdp", **fields)
+
+
 def test_fsdp_collectives_follow_the_unit_grouping() -> None:
     """Per-layer units: L + 1 collectives per pass; the tiny model at the default minimum: the root only."""
     model = small_model("qwen2", vocab_size=64, num_layers=3, qkv_bias=True)
-    per_layer = Workload(
-        actor=model,
-        sequences=8,
-        prompt_tokens=8,
-        response_tokens=8,
-        backend="fsdp",
-        fsdp_unit_min_parameters=0,
-    )
+    per_layer = small_fsdp_workload(model, sequences=8, fsdp_unit_min_parameters=0)
     grouped = replace(per_layer, fsdp_unit_min_parameters=DEFAULT_FSDP_UNIT_MIN_PARAMETERS)
     two_layer_units = replace(per_layer, fsdp_unit_min_parameters=2 * model.layer_params)
     layout = ModelLayoutChoice(pp=1, tp=1, dp=2, generation_tp=1)
@@ -445,15 +444,8 @@ def test_optimizer_steps_cost_their_fixed_work_traffic_and_norm_all_reduce() -> 
     """One optimizer step per mini-batch and epoch: fixed cost, AdamW's traffic over the shard, and
     on several ranks the gradient norm's all-reduce."""
     model = small_model("qwen2", vocab_size=64, num_layers=3, qkv_bias=True)
-    workload = Workload(
-        actor=model,
-        sequences=64,
-        prompt_tokens=8,
-        response_tokens=8,
-        backend="fsdp",
-        micro_batch_sequences=8,
-        mini_batch_sequences=32,
-        update_epochs=2,
+    workload = small_fsdp_workload(
+        model, sequences=64, micro_batch_sequences=8, mini_batch_sequences=32, update_epochs=2
     )
     assert optimizer_steps(workload) == 4  # 2 mini-batches x 2 epochs
     assert optimizer_steps(replace(workload, mini_batch_sequences=None)) == 2

@@ -333,19 +333,16 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     if not on_gpu and cores > 1:
         threads = torch.get_num_threads()
 
-        def with_threads(count: int) -> Callable[[], object]:
-            def run() -> float:
-                # A warm-up call after the switch (the thread pool resizes), then the fastest of three.
-                torch.set_num_threads(count)
-                try:
-                    return _best_seconds(forward, 3)
-                finally:
-                    torch.set_num_threads(threads)
-
-            return run
+        def seconds_with(count: int) -> float:
+            # A warm-up call after the switch (the thread pool resizes), then the fastest of three.
+            torch.set_num_threads(count)
+            try:
+                return _best_seconds(forward, 3)
+            finally:
+                torch.set_num_threads(threads)
 
         # Below 1 when the cores are busy: a worker's threads then wait for one another.
-        pairs = [(with_threads(threads)(), with_threads(cores)()) for _ in range(repeats)]
+        pairs = [(seconds_with(threads), seconds_with(cores)) for _ in range(repeats)]
         speedup = statistics.median(one / max(every, 1e-12) for one, every in pairs)
     return WorkerFigures(
         call_overhead_seconds=fixed,
