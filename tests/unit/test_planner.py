@@ -342,9 +342,23 @@ def test_simulated_gpu_terms_price_threads_contention_and_oversubscribed_collect
         oversubscribed_collective_latencies=((2.0, 5e-3), (4.0, 9e-3)),
         host_cores=2,
         all_cores_speedup=1.5,
+        fsdp_unit_overhead_seconds=1e-3,
+        shared_decode_step_overhead_seconds=2e-3,
+        optimizer_step_overhead_seconds=5e-3,
     )
-    # A 1-GPU job's worker has both cores' threads; from 2 GPUs on, one thread each.
-    assert cpu.for_budget(1).peak_flops == pytest.approx(1.5 * cpu.peak_flops)
+    # A 1-GPU job's worker has both cores' threads; from 2 GPUs on, one thread each. The
+    # speedup is a whole step's: the rate rises by it and every fixed cost falls by it.
+    one_gpu = cpu.for_budget(1)
+    assert one_gpu.peak_flops == pytest.approx(1.5 * cpu.peak_flops)
+    for fixed in (
+        "call_overhead_seconds",
+        "decode_step_overhead_seconds",
+        "fsdp_unit_overhead_seconds",
+        "shared_decode_step_overhead_seconds",
+        "optimizer_step_overhead_seconds",
+    ):
+        assert getattr(one_gpu, fixed) == pytest.approx(getattr(cpu, fixed) / 1.5), fixed
+    assert one_gpu.collective_latency_seconds == cpu.collective_latency_seconds
     assert cpu.for_budget(2).peak_flops == cpu.peak_flops == cpu.for_budget(4).peak_flops
     assert A100_80GB.for_budget(1) == A100_80GB
     # Contention and collective latency follow the busy workers per compute slot.

@@ -30,9 +30,11 @@ of a few runs (other load only adds time):
   too). With FSDP, the same from the wrapped module (what a one-rank FSDP actor's engine
   generates from): the extra fixed cost per step is ``shared_decode_step_overhead_seconds``.
 * A 64 MiB copy: the memory bandwidth.
-* On a CPU, the forward pass with one thread per core against one thread, in back-to-back
-  pairs of blocks (a worker's thread count does not change between its calls), gives
-  ``all_cores_speedup`` (a one-GPU job's worker gets every core's thread).
+* On a CPU, a worker's step in small (the job's generation from the wrapped module, a training
+  pass, an optimizer step) with one thread per core against one thread, in back-to-back pairs
+  (a worker's thread count does not change between its calls), gives ``all_cores_speedup``
+  (a one-GPU job's worker gets every core's thread; the cost model applies it to the whole of
+  that worker's time).
 
 On a CPU, two more worker processes measure how simulated GPUs share the host
 (:func:`measure_host_sharing`): the same compute loop alone and in both at once gives
@@ -283,6 +285,60 @@ def _decode_step_fit(net: Any, workload: Workload, repeats: int) -> tuple[float,
     return max(small - small_rows * per_row, 0.0), per_row
 
 
+def _worker_step(net: Any, training_pass: Callable[[], object], workload: Workload) -> Callable[[], object]:
+    """A one-GPU worker's step in small: the rollout, a training pass and an optimizer step.
+
+    The generation decodes the job's sequences (at most ``DECODE_ROWS[-1]`` of them, at most
+    ``DECODE_STEPS`` new tokens) with the torch engine from ``net`` itself, as a one-rank FSDP
+    actor's engine does (``workers/rollout.py``, ``shares_actor_module``).
+    """
+    from hybridflow.backends.fsdp.optim import build_optimizer, clip_grad_norm_and_step
+    from hybridflow.engines.base import SamplingParams
+    from hybridflow.engines.torch_engine import TorchRolloutEngine
+
+    engine = TorchRolloutEngine(net, eos_token_ids=[])
+    prompts = [list(range(min(workload.prompt_tokens, 64)))] * min(DECODE_ROWS[-1], workload.sequences)
+    params = SamplingParams(
+        max_new_tokens=max(1, min(DECODE_STEPS, workload.response_tokens)), temperature=1.0, seed=0
+    )
+    optimizer = build_optimizer(net, learning_rate=1e-6)
+
+    def step() -> object:
+        engine.generate(prompts, params)
+        training_pass()
+        clip_grad_norm_and_step(net, optimizer, None, max_grad_norm=1.0)  # type: ignore[arg-type]
+        return None
+
+    return step
+
+
+def _all_cores_speedup(step: Callable[[], object], cores: int, pairs: int) -> float:
+    """The median over ``pairs`` back-to-back pairs of ``seconds(step, 1 thread) / seconds(step, cores)``.
+
+    A worker's thread count does not change between its calls, so each timing follows a
+    warm-up ``step`` at its count (the thread pool resizes on the switch). Over a whole step,
+    not a forward pass alone: the forward gains 1.3x from a second thread on two idle cores,
+    a generation 1.0-1.15x, and a one-GPU job's step measured 1.05x (docs/placement.md).
+    Below 1 when the cores are busy: a worker's threads then wait for one another.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+
+    def seconds_with(count: int) -> float:
+        torch.set_num_threads(count)
+        try:
+            step()
+            started = time.perf_counter()
+            step()
+            return time.perf_counter() - started
+        finally:
+            torch.set_num_threads(threads)
+
+    timed = [(seconds_with(1), seconds_with(cores)) for _ in range(pairs)]
+    return statistics.median(one / max(every, 1e-12) for one, every in timed)
+
+
 def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     """The passes of one worker, in this process, on its device (see the module docstring).
 
@@ -331,19 +387,8 @@ def measure_worker(workload: Workload, *, repeats: int = 7) -> WorkerFigures:
     speedup = 1.0
     cores = available_cores()
     if not on_gpu and cores > 1:
-        threads = torch.get_num_threads()
-
-        def seconds_with(count: int) -> float:
-            # A warm-up call after the switch (the thread pool resizes), then the fastest of three.
-            torch.set_num_threads(count)
-            try:
-                return _best_seconds(forward, 3)
-            finally:
-                torch.set_num_threads(threads)
-
-        # Below 1 when the cores are busy: a worker's threads then wait for one another.
-        pairs = [(seconds_with(threads), seconds_with(cores)) for _ in range(repeats)]
-        speedup = statistics.median(one / max(every, 1e-12) for one, every in pairs)
+        step = _worker_step(wrapped, training_pass, workload)
+        speedup = _all_cores_speedup(step, cores, repeats)
     return WorkerFigures(
         call_overhead_seconds=fixed,
         peak_flops=flops,

@@ -58,9 +58,10 @@ class DeviceConstants:
       one), measured at a few ratios above 1. Empty: GPUs do not share compute.
     * ``host_cores`` and ``all_cores_speedup`` (simulated GPUs only): a local run gives each
       worker ``host_cores // job GPUs`` torch threads (``trainer/roles.py``), and a worker with
-      every core's thread computes ``all_cores_speedup`` times as fast as with one (small models
-      barely gain; on a busy host it is below 1: the threads wait for one another).
-      :meth:`for_budget` turns that into the compute rate of one worker.
+      every core's thread runs its step (a generation, a training pass, an optimizer step)
+      ``all_cores_speedup`` times as fast as with one (small models barely gain: their step is
+      mostly fixed per-call work; on a busy host it is below 1: the threads wait for one
+      another). :meth:`for_budget` turns that into the constants of one worker.
     """
 
     name: str
@@ -90,15 +91,26 @@ class DeviceConstants:
         """The constants of one GPU of a job that has ``gpus`` GPUs in all.
 
         Real GPUs do not depend on the budget. A simulated GPU is a worker process with
-        ``host_cores // gpus`` threads (at least one); ``peak_flops`` is one thread's, and each
+        ``host_cores // gpus`` threads (at least one); the constants are one thread's, and each
         thread beyond the first adds its share of ``all_cores_speedup - 1`` (linear between one
-        thread and all of them).
+        thread and all of them). The speedup is measured over a whole worker step, so it applies
+        to the whole of a worker's time: the compute rate rises by it, and every fixed cost
+        (per call, per decoding step, per FSDP unit, per optimizer step) falls by it.
         """
         if self.host_cores is None or self.host_cores < 2:
             return self
         threads = max(1, self.host_cores // gpus)
         speedup = 1.0 + (threads - 1) / (self.host_cores - 1) * (self.all_cores_speedup - 1.0)
-        return replace(self, peak_flops=self.peak_flops * speedup, host_cores=None)
+        return replace(
+            self,
+            peak_flops=self.peak_flops * speedup,
+            call_overhead_seconds=self.call_overhead_seconds / speedup,
+            decode_step_overhead_seconds=self.decode_step_overhead_seconds / speedup,
+            fsdp_unit_overhead_seconds=self.fsdp_unit_overhead_seconds / speedup,
+            shared_decode_step_overhead_seconds=self.shared_decode_step_overhead_seconds / speedup,
+            optimizer_step_overhead_seconds=self.optimizer_step_overhead_seconds / speedup,
+            host_cores=None,
+        )
 
     def contention(self, busy_gpus: float) -> float:
         """How much slower each GPU computes while ``busy_gpus`` GPUs compute at the same time.
@@ -200,7 +212,8 @@ SIMULATED_CPU_GPU = DeviceConstants(
     # decoding step, decoded tokens at ~10% of that rate, a training pass ~3.8 forwards, FSDP's
     # work ~1.1 ms per unit and pass (+2 ms per decoding step from the wrapped module), an
     # optimizer step ~6 ms (clip and AdamW over the tiny model's 27 tensors), gloo's
-    # all-gather ~1.1 ms between two workers and ~6.5 ms with 2-4 workers per core. Fixed here
+    # all-gather ~1.1 ms between two workers and ~6.5 ms with 2-4 workers per core, a worker's
+    # step ~1.15x as fast with both cores' threads as with one (1.07-1.19). Fixed here
     # so that `placement: auto` picks the same plan on every (re)start of a job; --profile
     # measures the current machine instead.
     peak_flops=57e9,
@@ -224,7 +237,7 @@ SIMULATED_CPU_GPU = DeviceConstants(
     optimizer_step_overhead_seconds=0.006,
     decode_efficiency=0.1,
     oversubscribed_collective_latencies=((2.0, 0.0065), (4.0, 0.0065)),
-    all_cores_speedup=1.3,
+    all_cores_speedup=1.15,
 )
 """The device of local runs without GPUs; set ``compute_slots`` and ``host_cores`` to the core count
 when using it (``planner.job.local_device``)."""
