@@ -213,7 +213,7 @@ SIMULATED_CPU_GPU = DeviceConstants(
     # work ~1.1 ms per unit and pass (+2 ms per decoding step from the wrapped module), an
     # optimizer step ~6 ms (clip and AdamW over the tiny model's 27 tensors), gloo's
     # all-gather ~1.1 ms between two workers and ~6.5 ms with 2-4 workers per core, a worker's
-    # step ~1.15x as fast with both cores' threads as with one (1.07-1.19). Fixed here
+    # step ~1.15x as fast with both cores' threads as with one (0.97-1.20). Fixed here
     # so that `placement: auto` picks the same plan on every (re)start of a job; --profile
     # measures the current machine instead.
     peak_flops=57e9,
