@@ -75,6 +75,8 @@ def wait_for_ranks(
     while pending:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not ready and deadline is not None and time.monotonic() < deadline:
+            continue  # ray.wait can return a few microseconds before its timeout (ms clock)
         if not ready:
             ranks = sorted(by_ref[r] for r in pending)
             raise CallTimeoutError(
