@@ -258,6 +258,11 @@ def _optimizer_step_seconds(net: Any, train: Callable[[], object], repeats: int)
     return min(samples[1:])
 
 
+def _timed_prompt(workload: Workload) -> list[int]:
+    """The prompt of every timed generation: the job's prompt length, at most 64 tokens."""
+    return list(range(min(workload.prompt_tokens, 64)))
+
+
 def _decode_step_fit(net: Any, workload: Workload, repeats: int) -> tuple[float, float]:
     """``(a_d, c_d)``: a decoding step of ``rows`` sequences takes ``a_d + rows*c_d`` seconds."""
     from hybridflow.engines.base import SamplingParams
@@ -265,7 +270,7 @@ def _decode_step_fit(net: Any, workload: Workload, repeats: int) -> tuple[float,
 
     # No eos: every row decodes every step, so the steps timed are the steps counted.
     engine = TorchRolloutEngine(net, eos_token_ids=[])
-    prompt = list(range(min(workload.prompt_tokens, 64)))
+    prompt = _timed_prompt(workload)
     steps = max(2, min(DECODE_STEPS, workload.response_tokens))
     rows_timed = sorted({min(rows, workload.sequences) for rows in DECODE_ROWS})
     if len(rows_timed) == 1:
@@ -297,7 +302,7 @@ def _worker_step(net: Any, training_pass: Callable[[], object], workload: Worklo
     from hybridflow.engines.torch_engine import TorchRolloutEngine
 
     engine = TorchRolloutEngine(net, eos_token_ids=[])
-    prompts = [list(range(min(workload.prompt_tokens, 64)))] * min(DECODE_ROWS[-1], workload.sequences)
+    prompts = [_timed_prompt(workload)] * min(DECODE_ROWS[-1], workload.sequences)
     params = SamplingParams(
         max_new_tokens=max(1, min(DECODE_STEPS, workload.response_tokens)), temperature=1.0, seed=0
     )
