@@ -3,9 +3,10 @@
 * One spawned 2-rank gloo job (no Ray) checks the engine alone: ``t_g = 2`` over the
   ``torch.distributed`` world, each rank loading only its shard (no tensor of a full
   vocab-parallel weight is built while loading), greedy output equal to HF.
-* One scenario process (``vllm_tp_scenario.py``, its own Ray with 2 simulated GPUs) deploys the
-  job's roles for FSDP2 and megatron (``t = 2``) actors with ``t_g`` in {1, 2}, and megatron at
-  ``p = 2`` with ``t_g = 1``, and compares
+* One scenario process (``vllm_tp_scenario.py``, its own Ray with 4 simulated GPUs) deploys the
+  job's roles for FSDP2 and megatron (``t = 2``) actors with ``t_g`` in {1, 2}, megatron at
+  ``p = 2`` with ``t_g = 1``, and megatron at ``t = 4`` with ``t_g = 2`` on 4 GPUs (vLLM's TP
+  groups built from the strided ranks ``[0, 2], [1, 3]``), and compares
   greedy generation with HF after the first sync and after each of two GRPO steps.
 * ``hybridflow run`` of the vLLM demo manifest with ``rollout.tensorParallelSize: 2`` learns.
 """
@@ -37,7 +38,10 @@ pytestmark = [
 HERE = Path(__file__).resolve().parent
 TESTS_DIR = HERE.parent
 ROOT = TESTS_DIR.parent
-CASES = ("fsdp-tg2", "fsdp-tg1", "megatron-tg2", "megatron-tg1", "megatron-p2-tg1")
+CASES = ("fsdp-tg2", "fsdp-tg1", "megatron-tg2", "megatron-tg1", "megatron-p2-tg1", "megatron-t4-tg2")
+NORM_BYTES_H4 = (2 * 2 + 1) * 128 * 4
+"""The 4-head model's RMSNorm weights (two per layer, two layers, and the final norm; 128 floats
+each), which every megatron rank holds whole and so never receives."""
 
 
 def remove_shm_leftovers() -> None:
@@ -225,7 +229,12 @@ def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> 
         # p 2 -> one vLLM stage: each rank receives the other stage (its norms included) and holds the model.
         assert stages["loaded_bytes"] == gathered_tg1["loaded_bytes"]
         assert stages["bytes_received"] > 0
-    for case in ("megatron-tg2", "megatron-tg1", "megatron-p2-tg1"):
+    for strided in scenario["megatron-t4-tg2"]["checks"][-1]["transition"]:
+        # t 4 -> t_g 2: each rank receives exactly its micro-DP peer's quarter of every split
+        # weight (and sends its own), so its generation half is its own quarter plus that.
+        assert strided["bytes_received"] == strided["bytes_sent"] > 0
+        assert strided["own_bytes"] - strided["bytes_received"] == NORM_BYTES_H4
+    for case in ("megatron-tg2", "megatron-tg1", "megatron-p2-tg1", "megatron-t4-tg2"):
         for check in scenario[case]["checks"]:
             for transition in check["transition"]:
                 # fp32 into fp32: the shard is views of megatron's parameters, handed over
@@ -243,7 +252,7 @@ def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> 
         for step in scenario[case]["steps"]:
             # Redundant is the actor's parameter memory left in place while vLLM generates (no
             # offload in this manifest), at least the rank's own training blocks, plus any copy.
-            for rank in (0, 1):
+            for rank in range(len(last)):
                 redundant = step[f"reshard/rank{rank}/redundant_bytes"]
                 assert redundant >= last[rank]["own_bytes"] + last[rank]["packed_copy_bytes"] > 0
 
@@ -308,22 +317,33 @@ def vllm_spec(backend: str, training_tp: int, rollout_tp: int, gpus: int = 4) ->
     return parse_job_manifest(doc, "test").spec
 
 
-def test_vllm_rollout_roles_get_consecutive_tensor_parallel_groups() -> None:
+def test_vllm_rollout_roles_get_the_generation_layouts_tensor_parallel_groups() -> None:
+    from hybridflow.resharding import ReshardingError
     from hybridflow.spec import SpecError
     from hybridflow.trainer.roles import job_roles
     from hybridflow.workers.rollout import RolloutWorker
-    from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker, check_contiguous_tp_groups
+    from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker, vllm_tensor_parallel_groups
 
     fsdp = job_roles(vllm_spec("fsdp", 1, 2))["rollout"]
     assert fsdp.worker_cls is ShardedVLLMRolloutWorker and fsdp.mesh is not None
     assert fsdp.mesh.groups("tp") == [[0, 1], [2, 3]]  # two data-parallel replicas of t_g 2
+    assert vllm_tensor_parallel_groups(fsdp.mesh) == [[0, 1], [2, 3]]
     assert job_roles(vllm_spec("fsdp", 1, 1))["rollout"].worker_cls is RolloutWorker
     if importlib.util.find_spec("megatron.core") is not None:
-        for training_tp, rollout_tp in ((2, 2), (2, 1), (4, 4)):
+        expected = {(2, 2): [[0, 1], [2, 3]], (2, 1): [[0], [1], [2], [3]], (4, 4): [[0, 1, 2, 3]]}
+        # t 4 -> t_g 2: the 3D-HybridEngine's strided groups; micro-DP groups [0, 1], [2, 3].
+        expected[(4, 2)] = [[0, 2], [1, 3]]
+        for (training_tp, rollout_tp), groups in expected.items():
             role = job_roles(vllm_spec("megatron", training_tp, rollout_tp))["rollout"]
             assert role.worker_cls is ShardedVLLMRolloutWorker and role.mesh is not None
-            check_contiguous_tp_groups(role.mesh)
-    with pytest.raises(SpecError, match=r"spec.rollout.tensorParallelSize: must be 1 or spec.training"):
-        vllm_spec("megatron", 4, 2)
+            assert vllm_tensor_parallel_groups(role.mesh) == groups
     with pytest.raises(SpecError, match=r"spec.rollout.tensorParallelSize: must divide the actor pool"):
         vllm_spec("fsdp", 1, 3)
+    from hybridflow.mesh import DeviceMesh, MeshCoord
+
+    # A group whose TP ranks do not ascend with the global ranks is refused, naming the rank.
+    swapped = DeviceMesh(
+        pp_size=1, tp_size=2, dp_size=1, coords=(MeshCoord(pp=0, tp=1, dp=0), MeshCoord(pp=0, tp=0, dp=0))
+    )
+    with pytest.raises(ReshardingError, match=r"puts rank 0 at TP rank 1"):
+        vllm_tensor_parallel_groups(swapped)

@@ -1,8 +1,10 @@
 """Test-only scenario: vLLM rollout shards in real Ray worker groups, run as its own process.
 
 ``python vllm_tp_scenario.py WORK_DIR CASE...`` (CASE is ``<backend>-tg<t_g>``, e.g. ``fsdp-tg2``,
-``megatron-tg1`` (megatron at t 2), ``megatron-p2-tg1`` (megatron at p 2)) writes a tiny model and prompts under WORK_DIR, starts its own embedded Ray (2
-simulated GPUs, one pool; worker processes apply the megatron CPU shim at start-up, this
+``megatron-tg1`` (megatron at t 2), ``megatron-p2-tg1`` (megatron at p 2), ``megatron-t4-tg2``
+(megatron at t 4 on 4 GPUs, a 4-head model: vLLM's TP groups are the strided ``[0, 2], [1, 3]``))
+writes tiny models and prompts under WORK_DIR, starts its own embedded Ray (2 simulated GPUs, 4
+if a case needs them; one pool; worker processes apply the megatron CPU shim at start-up, this
 directory must be on ``PYTHONPATH``), and for each case deploys actor + rollout (+ reference)
 through :func:`hybridflow.trainer.roles.job_roles` with ``rollout.engine: vllm``. It compares
 greedy generation with HF ``generate`` on the actor's current full weights after the first sync
@@ -46,6 +48,10 @@ def manifest(work: Path, backend: str, t_g: int) -> dict[str, Any]:
     )
     if backend == "megatron":
         spec["training"]["tensorParallelSize"] = 2
+    elif backend == "megatron-t4":  # t 4 -> t_g 2: micro-DP groups [0, 1], [2, 3]
+        spec["training"].update({"backend": "megatron", "tensorParallelSize": 4})
+        spec["models"] = {role: {"path": str(work / "model-h4")} for role in spec["models"]}
+        spec["resourcePools"][0]["gpusPerNode"] = 4
     elif backend == "megatron-p2":  # pipeline-parallel training, generation gathered over the stages
         spec["training"].update({"backend": "megatron", "pipelineParallelSize": 2})
     spec["outputDir"] = str(work / f"out-{backend}-{t_g}")
@@ -88,7 +94,7 @@ def greedy_check(workers: Any, sampler: Any, backend: str, work: Path, spec: Any
         for row, row_mask in zip(responses, mask, strict=True)
     ]
     prompt_ids = [list(map(int, ids)) for ids in batch.non_tensors["prompt_token_ids"]]
-    hf = hf_greedy(work / "model", full, prompt_ids, spec.rollout.max_response_tokens)
+    hf = hf_greedy(Path(spec.models.actor.path), full, prompt_ids, spec.rollout.max_response_tokens)
     return {"engine": engine, "hf": hf, "transition": transition}
 
 
@@ -143,14 +149,19 @@ def main(work: Path, cases: list[str]) -> None:
     from hybridflow.trainer.roles import resource_pools
 
     write_tiny_model(work / "model", arch="qwen2", seed=0)
+    # Four key/value heads split four ways (megatron at t 4); head dim 32, vLLM's smallest.
+    write_tiny_model(work / "model-h4", arch="qwen2", seed=0, hidden=128, heads=4, kv_heads=4)
     (work / "data").mkdir(exist_ok=True)
     rows = make_toy_dataset("target_char", 32, seed=0)
     (work / "data" / "target_char.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = parse_job_manifest(manifest(work, "fsdp", 2), "scenario").spec
+    # One Ray for every case, as large as the largest case's pool.
+    specs = [parse_job_manifest(manifest(work, case.split("-tg")[0], 1), "scenario").spec for case in cases]
+    pools = [pool for spec in specs for pool in resource_pools(spec, simulated=True)]
+    largest = max(pools, key=lambda pool: pool.world_size)
     ray.init(
         num_cpus=2,
-        num_gpus=2,
-        resources=simulated_cluster_resources(resource_pools(spec, simulated=True)),
+        num_gpus=largest.world_size,
+        resources=simulated_cluster_resources([largest]),
         include_dashboard=False,
         configure_logging=False,
         log_to_driver=True,

@@ -425,11 +425,11 @@ INVALID_SPECS: dict[str, list[Callable[[Manifest], None]]] = {
     "ppo without a critic": [_set("spec.algorithm.name", "ppo")],
     "tensor parallel over the pool": [_set("spec.training.tensorParallelSize", 4)],
     "tensor-parallel generation on fsdp": [_set("spec.rollout.tensorParallelSize", 2)],
-    "vllm tensor parallel neither 1 nor the training's": [
+    "vllm tensor parallel not dividing the training's": [
         _set("spec.training.backend", "megatron"),
         _set("spec.training.tensorParallelSize", 4),
         _set("spec.resourcePools.0.gpusPerNode", 4),
-        _set("spec.rollout.tensorParallelSize", 2),
+        _set("spec.rollout.tensorParallelSize", 3),
         _set("spec.rollout.engine", "vllm"),
     ],
     "vllm with pipeline-parallel generation": [
@@ -463,6 +463,17 @@ def test_cel_rejects_what_the_model_rejects(case: str) -> None:
     rejected = failing_rules(manifest)
     assert rejected, case
     assert rejected == python_failures(manifest)
+
+
+def test_cel_and_the_model_accept_vllm_between_1_and_the_training_tensor_parallel_size() -> None:
+    # Megatron t 4 -> vLLM t_g 2: the 3D-HybridEngine's strided generation groups, built in vLLM.
+    manifest = defaulted(example(ROOT / "examples" / "grpo-tiny.yaml"))
+    for mutate in INVALID_SPECS["vllm tensor parallel not dividing the training's"]:
+        mutate(manifest)
+    _set("spec.rollout.tensorParallelSize", 2)(manifest)
+    assert failing_rules(manifest) == set()
+    spec = parse_job_manifest(manifest, "test").spec
+    assert (spec.training.tensor_parallel_size, spec.rollout.tensor_parallel_size) == (4, 2)
 
 
 # --------------------------------------------------------------------------- immutability (oldSelf)

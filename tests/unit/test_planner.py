@@ -140,18 +140,19 @@ def test_training_layouts_obey_the_model_split_and_the_node() -> None:
 
 
 def test_generation_sizes_follow_the_engine_and_the_spec_rules(tmp_path: Path) -> None:
-    """torch reshards to every ``t_g | t``; vLLM takes megatron's shards at ``t_g`` 1 or ``t`` only."""
+    """Megatron reshards to every ``t_g | t`` on both engines; FSDP to ``t_g`` 1 on torch, any on vLLM."""
     model = PAPER_MODELS["llama-7b"]
     megatron = Workload(actor=model, sequences=64, prompt_tokens=256, response_tokens=256)
     vllm = replace(megatron, rollout_engine="vllm")
     t4 = ModelLayoutChoice(2, 4, 2)
     assert generation_tensor_sizes(model, t4, 8, megatron) == [1, 2, 4]
-    assert generation_tensor_sizes(model, t4, 8, vllm) == [1, 4]
-    # vLLM plans model-parallel training too, and every plan is one the spec accepts.
+    # vLLM builds its TP groups from the 3D-HybridEngine's strided generation groups.
+    assert generation_tensor_sizes(model, t4, 8, vllm) == [1, 2, 4]
+    # vLLM plans model-parallel training too.
     plans = plan_job(replace(vllm, critic=model), ClusterShape(16, 8), A100_80GB)
     actors = {plan.layout_of("actor") for plan in plans}
     assert any(a.tp * a.pp > 1 for a in actors)
-    assert all(a.generation_tp in (1, a.tp) for a in actors)
+    assert all(a.tp % a.generation_tp == 0 for a in actors)
     assert any(a.tp > 1 and a.generation_tp == a.tp for a in actors)
     # FSDP on vLLM: any t_g that divides the pool and the node; the torch engine stays at 1.
     fsdp = replace(vllm, backend="fsdp")
@@ -200,7 +201,8 @@ def test_generation_sizes_follow_the_engine_and_the_spec_rules(tmp_path: Path) -
         actor = plan.layout_of("actor")
         placed = apply_plan(spec, plan)
         assert placed.training.tensor_parallel_size == actor.tp
-        assert placed.rollout.tensor_parallel_size == actor.generation_tp in (1, actor.tp)
+        assert placed.rollout.tensor_parallel_size == actor.generation_tp
+        assert actor.tp % actor.generation_tp == 0
     best = plans[0].layout_of("actor")
     assert best.tp > 1 and best.generation_tp == best.tp, plans[0].placement.describe()
 

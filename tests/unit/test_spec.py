@@ -518,15 +518,6 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "2 with engine 'vllm'",
     ),
-    "vllm-tensor-parallel-is-one-or-training": (
-        _all(
-            _set("training.backend", "megatron"),
-            _set("training.tensorParallelSize", 4),
-            _set("rollout.tensorParallelSize", 2),
-            _set("resourcePools", [_pool("default", 4)]),
-        ),
-        "2 with training.tensorParallelSize 4",
-    ),
     "vllm-tensor-parallel-divides-actor-pool": (
         _all(_set("rollout.tensorParallelSize", 3), _set("resourcePools", [_pool("default", 2)])),
         "3 with [2] GPUs",

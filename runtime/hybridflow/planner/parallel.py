@@ -76,14 +76,12 @@ def generation_tensor_sizes(
 ) -> list[int]:
     """Generation TP sizes the actor's engine can reshard to from ``train`` (the module docstring).
 
-    torch: the divisors of ``t`` (FSDP: ``t = 1``). vLLM on megatron: ``1`` and ``t``. vLLM on
-    FSDP: the divisors of the pool's GPUs that divide the node and split the model into whole
-    heads.
+    Megatron (either engine): the divisors of ``t``, the 3D-HybridEngine's layouts (vLLM builds
+    its TP groups from their ranks). torch on FSDP: ``t = 1``. vLLM on FSDP: the divisors of the
+    pool's GPUs that divide the node and split the model into whole heads.
     """
-    if workload.rollout_engine == "torch":
+    if workload.rollout_engine == "torch" or workload.backend == "megatron":
         return _divisors(train.tp)
-    if workload.backend == "megatron":
-        return sorted({1, train.tp})
     return [t_g for t_g in _divisors(train.world_size) if gpus_per_node % t_g == 0 and _splits(model, t_g)]
 
 

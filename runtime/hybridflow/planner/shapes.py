@@ -169,10 +169,9 @@ class Workload:
     backend: Literal["fsdp", "megatron"] = "megatron"
     rollout_engine: Literal["torch", "vllm"] = "torch"
     """The actor's generation engine, which decides the generation layouts it can reshard to:
-    the torch engine follows the 3D-HybridEngine (megatron: every ``t_g`` dividing ``t``; FSDP:
-    ``t_g = 1``); vLLM takes megatron's shards only at ``t_g = 1`` or ``t_g = t`` (its TP groups
-    are consecutive ranks: the spec's ``vllm-tensor-parallel-is-one-or-training``) and FSDP's at
-    any ``t_g`` dividing the pool (``vllm-tensor-parallel-divides-actor-pool``)."""
+    megatron's shards go to every ``t_g`` dividing ``t`` (the 3D-HybridEngine's layouts) on
+    either engine; FSDP's to ``t_g = 1`` on the torch engine and to any ``t_g`` dividing the pool
+    on vLLM (``vllm-tensor-parallel-divides-actor-pool``)."""
     param_bytes: int = 2
     micro_batch_sequences: int = 8
     update_epochs: int = 1

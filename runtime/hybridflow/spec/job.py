@@ -625,31 +625,6 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         observed=lambda spec: f"{spec.rollout.pipeline_parallel_size} with engine {spec.rollout.engine!r}",
     ),
     CrossFieldRule[RLHFJobSpec](
-        name="vllm-tensor-parallel-is-one-or-training",
-        node_path="spec",
-        field_path=".rollout.tensorParallelSize",
-        cel=(
-            f"self.rollout.engine != 'vllm' || self.training.backend != 'megatron' || {_ROLLOUT_ON_OWN_POOL} "
-            "|| self.rollout.tensorParallelSize == 1 "
-            "|| self.rollout.tensorParallelSize == self.training.tensorParallelSize"
-        ),
-        message=(
-            "must be 1 or spec.training.tensorParallelSize with engine 'vllm' and backend 'megatron': "
-            "vLLM's tensor-parallel groups are consecutive ranks, and only then are the 3D-HybridEngine's "
-            "generation groups consecutive (use engine 'torch' for other sizes)"
-        ),
-        holds=lambda spec: (
-            spec.rollout.engine != "vllm"
-            or spec.training.backend != "megatron"
-            or not _rollout_colocated(spec)
-            or spec.rollout.tensor_parallel_size in (1, spec.training.tensor_parallel_size)
-        ),
-        observed=lambda spec: (
-            f"{spec.rollout.tensor_parallel_size} with training.tensorParallelSize "
-            f"{spec.training.tensor_parallel_size}"
-        ),
-    ),
-    CrossFieldRule[RLHFJobSpec](
         name="vllm-tensor-parallel-divides-actor-pool",
         node_path="spec",
         field_path=".rollout.tensorParallelSize",
@@ -659,7 +634,7 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         ),
         message=(
             "must divide the actor pool's GPUs with engine 'vllm': every rank holds one vLLM shard and "
-            "each group of tensorParallelSize consecutive ranks generates together"
+            "the pool splits into groups of tensorParallelSize ranks that generate together"
         ),
         holds=lambda spec: (
             spec.rollout.engine != "vllm"

@@ -4,8 +4,8 @@ Deployed (by :func:`hybridflow.trainer.roles.job_roles`) on the actor's pool whe
 ``rollout.engine: vllm`` and the generation is model-parallel (``rollout.tensorParallelSize
 t_g > 1``) or the megatron actor is (``t*p > 1``). One vLLM engine shard per rank joins the
 workers' ``torch.distributed`` world (:class:`~hybridflow.engines.vllm_engine.VLLMRolloutEngine`
-with ``tensor_parallel_size=t_g``); its TP groups are consecutive ranks, so the generation mesh
-must put generation TP groups there (checked at construction):
+with ``tensor_parallel_size=t_g``), its TP groups being the generation mesh's
+(:func:`vllm_tensor_parallel_groups`, checked at construction):
 
 * FSDP2 actor: ``DeviceMesh.training(world, tp=t_g)``. Each rank receives, from the ranks that
   hold its rows, only the part of its ``1/t_g`` generation block it lacks
@@ -14,9 +14,10 @@ must put generation TP groups there (checked at construction):
 * Megatron actor ``(p, t, d)``: ``DeviceMesh.generation(training, pp=1, tp=t_g)``, the
   3D-HybridEngine's layout (micro-DP groups exchange their training shards,
   :meth:`~hybridflow.resharding.transfer.Resharder.generation_buckets`); its generation TP
-  groups are consecutive ranks when ``t_g`` is 1 or ``t`` (the spec allows only these with
-  vLLM). The generation shard, HF-named blocks of generation TP rank ``j``, is vLLM rank
-  ``j``'s shard, written in bucket by bucket (64 MiB of generation bytes), in the engine's
+  groups are consecutive ranks when ``t_g`` is 1 or ``t`` and strided otherwise (t 4 -> t_g 2:
+  ``[0, 2], [1, 3]``), and vLLM's groups are built from those ranks
+  (:mod:`hybridflow.engines.vllm_groups`). The generation shard, HF-named blocks of generation
+  TP rank ``j``, is vLLM TP rank ``j``'s shard, written in bucket by bucket (64 MiB of generation bytes), in the engine's
   dtype. The rank's own blocks are views of megatron's parameters (no copy, and no cast when
   the dtypes agree: fp32 into fp32 on CPU, bf16 into bf16 on GPUs); only q/k/v of a rank
   holding several key/value groups is a copy (megatron interleaves them per group).
@@ -62,24 +63,29 @@ from hybridflow.workers.hybrid_rollout import actor_tokenizer
 from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
 from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, wants_rollout_log_probs
 
-__all__ = ["ShardedVLLMRolloutWorker", "check_contiguous_tp_groups"]
+__all__ = ["ShardedVLLMRolloutWorker", "vllm_tensor_parallel_groups"]
 
 
-def check_contiguous_tp_groups(mesh: DeviceMesh) -> None:
-    """Raise :class:`ReshardingError` unless generation TP rank ``j`` of every group is global rank ``k*t_g + j``.
+def vllm_tensor_parallel_groups(mesh: DeviceMesh) -> list[list[int]]:
+    """The generation TP groups as vLLM must build them: global ranks in generation-TP-rank order.
 
-    vLLM builds its TP groups from consecutive ranks of the world and gives rank ``r`` TP rank
-    ``r % t_g``; the generation shard a rank receives must be that one.
+    vLLM (and ``torch.distributed``) number a group's members in ascending global-rank order, so
+    generation TP rank ``j`` of every group must be its ``j``-th lowest rank, as in the
+    3D-HybridEngine's layout (``[0, 2], [1, 3]`` for t 4 -> t_g 2) and in consecutive groups.
+    vLLM generates without pipeline stages. Raises :class:`ReshardingError` naming the first
+    rank that breaks either rule.
     """
-    t_g = mesh.tp_size
-    wrong = [rank for rank, coord in enumerate(mesh.coords) if coord.tp != rank % t_g or coord.pp != 0]
-    if wrong:
-        raise ReshardingError(
-            f"the generation layout {mesh.describe()} puts rank {wrong[0]} at TP rank "
-            f"{mesh.coords[wrong[0]].tp}, but vLLM's tensor-parallel groups are consecutive ranks "
-            f"(rank r has TP rank r % {t_g}); use rollout.tensorParallelSize 1 or equal to "
-            "training.tensorParallelSize"
-        )
+    groups = mesh.groups("tp")
+    for group in groups:
+        for position, rank in enumerate(group):
+            coord = mesh.coords[rank]
+            if coord.tp != position or coord.pp != 0:
+                raise ReshardingError(
+                    f"the generation layout {mesh.describe()} puts rank {rank} at TP rank {coord.tp}, "
+                    f"PP rank {coord.pp} in the group {group}; vLLM needs pipeline rank 0 and TP ranks "
+                    "in ascending rank order within a group"
+                )
+    return groups
 
 
 class ShardedVLLMRolloutWorker(Worker):
@@ -90,7 +96,7 @@ class ShardedVLLMRolloutWorker(Worker):
         self.spec = spec
         actor_path = spec.models.actor.path
         self.tokenizer, self.eos_ids, self.pad_id = actor_tokenizer(spec)
-        check_contiguous_tp_groups(ctx.mesh)
+        tp_groups = vllm_tensor_parallel_groups(ctx.mesh)
         self.t_g = ctx.mesh.tp_size
         self.dtype = engine_dtype(spec, ctx)
         decoder = DecoderSpec.from_hf_config(AutoConfig.from_pretrained(actor_path))
@@ -120,6 +126,7 @@ class ShardedVLLMRolloutWorker(Worker):
             # The same on every rank of a TP group: its ranks must sample alike.
             seed=spec.training.seed * 1000 + ctx.coord.dp,
             tensor_parallel_size=self.t_g,
+            tensor_parallel_groups=tp_groups,
         )
         self._stats: dict[str, float] = {}
         self._synced = False
