@@ -110,6 +110,24 @@ class DeviceMesh:
             )
         return cls(pp_size=pp, tp_size=tp, dp_size=d * micro_dp_size, coords=tuple(coords))
 
+    @classmethod
+    def fsdp_generation(cls, world_size: int, *, tp: int) -> DeviceMesh:
+        """The generation layout of an FSDP2 actor over ``world_size`` ranks at tensor parallel ``tp``.
+
+        FSDP2 gives rank ``r`` the ``r``-th contiguous ``1/d`` of every parameter's rows, so with
+        generation TP rank ``r // (d/t_g)`` each rank's rows lie inside its generation block
+        wherever the block is a range of rows (HybridFlow's choice; the other parameters are
+        split by columns or replicated, where no choice helps). Generation TP groups are then
+        strided (``[0, 2], [1, 3]`` for 4 ranks at ``t_g = 2``), replica ``r % (d/t_g)``.
+        """
+        if tp < 1 or world_size % tp:
+            raise MeshError(
+                f"generation tensor parallel size {tp} does not divide the group's {world_size} ranks"
+            )
+        replicas = world_size // tp
+        coords = tuple(MeshCoord(pp=0, tp=rank // replicas, dp=rank % replicas) for rank in range(world_size))
+        return cls(pp_size=1, tp_size=tp, dp_size=replicas, coords=coords)
+
     # -- queries -------------------------------------------------------------------------
 
     def coord(self, rank: int) -> MeshCoord:

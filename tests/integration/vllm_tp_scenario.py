@@ -1,7 +1,8 @@
 """Test-only scenario: vLLM rollout shards in real Ray worker groups, run as its own process.
 
 ``python vllm_tp_scenario.py WORK_DIR CASE...`` (CASE is ``<backend>-tg<t_g>``, e.g. ``fsdp-tg2``,
-``megatron-tg1`` (megatron at t 2), ``megatron-p2-tg1`` (megatron at p 2), ``megatron-t4-tg2``
+``megatron-tg1`` (megatron at t 2), ``megatron-p2-tg1`` (megatron at p 2), ``fsdp4-tg2`` (FSDP
+over 4 GPUs), ``megatron-t4-tg2``
 (megatron at t 4 on 4 GPUs, a 4-head model: vLLM's TP groups are the strided ``[0, 2], [1, 3]``))
 writes tiny models and prompts under WORK_DIR, starts its own embedded Ray (2 simulated GPUs, 4
 if a case needs them; one pool; worker processes apply the megatron CPU shim at start-up, this
@@ -48,6 +49,9 @@ def manifest(work: Path, backend: str, t_g: int) -> dict[str, Any]:
     )
     if backend == "megatron":
         spec["training"]["tensorParallelSize"] = 2
+    elif backend == "fsdp4":  # FSDP over 4 ranks -> t_g 2: strided groups [0, 2], [1, 3]
+        spec["training"]["backend"] = "fsdp"
+        spec["resourcePools"][0]["gpusPerNode"] = 4
     elif backend == "megatron-t4":  # t 4 -> t_g 2: micro-DP groups [0, 1], [2, 3]
         spec["training"].update({"backend": "megatron", "tensorParallelSize": 4})
         spec["models"] = {role: {"path": str(work / "model-h4")} for role in spec["models"]}

@@ -79,3 +79,17 @@ def test_generation_sizes_must_divide_training_sizes() -> None:
 def test_unknown_axis() -> None:
     with pytest.raises(MeshError, match="unknown mesh axis"):
         DeviceMesh.data_parallel(2).groups("ep")
+
+
+def test_fsdp_generation_layout_keeps_each_ranks_rows_in_its_block() -> None:
+    from hybridflow.resharding.fsdp import strided_tp_ranks
+
+    mesh = DeviceMesh.fsdp_generation(8, tp=2)
+    assert (mesh.pp_size, mesh.tp_size, mesh.dp_size) == (1, 2, 4)
+    # Rank r holds rows [r/8, (r+1)/8): inside generation block r // 4 of 2.
+    assert tuple(c.tp for c in mesh.coords) == strided_tp_ranks(8, 2) == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert mesh.groups("tp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.output_rank_of_dp() == [0, 1, 2, 3]
+    assert DeviceMesh.fsdp_generation(4, tp=4).groups("tp") == [[0, 1, 2, 3]]
+    with pytest.raises(MeshError, match="3 does not divide the group's 8 ranks"):
+        DeviceMesh.fsdp_generation(8, tp=3)

@@ -44,7 +44,7 @@ from hybridflow.planner.job import apply_plan, resolve_auto_placement, workload_
 from hybridflow.planner.parallel import generation_tensor_sizes, training_layouts
 from hybridflow.planner.shapes import ModelShape
 from hybridflow.resharding import DecoderSpec, hybridflow_plan
-from hybridflow.resharding.fsdp import contiguous_tp_ranks, fsdp_generation_plan
+from hybridflow.resharding.fsdp import fsdp_generation_plan, strided_tp_ranks
 from hybridflow.spec import RLHFJobSpec, parse_job_manifest
 from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS
 
@@ -213,7 +213,7 @@ def test_fsdp_reshard_bytes_equal_the_bytes_the_fsdp_plan_sends(world: int, t_g:
     workload = Workload(
         actor=model, sequences=8, prompt_tokens=8, response_tokens=8, param_bytes=4, backend="fsdp"
     )
-    plan = fsdp_generation_plan(model.layout(4), world, t_g, contiguous_tp_ranks(world, t_g))
+    plan = fsdp_generation_plan(model.layout(4), world, t_g, strided_tp_ranks(world, t_g))
     received = max(plan.bytes_received(rank) for rank in range(world))
     assert reshard_bytes(model, ModelLayoutChoice(1, 1, world, t_g), workload) == received
 

@@ -317,6 +317,31 @@ def _tensor_parallel_rank(tensor_parallel_size: int, rank_order: tuple[int, ...]
     return logical % tensor_parallel_size
 
 
+def _check_vllm_tensor_parallel_group(tensor_parallel_size: int, rank_order: tuple[int, ...] | None) -> None:
+    """Raise unless vLLM's TP group of this rank is the one the shards are cut for.
+
+    The shards a rank receives follow ``rank_order``; if vLLM built its groups some other way
+    (a vLLM that no longer creates them through the wrapped function), generation would be
+    silently wrong, so the engine refuses to run instead.
+    """
+    if tensor_parallel_size == 1:
+        return
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    order = rank_order or tuple(range(dist.get_world_size()))
+    logical = order.index(dist.get_rank())
+    start = logical - logical % tensor_parallel_size
+    expected = list(order[start : start + tensor_parallel_size])
+    built = list(get_tp_group().ranks)
+    if built != expected:
+        raise RuntimeError(
+            f"vLLM built the tensor-parallel group {built} for rank {dist.get_rank()}, but its shard "
+            f"is cut for the group {expected}; this vLLM version creates its groups in a way "
+            "hybridflow.engines.vllm_groups does not know"
+        )
+
+
 @contextlib.contextmanager
 def _vllm_groups_in(rank_order: tuple[int, ...] | None) -> Iterator[None]:
     """While vLLM starts, build each of its parallel groups from ``rank_order``'s global ranks.
@@ -474,6 +499,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._pending: dict[str, torch.Tensor] = {}
         self._tensor_parallel_size = tensor_parallel_size
         self._tensor_parallel_rank = _tensor_parallel_rank(tensor_parallel_size, rank_order)
+        _check_vllm_tensor_parallel_group(tensor_parallel_size, rank_order)
         self._config = config
         self._shard_params: list[VLLMShardParam] | None = None  # built on the first load_shard
         self._shard_pending: dict[str, tuple[torch.Tensor, ...]] = {}

@@ -281,16 +281,16 @@ def _fsdp_reshard_bytes(decoder: DecoderSpec, itemsize: int, world: int, t_g: in
     """The most bytes any of ``world`` FSDP ranks receives to hold its ``t_g``-way generation block.
 
     A rank receives every element of its blocks except the rows it holds already:
-    ``resharding.fsdp.fsdp_generation_plan`` with vLLM's consecutive TP groups (generation TP
-    rank ``r % t_g``), counted per rank in ``O(params)`` instead of listing every piece (a
-    paper-scale pool has 10^4 ranks' worth of pairs).
+    ``resharding.fsdp.fsdp_generation_plan`` with the job's strided TP groups (generation TP
+    rank ``r // (d/t_g)``, ``DeviceMesh.fsdp_generation``), counted per rank in ``O(params)``
+    instead of listing every piece (a paper-scale pool has 10^4 ranks' worth of pairs).
     """
     layout = decoder_layout(decoder, itemsize)
     most = 0
     for rank in range(world):
         received = 0
         for param in layout.params:
-            want = param.block(t_g, rank % t_g)
+            want = param.block(t_g, rank // (world // t_g))
             start, stop = _fsdp_rows(param.shape[0], world, rank)
             per_row = math.prod(want.shape[1:])
             if want.dim == 0:

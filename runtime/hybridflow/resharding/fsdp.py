@@ -8,10 +8,11 @@ parameters, columns for row-parallel ones, the whole tensor for the RMSNorm weig
 (:func:`fsdp_generation_plan`, pure) intersects the two: rank ``s`` sends rank ``r`` exactly the
 part of its rows that lies in ``r``'s generation block, nothing else. So a rank receives its
 ``1/t_g`` block minus what it holds already, never the whole model unless ``t_g = 1``; with the
-generation TP rank ``j = r // (d/t_g)`` ("strided", HybridFlow's choice: each rank's rows lie
-inside its generation block) a column-parallel parameter costs ``(1/t_g - 1/d)`` of its bytes;
-with vLLM's contiguous TP groups (``j = r % t_g``, what the job uses, see docs/hybrid-engine.md)
-the ranks with ``j != r // (d/t_g)`` receive a whole ``1/t_g`` block.
+generation TP rank ``j = r // (d/t_g)`` ("strided", HybridFlow's choice and the job's,
+``DeviceMesh.fsdp_generation``: each rank's rows lie inside its generation block) a
+column-parallel parameter costs ``(1/t_g - 1/d)`` of its bytes; with contiguous TP groups
+(``j = r % t_g``, vLLM's default) the ranks with ``j != r // (d/t_g)`` receive a whole ``1/t_g``
+block.
 
 Execution (:class:`FSDPResharder`), per rank, collective over the actor's ranks in lockstep:
 

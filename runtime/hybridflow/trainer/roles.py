@@ -110,7 +110,9 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
         from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker
 
         rollout_cls = ShardedVLLMRolloutWorker
-        rollout_mesh = DeviceMesh.training(_pool_size(spec, "actor"), tp=spec.rollout.tensor_parallel_size)
+        rollout_mesh = DeviceMesh.fsdp_generation(
+            _pool_size(spec, "actor"), tp=spec.rollout.tensor_parallel_size
+        )
     actor_pool = spec.pool("actor").name
     roles = {
         "actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs),

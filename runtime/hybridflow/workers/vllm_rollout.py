@@ -7,7 +7,8 @@ workers' ``torch.distributed`` world (:class:`~hybridflow.engines.vllm_engine.VL
 with ``tensor_parallel_size=t_g``), its TP groups being the generation mesh's
 (:func:`vllm_tensor_parallel_groups`, checked at construction):
 
-* FSDP2 actor: ``DeviceMesh.training(world, tp=t_g)``. Each rank receives, from the ranks that
+* FSDP2 actor: ``DeviceMesh.fsdp_generation(world, tp=t_g)`` (generation TP rank
+  ``r // (d/t_g)``, strided groups). Each rank receives, from the ranks that
   hold its rows, only the part of its ``1/t_g`` generation block it lacks
   (:mod:`hybridflow.resharding.fsdp`), bucket by bucket, in the engine's dtype, and writes each
   bucket straight into vLLM's sharded parameters.
