@@ -151,3 +151,62 @@ def test_without_an_entropy_bonus_the_entropy_is_a_metric_and_the_gradients_are_
     assert metrics[0] == metrics[1]
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+
+
+def _left_padded(batch: dict[str, torch.Tensor], columns: int) -> dict[str, torch.Tensor]:
+    """``batch`` with ``columns`` more prompt columns of padding on the left of every row."""
+    rows = int(batch["input_ids"].shape[0])
+    pad = {
+        "input_ids": torch.full((rows, columns), PAD_TOKEN_ID, dtype=torch.long),
+        "attention_mask": torch.zeros(rows, columns, dtype=torch.long),
+        "position_ids": torch.zeros(rows, columns, dtype=torch.long),
+    }
+    return {
+        name: torch.cat([pad[name], tensor], 1) if name in pad else tensor for name, tensor in batch.items()
+    }
+
+
+def test_first_used_column_keeps_one_prompt_column() -> None:
+    from hybridflow.backends.fsdp.logprobs import first_used_column
+
+    mask = _left_padded(_batch(), 3)["attention_mask"]
+    assert first_used_column(mask, response_len=3) == 3
+    assert first_used_column(_batch()["attention_mask"], response_len=3) == 0
+    only_responses = torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)], 1)
+    assert first_used_column(only_responses, response_len=3) == 3  # the column scoring the first token
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_columns_that_are_padding_in_every_row_are_not_computed(model_dir: Path) -> None:
+    """The rollout pads prompts to data.maxPromptTokens; passes skip the columns no row uses."""
+    batch = _batch()
+    padded = _left_padded(batch, 5)
+    backend = FSDPTrainingBackend(_spec(model_dir), torch.device("cpu"))
+    backend.load(str(model_dir), kind="causal-lm", learning_rate=1e-3)
+    widths: list[int] = []
+    backend.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True
+    )
+
+    def loss_fn(
+        log_probs: torch.Tensor, entropy: torch.Tensor | None, micro: typing.Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = micro["response_mask"].float()
+        return -(log_probs * mask).sum() / mask.sum(), {}
+
+    scored = [backend.log_probs(b, temperature=1.0, with_entropy=False)[0] for b in (batch, padded)]
+    assert torch.equal(scored[0], scored[1])
+    grads = []
+    for b in (batch, padded):
+        backend.forward_backward([b], loss_fn, fields=["response_mask"], entropy_grad=False)
+        grads.append({name: p.grad.full_tensor().clone() for name, p in backend.model.named_parameters()})
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+    assert set(widths) == {7}  # 4 prompt + 3 response columns, never the 12 of the padded batch
+
+
+def test_the_optimizer_is_the_multi_tensor_adamw_on_every_device() -> None:
+    from hybridflow.backends.fsdp.optim import build_optimizer
+
+    # torch picks foreach only for CUDA tensors by default; on CPU its per-parameter loop is
+    # 4x slower on FSDP's DTensors.
+    assert build_optimizer(torch.nn.Linear(2, 1), learning_rate=0.1).defaults["foreach"] is True

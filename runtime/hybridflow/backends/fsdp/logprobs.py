@@ -41,12 +41,26 @@ from hybridflow.rlmath.logits import token_logprobs_and_entropy_from_logits
 
 __all__ = [
     "PackedSequences",
+    "first_used_column",
     "pack_sequences",
     "packed_token_logprobs_and_entropy",
     "packed_token_values",
     "token_logprobs_and_entropy",
     "token_values",
 ]
+
+
+def first_used_column(attention_mask: torch.Tensor, response_len: int) -> int:
+    """The first column any row attends to, at most the last prompt column.
+
+    Columns before it are left padding in every row: dropping them leaves every valid token's
+    inputs, positions (``position_ids`` come from the mask) and attended tokens as they were, so
+    its results are the untrimmed ones up to floating-point summation order. One prompt column
+    always stays: it scores the first response token.
+    """
+    prompt_width = int(attention_mask.shape[1]) - response_len
+    used = attention_mask[:, :prompt_width].any(dim=0).nonzero()
+    return min(int(used[0]) if len(used) else prompt_width - 1, prompt_width - 1)
 
 
 def _check_layout(input_ids: torch.Tensor, response_len: int) -> None:

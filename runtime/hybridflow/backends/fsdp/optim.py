@@ -44,8 +44,11 @@ def build_optimizer(
     """AdamW over the parameters of ``model`` that require grad.
 
     Weight decay applies to every parameter alike (biases and norms included), as veRL's FSDP
-    workers do; with the default 0 the question does not arise. torch's default (``foreach``)
-    implementation runs on DTensor shards directly: each rank updates only its own slice.
+    workers do; with the default 0 the question does not arise. The multi-tensor (``foreach``)
+    implementation runs on DTensor shards directly: each rank updates only its own slice. It is
+    asked for explicitly because torch defaults to it only for CUDA tensors; on CPU the default
+    is a Python loop over parameters, which on FSDP's DTensors cost 8.2 ms per step of the tiny
+    model against 1.9 ms (2 threads, bare process).
     """
     if learning_rate < 0:
         raise ValueError(f"learning_rate={learning_rate} must be non-negative")
@@ -56,7 +59,9 @@ def build_optimizer(
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if not parameters:
         raise ValueError(f"{type(model).__name__} has no parameter that requires grad; nothing to optimise")
-    return torch.optim.AdamW(parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay)
+    return torch.optim.AdamW(
+        parameters, lr=learning_rate, betas=betas, weight_decay=weight_decay, foreach=True
+    )
 
 
 def clip_grad_norm_and_step(

@@ -26,6 +26,7 @@ from hybridflow.backends.api import LossFn, ModelKind, Tensors, UnsupportedByBac
 from hybridflow.backends.fsdp.checkpoint import load_train_state, save_train_state
 from hybridflow.backends.fsdp.load import attention_implementation, load_causal_lm, load_value_model
 from hybridflow.backends.fsdp.logprobs import (
+    first_used_column,
     packed_token_logprobs_and_entropy,
     packed_token_values,
     token_logprobs_and_entropy,
@@ -133,17 +134,24 @@ class FSDPTrainingBackend:
     def _forward(
         self, micro: Tensors, *, temperature: float, with_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One micro-batch's log-probs (+ entropy) or values, on the device, with grad if enabled."""
+        """One micro-batch's log-probs (+ entropy) or values, on the device, with grad if enabled.
+
+        Padded passes start at the micro-batch's first prompt column that any row uses
+        (:func:`~hybridflow.backends.fsdp.logprobs.first_used_column`): the rollout pads every
+        prompt on the left to ``data.maxPromptTokens``, and columns that are padding in every row
+        change no valid token's result (positions come from the mask) but cost a full pass.
+        """
         device = self.device
-        input_ids = micro["input_ids"].to(device)
-        attention_mask = micro["attention_mask"].to(device)
         response_len = int(micro["responses"].shape[1])
+        start = 0 if self.packed else first_used_column(micro["attention_mask"], response_len)
+        input_ids = micro["input_ids"][:, start:].to(device)
+        attention_mask = micro["attention_mask"][:, start:].to(device)
         if self.kind == "value":
             if self.packed:  # spec.training.packSequences
                 return packed_token_values(
                     self.model, input_ids, attention_mask, response_len=response_len
                 ), None
-            position_ids = micro["position_ids"].to(device)
+            position_ids = micro["position_ids"][:, start:].to(device)
             return token_values(
                 self.model, input_ids, attention_mask, position_ids, response_len=response_len
             ), None
@@ -161,7 +169,7 @@ class FSDPTrainingBackend:
             self.model,
             input_ids,
             attention_mask,
-            micro["position_ids"].to(device),
+            micro["position_ids"][:, start:].to(device),
             response_len=response_len,
             temperature=temperature,
             with_entropy=with_entropy,
