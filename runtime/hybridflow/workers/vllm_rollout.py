@@ -18,10 +18,11 @@ with ``tensor_parallel_size=t_g``), its TP groups being the generation mesh's
   groups are consecutive ranks when ``t_g`` is 1 or ``t`` and strided otherwise (t 4 -> t_g 2:
   ``[0, 2], [1, 3]``), and vLLM's groups are built from those ranks
   (:mod:`hybridflow.engines.vllm_groups`). The generation shard, HF-named blocks of generation
-  TP rank ``j``, is vLLM TP rank ``j``'s shard, written in bucket by bucket (64 MiB of generation bytes), in the engine's
-  dtype. The rank's own blocks are views of megatron's parameters (no copy, and no cast when
-  the dtypes agree: fp32 into fp32 on CPU, bf16 into bf16 on GPUs); only q/k/v of a rank
-  holding several key/value groups is a copy (megatron interleaves them per group).
+  TP rank ``j``, is vLLM TP rank ``j``'s shard, written in bucket by bucket (64 MiB of
+  generation bytes), in the engine's dtype. The rank's own blocks are views of megatron's
+  parameters (no copy, and no cast when the dtypes agree: fp32 into fp32 on CPU, bf16 into
+  bf16 on GPUs); only q/k/v of a rank holding several key/value groups is a copy (megatron
+  interleaves them per group).
 
 Protocol per RL step, every rank taking part in each call (as
 :class:`~hybridflow.workers.rollout.RolloutWorker`):
