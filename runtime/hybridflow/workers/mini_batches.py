@@ -106,8 +106,8 @@ FULL_WIDTH_FIELDS = ("input_ids", "attention_mask", "position_ids")
 def trim_padding(micro: Batch) -> Batch:
     """Drop the columns that are padding in every row: leading prompt columns, trailing response columns.
 
-    The engine layout pads every prompt on the left to the step's longest prompt and every
-    response on the right to the step's longest response; a micro-batch of short rows carries
+    The engine layout pads every prompt on the left to ``data.maxPromptTokens`` and every
+    response on the right to ``rollout.maxResponseTokens``; a micro-batch of short rows carries
     that padding through every layer. Trimming keeps the layout (left-padded prompt, right-padded
     response, response starting at the same column) and every valid token, so the results for
     the valid tokens are those of the untrimmed batch; at least one prompt column and one
