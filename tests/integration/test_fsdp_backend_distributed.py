@@ -64,6 +64,7 @@ CHECKS = [
     "checkpoint_round_trip_continues_identically",
     "sharded_value_model_matches_unsharded",
     "non_finite_grad_on_one_rank_skips_the_step_everywhere",
+    "shared_prompt_training_matches_unshared",
 ]
 
 PROMPT_WIDTH = 6
@@ -100,7 +101,36 @@ def rank_slice(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Ten
     return {name: tensor[rows] for name, tensor in batch.items()}
 
 
-def policy_loss(model: nn.Module, part: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+SHARED_PROMPT_ROWS = 4
+"""Rows per rank in the shared-prompt check: prompts A, B, A, A (A and B of different lengths)."""
+
+
+def shared_prompt_batch(seed: int) -> dict[str, torch.Tensor]:
+    """A batch whose rank ``r`` rows carry two prompts in the order A, B, A, A, with different responses."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = WORLD_SIZE * SHARED_PROMPT_ROWS
+    input_ids = torch.full((rows, PROMPT_WIDTH + RESPONSE_WIDTH), PAD_TOKEN_ID)
+    attention_mask = torch.zeros_like(input_ids)
+    for rank in range(WORLD_SIZE):
+        prompts = [torch.randint(0, 256, (length,), generator=generator) for length in (PROMPT_WIDTH, 3)]
+        for offset, which in enumerate((0, 1, 0, 0)):
+            row = rank * SHARED_PROMPT_ROWS + offset
+            prompt, response_len = prompts[which], RESPONSE_WIDTH - offset % 3
+            start, end = PROMPT_WIDTH - len(prompt), PROMPT_WIDTH + response_len
+            input_ids[row, start:PROMPT_WIDTH] = prompt
+            input_ids[row, PROMPT_WIDTH:end] = torch.randint(0, 256, (response_len,), generator=generator)
+            attention_mask[row, start:end] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=-1) - 1).clamp_min(0),
+        "response_mask": attention_mask[:, PROMPT_WIDTH:].float(),
+    }
+
+
+def policy_loss(
+    model: nn.Module, part: dict[str, torch.Tensor], scale: float, *, share_prompts: bool = False
+) -> torch.Tensor:
     """``scale`` * the sum over response tokens of (NLL - 0.01 entropy): log-probs and entropy both carry grads."""
     log_probs, entropy = token_logprobs_and_entropy(
         model,
@@ -109,6 +139,7 @@ def policy_loss(model: nn.Module, part: dict[str, torch.Tensor], scale: float) -
         part["position_ids"],
         response_len=RESPONSE_WIDTH,
         temperature=0.8,
+        share_prompts=share_prompts,
     )
     assert entropy is not None
     return scale * ((-log_probs - 0.01 * entropy) * part["response_mask"]).sum()
@@ -305,6 +336,29 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
         assert not optimizer.state
         assert all(parameter.grad is None for parameter in model.parameters())
 
+    def shared_prompts() -> None:
+        # Each rank's rows share a prompt: the sharded model runs it once (two forward passes of
+        # every FSDP unit before backward, per-layer units), the reference runs every row whole.
+        # Gradients are compared, not weights after AdamW: the two paths sum in different orders,
+        # and AdamW's g / sqrt(v) turns a last-bit difference in a near-zero gradient into a
+        # visible step.
+        prompt_batch = shared_prompt_batch(seed=2)
+        scale = 1.0 / prompt_batch["response_mask"].sum().item()
+        reference = load_causal_lm(directory)
+        sharded = shard_model(load_causal_lm(directory), device=cpu, unit_min_parameters=0)
+        policy_loss(reference, prompt_batch, scale).backward()
+        mine = {
+            name: tensor[rank * SHARED_PROMPT_ROWS : (rank + 1) * SHARED_PROMPT_ROWS]
+            for name, tensor in prompt_batch.items()
+        }
+        loss = policy_loss(sharded, mine, WORLD_SIZE * scale, share_prompts=True)
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+        expected = {name: p.grad for name, p in reference.named_parameters()}
+        assert grads.keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-7, rtol=1e-4, msg=name)
+
     try:
         check("buckets_reassemble_the_unsharded_state_dict", buckets)
         check("sharded_loss_and_step_match_unsharded", train)
@@ -312,6 +366,7 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
         check("checkpoint_round_trip_continues_identically", checkpoint)
         check("sharded_value_model_matches_unsharded", value_model)
         check("non_finite_grad_on_one_rank_skips_the_step_everywhere", non_finite)
+        check("shared_prompt_training_matches_unshared", shared_prompts)
     finally:
         (work / f"rank{rank}.json").write_text(json.dumps(outcomes))
         dist.destroy_process_group()

@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.engines import (
     EngineStateError,
@@ -232,6 +232,58 @@ def test_greedy_n_samples_are_copies_and_top_k_1_or_tiny_top_p_is_greedy() -> No
         SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=1e-6, seed=0),
     ):
         assert engine.generate(PROMPTS, params).response_token_ids == greedy
+
+
+def _record_forward_rows(monkeypatch: pytest.MonkeyPatch, model: Any) -> list[int]:
+    """The number of rows of every forward call ``model`` makes from now on."""
+    rows: list[int] = []
+    forward = model.forward
+
+    def recording_forward(*args: object, **kwargs: torch.Tensor) -> object:
+        rows.append(int(kwargs["input_ids"].shape[0]))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording_forward)
+    return rows
+
+
+def test_prefill_runs_each_prompt_once_and_its_samples_decode_from_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny("qwen2")
+    engine = TorchRolloutEngine(model)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=3, seed=5, return_logprobs=True)
+    per_row = engine.generate(
+        [prompt for prompt in PROMPTS for _ in range(3)], dataclasses.replace(params, n=1)
+    )
+    rows = _record_forward_rows(monkeypatch, model)
+    shared = engine.generate(PROMPTS, params)
+    assert rows[0] == len(PROMPTS)  # the prefill: one row per prompt
+    assert set(rows[1:]) == {3 * len(PROMPTS)}  # decoding: one row per sample
+    assert shared.response_token_ids == per_row.response_token_ids
+    assert shared.logprobs is not None and per_row.logprobs is not None
+    for got, expected in zip(shared.logprobs, per_row.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_a_sliding_window_model_prefills_every_row_and_matches_hf_generate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A sliding-window layer's dynamic cache keeps only its window, so it cannot be copied into
+    # the static cache's prompt columns; the engine falls back to one prefill row per sample.
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+        max_window_layers=0, eos_token_id=258, pad_token_id=PAD_TOKEN_ID,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    engine = TorchRolloutEngine(model)
+    rows = _record_forward_rows(monkeypatch, model)
+    output = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0, n=2))
+    assert rows[:2] == [len(PROMPTS), 2 * len(PROMPTS)]  # the shared prefill, then the per-row one
+    repeated = [prompt for prompt in PROMPTS for _ in range(2)]
+    assert output.response_token_ids == hf_greedy(model, repeated, 6, engine.eos_token_ids)
 
 
 def test_top_k_and_top_p_keep_the_expected_tokens() -> None:

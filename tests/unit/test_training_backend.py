@@ -204,6 +204,81 @@ def test_columns_that_are_padding_in_every_row_are_not_computed(model_dir: Path)
     assert set(widths) == {7}  # 4 prompt + 3 response columns, never the 12 of the padded batch
 
 
+def _shared_prompt_batch() -> dict[str, torch.Tensor]:
+    """:func:`_batch` whose rows carry prompts A, B, A, A, B (row 0's A is left-padded)."""
+    batch = _batch()
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        for row, source in ((2, 0), (3, 0), (4, 1)):
+            batch[name][row, :4] = batch[name][source, :4]
+    batch["position_ids"] = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
+    return batch
+
+
+def test_find_shared_prompts_groups_rows_by_prompt_tokens_and_mask() -> None:
+    from hybridflow.backends.fsdp.logprobs import find_shared_prompts
+
+    batch = _shared_prompt_batch()
+    shared = find_shared_prompts(batch["input_ids"], batch["attention_mask"], response_len=3)
+    assert shared is not None
+    assert shared.first_rows[shared.inverse].tolist() == [0, 1, 0, 0, 1]
+    # Padding compares equal whatever id fills it; a different mask is a different prompt.
+    batch["input_ids"][2, :2] = 7
+    batch["attention_mask"][3, 0] = 1
+    shared = find_shared_prompts(batch["input_ids"], batch["attention_mask"], response_len=3)
+    assert shared is not None and shared.first_rows[shared.inverse].tolist() == [0, 1, 0, 3, 1]
+    assert find_shared_prompts(_batch()["input_ids"], _batch()["attention_mask"], response_len=3) is None
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: Path) -> None:
+    """Prompts A, B, A, A, B: two prompt rows, then five response rows; results as if unshared."""
+    batch = _shared_prompt_batch()
+
+    def loss_fn(
+        log_probs: torch.Tensor, entropy: torch.Tensor | None, micro: typing.Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        assert entropy is not None
+        mask = micro["response_mask"].float()
+        return -((log_probs + 0.01 * entropy) * mask).sum() / mask.sum(), {}
+
+    results = []
+    for checkpointing in (False, True):  # checkpointing drops the cache: no sharing in training
+        spec = _spec(model_dir)
+        spec = spec.model_copy(
+            update={"training": spec.training.model_copy(update={"activation_checkpointing": checkpointing})}
+        )
+        backend = FSDPTrainingBackend(spec, torch.device("cpu"))
+        backend.load(str(model_dir), kind="causal-lm", learning_rate=1e-3)
+        shapes: list[tuple[int, int]] = []
+        backend.model.register_forward_pre_hook(
+            lambda module, args, kwargs, shapes=shapes: shapes.append(tuple(kwargs["input_ids"].shape)),
+            with_kwargs=True,
+        )
+        scored, _ = backend.log_probs(batch, temperature=0.8, with_entropy=False)
+        backend.forward_backward([batch], loss_fn, fields=["response_mask"], temperature=0.8)
+        grads = {name: p.grad.full_tensor().clone() for name, p in backend.model.named_parameters()}
+        results.append((shapes, scored, grads))
+    with torch.no_grad():
+        unshared, _ = token_logprobs_and_entropy(
+            backend.model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["position_ids"],
+            response_len=3,
+            temperature=0.8,
+            with_entropy=False,
+        )
+    (shared_shapes, shared_scored, shared_grads), (whole_shapes, _, whole_grads) = results
+    # log_probs runs micro-batches of 2 rows: rows 0-1 differ; rows 2-3 share A (left padding
+    # trimmed: 2 prompt columns); row 4 is alone. The update runs all five: prompts A and B.
+    assert shared_shapes == [(2, 7), (1, 2), (2, 3), (1, 7), (2, 4), (5, 3)]
+    assert whole_shapes[:5] == [*shared_shapes[:4], (5, 7)]  # scoring (eval mode) still shares
+    torch.testing.assert_close(shared_scored, unshared, atol=1e-5, rtol=0)
+    assert shared_grads.keys() == whole_grads.keys()
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_the_optimizer_is_the_multi_tensor_adamw_on_every_device() -> None:
     from hybridflow.backends.fsdp.optim import build_optimizer
 

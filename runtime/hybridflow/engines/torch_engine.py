@@ -13,7 +13,10 @@ Decoding, for ``B = len(prompts) * n`` rows:
    sees position differences, so shifted positions would barely change the output of these
    models; they would still break absolute-position models and exact comparisons.
 2. One prefill forward pass fills a preallocated ``StaticCache`` (prompt width +
-   ``max_new_tokens`` columns) with the prompts' keys and values; each following step feeds
+   ``max_new_tokens`` columns) with the prompts' keys and values. It runs each prompt once,
+   not once per sample: the ``n`` rows of a prompt get copies of its keys and values and of
+   its last column's logits (a sliding-window model, whose cache keeps only its window,
+   prefills every row). Each following step feeds
    only the tokens just chosen, writes them into the next cache column in place, unmasks that
    column of a preallocated attention mask and advances each row's position by one.
 3. A row stops when it emits an eos token (kept as its last token); after that it is fed pad
@@ -218,23 +221,77 @@ class TorchRolloutEngine(RolloutEngine):
             max_length=self._max_positions,
             max_length_name="the model's max_position_embeddings",
         )
-        rows = [prompt for prompt in prompt_token_ids for _ in range(params.n)]
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad() if self._shared else torch.inference_mode():
-                return self._decode(model, rows, params)
+                return self._decode(model, prompt_token_ids, params)
         finally:
             model.train(was_training)
 
-    def _decode(self, model: nn.Module, rows: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def _prefill(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticCache,
+        samples: int,
+    ) -> torch.Tensor:
+        """Fill ``cache`` with every row's prompt; the logits ``[rows, vocab]`` of each row's last column.
+
+        ``input_ids`` holds each prompt once; row ``i`` of the batch is sample ``i % samples`` of
+        prompt ``i // samples``. With ``samples > 1`` the prompts run once into a dynamic cache,
+        whose keys and values are then written ``samples`` times into ``cache``: the samples of a
+        prompt decode from the same prompt state, so the prefill costs one row per prompt
+        instead of one per sample.
+        """
+        prompt_width = int(input_ids.shape[1])
+        cache_position = torch.arange(prompt_width, device=input_ids.device)
+        if samples > 1:
+            outputs = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            layers = list(outputs.past_key_values.layers)
+            # A sliding-window layer keeps only its window: such a cache cannot be copied to
+            # columns 0..prompt_width, so those models prefill every row instead.
+            if all(layer.keys.shape[-2] == prompt_width for layer in layers):
+                for layer_index, layer in enumerate(layers):
+                    cache.update(
+                        layer.keys.repeat_interleave(samples, dim=0),
+                        layer.values.repeat_interleave(samples, dim=0),
+                        layer_index,
+                        {"cache_position": cache_position},
+                    )
+                return cast(torch.Tensor, outputs.logits[:, -1, :]).repeat_interleave(samples, dim=0)
+            input_ids, attention_mask, position_ids = (
+                tensor.repeat_interleave(samples, dim=0)
+                for tensor in (input_ids, attention_mask, position_ids)
+            )
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+            logits_to_keep=1,  # only the last column's logits are needed to start decoding
+        )
+        return cast(torch.Tensor, outputs.logits[:, -1, :])
+
+    def _decode(self, model: nn.Module, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         device = self._device
-        batch, prompt_width = len(rows), max(len(row) for row in rows)
-        input_ids = torch.full((batch, prompt_width), self._pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, prompt_width), dtype=torch.long)
-        for index, row in enumerate(rows):
-            input_ids[index, prompt_width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            attention_mask[index, prompt_width - len(row) :] = 1
+        samples = params.n
+        batch, prompt_width = len(prompts) * samples, max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), prompt_width), self._pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), prompt_width), dtype=torch.long)
+        for index, prompt in enumerate(prompts):
+            input_ids[index, prompt_width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[index, prompt_width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         # Padded columns get position 0; they are masked out, so the value does not matter.
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_min(0)
@@ -260,19 +317,11 @@ class TorchRolloutEngine(RolloutEngine):
         total_width = prompt_width + params.max_new_tokens
         cache = StaticCache(config=cast(Any, model).config, max_cache_len=total_width)
         full_mask = torch.zeros((batch, total_width), dtype=attention_mask.dtype, device=device)
-        full_mask[:, :prompt_width] = attention_mask
-        outputs = model(
-            input_ids=input_ids,
-            attention_mask=full_mask[:, :prompt_width],
-            position_ids=position_ids,
-            past_key_values=cache,
-            cache_position=torch.arange(prompt_width, device=device),
-            use_cache=True,
-            logits_to_keep=1,  # only the last column's logits are needed to start decoding
-        )
-        next_positions = position_ids[:, -1:] + 1
+        full_mask[:, :prompt_width] = attention_mask.repeat_interleave(samples, dim=0)
+        last_logits = self._prefill(model, input_ids, attention_mask, position_ids, cache, samples)
+        next_positions = position_ids[:, -1:].repeat_interleave(samples, dim=0) + 1
         for step in range(params.max_new_tokens):
-            logits = outputs.logits[:, -1, :].float()
+            logits = last_logits.float()
             chosen = choose_next_tokens(logits, params, generator)
             if params.return_logprobs:
                 logprobs[:, step] = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
@@ -293,6 +342,7 @@ class TorchRolloutEngine(RolloutEngine):
                 cache_position=torch.tensor([column], device=device),
                 use_cache=True,
             )
+            last_logits = outputs.logits[:, -1, :]
             next_positions = next_positions + 1
 
         token_rows = tokens.cpu().tolist()

@@ -41,10 +41,13 @@ from hybridflow.rlmath.logits import token_logprobs_and_entropy_from_logits
 
 __all__ = [
     "PackedSequences",
+    "SharedPrompts",
+    "find_shared_prompts",
     "first_used_column",
     "pack_sequences",
     "packed_token_logprobs_and_entropy",
     "packed_token_values",
+    "shared_prompt_logits",
     "token_logprobs_and_entropy",
     "token_values",
 ]
@@ -83,6 +86,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens under ``model`` and, optionally, the entropy ``[B, R]``.
 
@@ -96,26 +100,128 @@ def token_logprobs_and_entropy(
     Only the last ``R + 1`` columns' logits are computed (``logits_to_keep``): the LM head and
     the softmax never touch the prompt, whose logits would cost ``[B, T - R, vocab]``. Measured
     on CPU, the kept logits are bit-identical to the same columns of a full forward pass.
+
+    With ``share_prompts``, rows that share a prompt (the ``n`` samples of one prompt) run it
+    once (:func:`find_shared_prompts`, :func:`shared_prompt_logits`); the results equal the
+    unshared ones up to floating-point summation order. The model must keep a KV cache in this
+    mode, so callers leave it off while HF gradient checkpointing is active (it drops the cache
+    in train mode).
     """
     _check_layout(input_ids, response_len)
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be positive (use 1.0 for greedy rollouts)")
-    output = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=response_len + 1,
+    shared = (
+        find_shared_prompts(input_ids, attention_mask, response_len=response_len) if share_prompts else None
     )
-    # The kept columns are T-R-1 .. T-1; the last one predicts past the end of the sequence.
+    if shared is not None:
+        logits = shared_prompt_logits(
+            model, input_ids, attention_mask, position_ids, response_len=response_len, shared=shared
+        )
+    else:
+        output = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=response_len + 1,
+        )
+        # The kept columns are T-R-1 .. T-1; the last one predicts past the end of the sequence.
+        logits = output.logits[:, :-1, :]
     # Chunked over positions: no fp32 [B, R, vocab] copy (hybridflow.rlmath.logits).
     return token_logprobs_and_entropy_from_logits(
-        output.logits[:, :-1, :],
+        logits,
         input_ids[:, -response_len:],
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
+
+
+# --------------------------------------------------------------------------- shared prompts
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """Which rows of a micro-batch carry the same prompt (same tokens in the same columns).
+
+    ``first_rows [U]`` is one row per distinct prompt (the first that carries it), ``inverse
+    [B]`` the position in ``first_rows`` of each row's prompt: row ``b``'s prompt is row
+    ``first_rows[inverse[b]]``'s.
+    """
+
+    first_rows: torch.Tensor
+    inverse: torch.Tensor
+
+
+def find_shared_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, *, response_len: int
+) -> SharedPrompts | None:
+    """The distinct prompts of engine-layout rows, or ``None`` when no two rows share one.
+
+    Two rows share a prompt when their prompt columns hold the same tokens under the same mask
+    (padding compares equal whatever id fills it). GRPO, RLOO and the other group algorithms
+    sample ``n`` responses per prompt, so a micro-batch usually holds ``n`` copies of each.
+    """
+    _check_layout(input_ids, response_len)
+    prompt_width = int(input_ids.shape[1]) - response_len
+    prompts = input_ids[:, :prompt_width].masked_fill(attention_mask[:, :prompt_width] == 0, -1)
+    _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    distinct = int(inverse.max()) + 1
+    if distinct == int(input_ids.shape[0]):
+        return None
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first_rows = torch.full((distinct,), len(inverse), dtype=rows.dtype, device=rows.device)
+    first_rows = first_rows.scatter_reduce(0, inverse, rows, reduce="amin")
+    return SharedPrompts(first_rows=first_rows, inverse=inverse)
+
+
+def shared_prompt_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    response_len: int,
+    shared: SharedPrompts,
+) -> torch.Tensor:
+    """The logits ``[B, R, vocab]`` that score each row's response, running each distinct prompt once.
+
+    Two forward passes, as decoding does: the distinct prompts fill a KV cache (``U`` rows of
+    ``T - R`` columns) and give the logits of their last column, which score the first
+    response token; the cache is then indexed out to the ``B`` rows (``batch_select_indices``,
+    differentiable: a prompt's gradient sums over its rows), and the responses (``B`` rows of
+    ``R`` columns) attend to it. A prompt token never attends to a response token, so its keys
+    and values are the same in every row that carries it: each response token sees what it
+    sees in one full pass, and the prompt costs ``U`` rows instead of ``B``. Under FSDP2 the
+    model runs forward twice before backward, which FSDP2 supports (each pass unshards,
+    reshards and, in backward, reduce-scatters its own gradient contribution).
+    """
+    prompt_width = int(input_ids.shape[1]) - response_len
+    rows = shared.first_rows
+    prompt_out = model(
+        input_ids=input_ids[rows, :prompt_width],
+        attention_mask=attention_mask[rows, :prompt_width],
+        position_ids=position_ids[rows, :prompt_width],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = prompt_out.past_key_values
+    if cache is None:
+        raise RuntimeError(
+            f"{type(model).__name__} returned no KV cache for the prompt pass; prompt sharing needs one "
+            "(HF gradient checkpointing drops it in train mode)"
+        )
+    cache.batch_select_indices(shared.inverse)
+    response_out = model(
+        input_ids=input_ids[:, prompt_width:],
+        attention_mask=attention_mask,
+        position_ids=position_ids[:, prompt_width:],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=response_len,
+    )
+    # Column T-R-1 (the prompt's last) scores response token 0; response columns 0..R-2 the rest.
+    return torch.cat([prompt_out.logits[shared.inverse], response_out.logits[:, :-1, :]], dim=1)
 
 
 def token_values(

@@ -73,6 +73,7 @@ class FSDPTrainingBackend:
         self.packed = spec.training.pack_sequences
         self.mixed_precision = spec.training.precision == "bf16" and device.type == "cuda"
         self.micro_batch_size = spec.training.micro_batch_size_per_gpu
+        self.activation_checkpointing = False  # set by load() for a trained model
         self._model: nn.Module | None = None
         self.kind: ModelKind = "causal-lm"
         self._optimizer: torch.optim.Optimizer | None = None
@@ -89,11 +90,12 @@ class FSDPTrainingBackend:
             else load_value_model(model_path, attn_implementation=attention)
         )
         self.kind = kind
+        self.activation_checkpointing = trained and self.spec.training.activation_checkpointing
         self._model = shard_model(
             loaded,
             device=self.device,
             mixed_precision=self.mixed_precision,
-            activation_checkpointing=trained and self.spec.training.activation_checkpointing,
+            activation_checkpointing=self.activation_checkpointing,
             unit_min_parameters=self.spec.training.fsdp_unit_min_parameters,
         )
         if learning_rate is None:
@@ -140,6 +142,9 @@ class FSDPTrainingBackend:
         (:func:`~hybridflow.backends.fsdp.logprobs.first_used_column`): the rollout pads every
         prompt on the left to ``data.maxPromptTokens``, and columns that are padding in every row
         change no valid token's result (positions come from the mask) but cost a full pass.
+        Log-prob passes run each distinct prompt once (``share_prompts``: the ``n`` samples of a
+        prompt share its keys and values), except in a training pass under activation
+        checkpointing, which drops the KV cache that sharing needs.
         """
         device = self.device
         response_len = int(micro["responses"].shape[1])
@@ -174,6 +179,7 @@ class FSDPTrainingBackend:
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            share_prompts=not (self.model.training and self.activation_checkpointing),
         )
 
     def log_probs(
