@@ -129,7 +129,11 @@ def shared_prompt_batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def policy_loss(
-    model: nn.Module, part: dict[str, torch.Tensor], scale: float, *, share_prompts: bool = False
+    model: nn.Module,
+    part: dict[str, torch.Tensor],
+    scale: float,
+    *,
+    shared_prompt_min_tokens: int | None = None,
 ) -> torch.Tensor:
     """``scale`` * the sum over response tokens of (NLL - 0.01 entropy): log-probs and entropy both carry grads."""
     log_probs, entropy = token_logprobs_and_entropy(
@@ -139,7 +143,7 @@ def policy_loss(
         part["position_ids"],
         response_len=RESPONSE_WIDTH,
         temperature=0.8,
-        share_prompts=share_prompts,
+        shared_prompt_min_tokens=shared_prompt_min_tokens,
     )
     assert entropy is not None
     return scale * ((-log_probs - 0.01 * entropy) * part["response_mask"]).sum()
@@ -351,7 +355,7 @@ def run_checks(rank: int, port: int, model_dir: str, work_dir: str) -> None:
             name: tensor[rank * SHARED_PROMPT_ROWS : (rank + 1) * SHARED_PROMPT_ROWS]
             for name, tensor in prompt_batch.items()
         }
-        loss = policy_loss(sharded, mine, WORLD_SIZE * scale, share_prompts=True)
+        loss = policy_loss(sharded, mine, WORLD_SIZE * scale, shared_prompt_min_tokens=0)
         loss.backward()
         grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
         expected = {name: p.grad for name, p in reference.named_parameters()}

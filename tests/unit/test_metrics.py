@@ -245,3 +245,44 @@ def test_a_cpu_worker_reports_no_device_figures() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present; this checks the CPU contract")
     assert device_metrics("actor") == {}
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+def test_the_jsonl_record_is_written_at_once_and_tensorboard_gets_every_step(tmp_path: Path) -> None:
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hybridflow.metrics.writer import MetricsWriter
+
+    writer = MetricsWriter(tmp_path)
+    for step in range(1, 4):
+        writer.write(step, {"reward/mean": step / 10, "perf/step_seconds": 0.5, "kl/actor_ref": float("nan")})
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(lines[-1])["step"] == step  # the record is there before write returns
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward/mean")] == [
+        (1, 0.1),
+        (2, 0.2),
+        (3, 0.3),
+    ]
+    assert "kl/actor_ref" not in events.Tags()["scalars"]  # not finite: JSONL only
+
+
+def test_a_tensorboard_failure_is_raised_not_lost(tmp_path: Path) -> None:
+    from hybridflow.metrics.writer import MetricsWriter
+
+    writer = MetricsWriter(tmp_path)
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    writer._tensorboard.add_scalar = full_disk  # type: ignore[method-assign]
+    writer.write(1, {"reward/mean": 0.1})
+    with pytest.raises(RuntimeError, match=r"TensorBoard events under .*tensorboard failed: .*No space left"):
+        writer.close()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1

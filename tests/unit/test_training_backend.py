@@ -242,11 +242,16 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: 
         return -((log_probs + 0.01 * entropy) * mask).sum() / mask.sum(), {}
 
     results = []
-    for checkpointing in (False, True):  # checkpointing drops the cache: no sharing in training
+    # sharedPromptMinTokens 0: share whatever it saves (this batch saves a few tokens, far below
+    # the default); activation checkpointing drops the cache, so the update does not share; the
+    # default threshold shares nothing here.
+    for options in (
+        {"shared_prompt_min_tokens": 0},
+        {"shared_prompt_min_tokens": 0, "activation_checkpointing": True},
+        {},
+    ):
         spec = _spec(model_dir)
-        spec = spec.model_copy(
-            update={"training": spec.training.model_copy(update={"activation_checkpointing": checkpointing})}
-        )
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update=options)})
         backend = FSDPTrainingBackend(spec, torch.device("cpu"))
         backend.load(str(model_dir), kind="causal-lm", learning_rate=1e-3)
         shapes: list[tuple[int, int]] = []
@@ -258,7 +263,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: 
         backend.forward_backward([batch], loss_fn, fields=["response_mask"], temperature=0.8)
         grads = {name: p.grad.full_tensor().clone() for name, p in backend.model.named_parameters()}
         results.append((shapes, scored, grads))
-    with torch.no_grad():
+    with torch.no_grad():  # the last backend: no sharing
         unshared, _ = token_logprobs_and_entropy(
             backend.model,
             batch["input_ids"],
@@ -268,11 +273,14 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: 
             temperature=0.8,
             with_entropy=False,
         )
-    (shared_shapes, shared_scored, shared_grads), (whole_shapes, _, whole_grads) = results
+    (shared_shapes, shared_scored, shared_grads), (whole_shapes, _, whole_grads), (default_shapes, _, _) = (
+        results
+    )
     # log_probs runs micro-batches of 2 rows: rows 0-1 differ; rows 2-3 share A (left padding
     # trimmed: 2 prompt columns); row 4 is alone. The update runs all five: prompts A and B.
     assert shared_shapes == [(2, 7), (1, 2), (2, 3), (1, 7), (2, 4), (5, 3)]
-    assert whole_shapes[:5] == [*shared_shapes[:4], (5, 7)]  # scoring (eval mode) still shares
+    assert whole_shapes == [*shared_shapes[:4], (5, 7)]  # scoring (eval mode) still shares
+    assert default_shapes[:4] == [(2, 7), (2, 5), (1, 7), (5, 7)]  # then the unshared reference pass
     torch.testing.assert_close(shared_scored, unshared, atol=1e-5, rtol=0)
     assert shared_grads.keys() == whole_grads.keys()
     for name, grad in whole_grads.items():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,16 @@ __all__ = ["MetricsWriter", "progress_line"]
 
 
 class MetricsWriter:
+    """Appends each step's metrics to ``metrics.jsonl`` at once and to TensorBoard in the background.
+
+    The JSONL line is written before :meth:`write` returns: it is the record that resumes,
+    tests and tools read. TensorBoard's events (about 80 us of protobuf work per scalar, 3 ms
+    for a step's 40-odd metrics) are added by a thread, so the controller's step does not wait
+    for them; they are flushed after every step the thread writes. :meth:`close` waits for the
+    thread. If adding events fails (a full disk), the next :meth:`write` or :meth:`close` raises
+    that error.
+    """
+
     def __init__(self, output_dir: str | os.PathLike[str]) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -24,15 +36,40 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self._tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._pending: queue.SimpleQueue[tuple[int, dict[str, float]] | None] = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._add_events, name="tensorboard-events", daemon=True)
+        self._thread.start()
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._raise_failure()
         record: dict[str, Any] = {"step": step, **metrics}
         with open(self.jsonl_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
-        for name, value in metrics.items():
-            if isinstance(value, int | float) and math.isfinite(value):
-                self._tensorboard.add_scalar(name, value, step)
-        self._tensorboard.flush()
+        scalars = {
+            name: float(value)
+            for name, value in metrics.items()
+            if isinstance(value, int | float) and math.isfinite(value)
+        }
+        self._pending.put((step, scalars))
+
+    def _add_events(self) -> None:
+        while (item := self._pending.get()) is not None:
+            if self._failure is not None:
+                continue  # drain without writing: the error is reported once
+            step, scalars = item
+            try:
+                for name, value in scalars.items():
+                    self._tensorboard.add_scalar(name, value, step)
+                self._tensorboard.flush()
+            except Exception as error:  # reported to the controller by the next write or close
+                self._failure = error
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"writing TensorBoard events under {self.output_dir / 'tensorboard'} failed: {self._failure}"
+            ) from self._failure
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (a resumed run rewrites the steps after its checkpoint)."""
@@ -46,7 +83,12 @@ class MetricsWriter:
         self.jsonl_path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def close(self) -> None:
+        """Wait for the events of every written step, then close the event file."""
+        if self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join()
         self._tensorboard.close()
+        self._raise_failure()
 
 
 def progress_line(report: StepReport) -> str:

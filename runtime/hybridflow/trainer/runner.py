@@ -192,8 +192,9 @@ def run_training(
                     metrics["timing/weight_sync"] = metrics.get("timing/weight_sync", 0.0) + pipeline.push(
                         version=step
                     )
-                metrics.update(reshard_metrics(workers.rollout.transition_stats()))
+                transition = workers.rollout.transition_stats.submit()  # answered with the busy reports
                 metrics.update(pool_idle_fractions(deployment.busy_reports()))
+                metrics.update(reshard_metrics(transition.result()))
                 seconds = time.monotonic() - step_started
                 metrics["perf/step_seconds"] = seconds
                 # The step's time outside the phases step_fn timed (hybridflow.algorithms.timing).

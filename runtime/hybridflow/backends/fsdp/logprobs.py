@@ -86,7 +86,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,
-    share_prompts: bool = False,
+    shared_prompt_min_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens under ``model`` and, optionally, the entropy ``[B, R]``.
 
@@ -101,18 +101,22 @@ def token_logprobs_and_entropy(
     the softmax never touch the prompt, whose logits would cost ``[B, T - R, vocab]``. Measured
     on CPU, the kept logits are bit-identical to the same columns of a full forward pass.
 
-    With ``share_prompts``, rows that share a prompt (the ``n`` samples of one prompt) run it
-    once (:func:`find_shared_prompts`, :func:`shared_prompt_logits`); the results equal the
-    unshared ones up to floating-point summation order. The model must keep a KV cache in this
-    mode, so callers leave it off while HF gradient checkpointing is active (it drops the cache
-    in train mode).
+    With ``shared_prompt_min_tokens`` set, rows that share a prompt (the ``n`` samples of one
+    prompt) run it once (:func:`find_shared_prompts`, :func:`shared_prompt_logits`) when that
+    saves at least that many prompt tokens (``spec.training.sharedPromptMinTokens``); the
+    results equal the unshared ones up to floating-point summation order. The model must keep
+    a KV cache in this mode, so callers leave it unset while HF gradient checkpointing is active
+    (it drops the cache in train mode).
     """
     _check_layout(input_ids, response_len)
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be positive (use 1.0 for greedy rollouts)")
-    shared = (
-        find_shared_prompts(input_ids, attention_mask, response_len=response_len) if share_prompts else None
-    )
+    shared = None
+    if shared_prompt_min_tokens is not None:
+        shared = find_shared_prompts(input_ids, attention_mask, response_len=response_len)
+        prompt_width = int(input_ids.shape[1]) - response_len
+        if shared is not None and shared.saved_rows * prompt_width < shared_prompt_min_tokens:
+            shared = None
     if shared is not None:
         logits = shared_prompt_logits(
             model, input_ids, attention_mask, position_ids, response_len=response_len, shared=shared
@@ -151,6 +155,11 @@ class SharedPrompts:
 
     first_rows: torch.Tensor
     inverse: torch.Tensor
+
+    @property
+    def saved_rows(self) -> int:
+        """Prompt rows not run: one per row beyond the first of each distinct prompt."""
+        return len(self.inverse) - len(self.first_rows)
 
 
 def find_shared_prompts(

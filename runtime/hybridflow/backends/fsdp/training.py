@@ -142,9 +142,10 @@ class FSDPTrainingBackend:
         (:func:`~hybridflow.backends.fsdp.logprobs.first_used_column`): the rollout pads every
         prompt on the left to ``data.maxPromptTokens``, and columns that are padding in every row
         change no valid token's result (positions come from the mask) but cost a full pass.
-        Log-prob passes run each distinct prompt once (``share_prompts``: the ``n`` samples of a
-        prompt share its keys and values), except in a training pass under activation
-        checkpointing, which drops the KV cache that sharing needs.
+        Log-prob passes run each distinct prompt once when that saves at least
+        ``training.sharedPromptMinTokens`` prompt tokens (the ``n`` samples of a prompt share its
+        keys and values), except in a training pass under activation checkpointing, which drops
+        the KV cache that sharing needs.
         """
         device = self.device
         response_len = int(micro["responses"].shape[1])
@@ -179,7 +180,11 @@ class FSDPTrainingBackend:
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
-            share_prompts=not (self.model.training and self.activation_checkpointing),
+            shared_prompt_min_tokens=(
+                None
+                if self.model.training and self.activation_checkpointing
+                else self.spec.training.shared_prompt_min_tokens
+            ),
         )
 
     def log_probs(
