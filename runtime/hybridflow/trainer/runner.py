@@ -192,7 +192,8 @@ def run_training(
                     metrics["timing/weight_sync"] = metrics.get("timing/weight_sync", 0.0) + pipeline.push(
                         version=step
                     )
-                transition = workers.rollout.transition_stats.submit()  # answered with the busy reports
+                # Asked together with the busy reports: one round trip on the step's path, not two.
+                transition = deployment.groups["rollout"].submit("transition_stats")
                 metrics.update(pool_idle_fractions(deployment.busy_reports()))
                 metrics.update(reshard_metrics(transition.result()))
                 seconds = time.monotonic() - step_started
