@@ -74,10 +74,9 @@ bench-smoke: setup
 	$(BENCH_QUICK) bench/operator_scale.py
 	$(BENCH_QUICK) bench/e2e.py
 
-# Regenerate the CRD from the typed spec and the chart's copy of it (a test diffs both).
+# Regenerate the CRD from the typed spec, and the chart's template of it (a test diffs both).
 crds: setup
 	$(PY) -m hybridflow_operator.crd
-	cp crds/*.yaml helm/hybridflow/crds/
 
 # Regenerate the chart's Grafana dashboards (a test checks they are current).
 dashboards:

@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hybridflow.spec import GROUP, PLURAL, VERSION
 from hybridflow_operator.events import Event
+from hybridflow_operator.kueue import JOB_UID_LABEL, WORKLOAD_GROUP, WORKLOAD_PLURAL, WORKLOAD_VERSION
 
 __all__ = ["ApiCluster", "ApiError", "Cluster"]
 
@@ -54,8 +55,13 @@ class Cluster(Protocol):
     def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None: ...
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
     def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
+    def find_workload(self, namespace: str, job_uid: str) -> dict[str, Any] | None: ...
+    def get_crd(self, name: str) -> dict[str, Any] | None: ...
     def emit_event(self, job: Mapping[str, Any], event: Event) -> None: ...
-    def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]: ...
+    def list_children(
+        self, namespaces: Sequence[str], label_selector: str, kinds: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]: ...
+    def list_jobs(self, namespaces: Sequence[str]) -> list[dict[str, Any]]: ...
 
 
 def _call(verb: str, kind: str, name: str, call: Callable[[], Any], *, missing_ok: bool = False) -> Any:
@@ -80,6 +86,7 @@ class ApiCluster:
         self.custom = client.CustomObjectsApi(self.api_client)
         self.networking = client.NetworkingV1Api(self.api_client)
         self.coordination = client.CoordinationV1Api(self.api_client)
+        self.extensions = client.ApiextensionsV1Api(self.api_client)
 
     @classmethod
     def from_environment(cls) -> ApiCluster:
@@ -144,8 +151,42 @@ class ApiCluster:
             "RayJob": lambda: self.custom.patch_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name, body
             ),
+            "Workload": lambda: self.custom.patch_namespaced_custom_object(
+                WORKLOAD_GROUP, WORKLOAD_VERSION, namespace, WORKLOAD_PLURAL, name, body
+            ),
         }
         _call("patch", kind, name, patchers[kind])
+
+    def find_workload(self, namespace: str, job_uid: str) -> dict[str, Any] | None:
+        """The Kueue Workload of the job with ``job_uid`` (one list by Kueue's job-uid label), or None."""
+        listed = self._serialize(
+            _call(
+                "list",
+                "Workload",
+                f"{JOB_UID_LABEL}={job_uid}",
+                lambda: self.custom.list_namespaced_custom_object(
+                    WORKLOAD_GROUP,
+                    WORKLOAD_VERSION,
+                    namespace,
+                    WORKLOAD_PLURAL,
+                    label_selector=f"{JOB_UID_LABEL}={job_uid}",
+                ),
+            )
+        )
+        items = (listed or {}).get("items") or []
+        return dict(items[0]) if items else None
+
+    def get_crd(self, name: str) -> dict[str, Any] | None:
+        """A CustomResourceDefinition by name (``rayjobs.ray.io``), or None when it is not installed."""
+        return self._serialize(
+            _call(
+                "get",
+                "CustomResourceDefinition",
+                name,
+                lambda: self.extensions.read_custom_resource_definition(name),
+                missing_ok=True,
+            )
+        )
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         deleters: dict[str, Callable[[], Any]] = {
@@ -244,15 +285,18 @@ class ApiCluster:
 
     # --- the startup listing of the children (main.py fills its caches with it) ----------------
 
-    def list_children(self, namespaces: Sequence[str], label_selector: str) -> list[dict[str, Any]]:
-        """Every object of the six child kinds matching ``label_selector`` (all namespaces when empty).
+    def list_children(
+        self, namespaces: Sequence[str], label_selector: str, kinds: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every object of the six child kinds (or ``kinds``) matching ``label_selector`` (all
+        namespaces when ``namespaces`` is empty).
 
         One list per kind and namespace, at startup: the caches then hold every child before the
         first reconcile, so a restarted operator never mistakes a child it has not yet been told
-        about for a missing one.
+        about for a missing one. After a relist, one kind (``hybridflow_operator.relist``).
         """
         found: list[dict[str, Any]] = []
-        kinds = (
+        every_kind = (
             ("v1", "ConfigMap"),
             ("v1", "ServiceAccount"),
             ("rbac.authorization.k8s.io/v1", "Role"),
@@ -260,8 +304,9 @@ class ApiCluster:
             ("networking.k8s.io/v1", "NetworkPolicy"),
             ("ray.io/v1", "RayJob"),
         )
+        wanted = [(v, k) for v, k in every_kind if kinds is None or k in kinds]
         for namespace in namespaces or [""]:
-            for api_version, kind in kinds:
+            for api_version, kind in wanted:
                 listed = self._serialize(
                     _call(
                         "list",
@@ -273,6 +318,20 @@ class ApiCluster:
                 )
                 for item in (listed or {}).get("items") or []:
                     found.append({"apiVersion": api_version, "kind": kind, **item})
+        return found
+
+    def list_jobs(self, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+        """Every RLHFJob of ``namespaces`` (all when empty): one list per namespace."""
+        found: list[dict[str, Any]] = []
+        for namespace in namespaces or [""]:
+
+            def listing(namespace: str = namespace) -> Any:
+                if namespace:
+                    return self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+                return self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
+
+            listed = self._serialize(_call("list", "RLHFJob", namespace or "*", listing))
+            found.extend((listed or {}).get("items") or [])
         return found
 
     def _list(self, kind: str, namespace: str, label_selector: str) -> Any:

@@ -34,7 +34,15 @@ EVENT_REASONS: Mapping[str, tuple[EventType, str]] = {
     ),
     "KubeRayMissing": (
         "Warning",
-        "The API server has no RayJob resource: install KubeRay (v1.7) and its CRDs.",
+        "The API server has no RayJob resource: install KubeRay (1.5.1 to 1.7) and its CRDs.",
+    ),
+    "KubeRayUnsupported": (
+        "Warning",
+        "The installed KubeRay is older than 1.5.1 (its RayJob CRD has no authOptions): upgrade it.",
+    ),
+    "KueueWorkloadMissing": (
+        "Warning",
+        "A queued job must be held or released through its Kueue Workload, which does not exist (yet).",
     ),
     "Forbidden": ("Warning", "The operator's ServiceAccount may not make a write it needs (RBAC)."),
     "Invalid": ("Warning", "The API server rejected a child (422); the message names the field."),
@@ -68,4 +76,6 @@ def api_failure_reason(error: FailedRequest) -> str:
     """The catalogue reason for a failed API request."""
     if error.status == 404 and error.kind == "RayJob":
         return "KubeRayMissing"
+    if error.status == 404 and error.kind == "Workload":
+        return "KueueWorkloadMissing"
     return {403: "Forbidden", 422: "Invalid"}.get(error.status, "ApiError")

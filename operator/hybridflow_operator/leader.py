@@ -8,10 +8,19 @@ client-go's leaderelection, reduced to what the operator needs:
   so a concurrent writer makes the replace fail with 409 and nobody holds it twice;
 * another replica takes it over only after ``renewTime + leaseDurationSeconds`` has passed
   (the holder died or is partitioned), again with a resourceVersion-preconditioned replace;
-* a holder that fails to renew before its own lease expires stops reconciling at once.
+* a holder stops reconciling ``renew_deadline_seconds`` after the start of its last successful
+  renewal, before its lease runs out (client-go's ``RenewDeadline`` < ``LeaseDuration``: 10 s
+  against 15 s, as here), so an old leader whose renewals fail has stopped writing while its lease
+  still keeps everyone else out: clocks that differ by less than the margin cannot make two
+  leaders;
+* on shutdown (SIGTERM: a rollout, a drained node) the holder releases the Lease (client-go's
+  ``ReleaseOnCancel``: no holder, a one-second duration), so a standby takes over within a retry
+  period instead of waiting out the lease.
 
 A new leader runs ``on_elected`` (reconcile every cached job once), since the previous holder's
-scheduled rechecks are gone with it.
+scheduled rechecks are gone with it; a leader that stops leading runs ``on_deposed`` (the
+operator drops its per-job gauges: only the leader exports job state, so two replicas never
+report the same jobs twice, and a standby never reports stale ones).
 """
 
 from __future__ import annotations
@@ -53,14 +62,24 @@ class LeaderElection:
         namespace: str,
         identity: str,
         lease_seconds: int = 15,
+        renew_deadline_seconds: float = 10.0,
         retry_seconds: float = 2.0,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        if not 0 < retry_seconds < renew_deadline_seconds < lease_seconds:
+            raise ValueError(
+                "leader election needs retry < renew deadline < lease duration, got "
+                f"{retry_seconds} s, {renew_deadline_seconds} s, {lease_seconds} s"
+            )
         self.api, self.namespace, self.identity = api, namespace, identity
         self.lease_seconds, self.retry_seconds, self.clock = lease_seconds, retry_seconds, clock
+        self.renew_deadline_seconds = renew_deadline_seconds
         self._leader_until: datetime | None = None
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._on_elected: Callable[[], None] = lambda: None
+        self._on_deposed: Callable[[], None] = lambda: None
+        self._was_leader = False
 
     @classmethod
     def from_config(cls, config: Any, api: Any) -> LeaderElection:
@@ -70,20 +89,70 @@ class LeaderElection:
     def is_leader(self) -> bool:
         return self._leader_until is not None and self.clock() < self._leader_until
 
-    def start(self, on_elected: Callable[[], None]) -> None:
-        self._on_elected = on_elected
-        threading.Thread(target=self._loop, name="hybridflow-leader", daemon=True).start()
+    def start(self, on_elected: Callable[[], None], on_deposed: Callable[[], None] = lambda: None) -> None:
+        self._on_elected, self._on_deposed = on_elected, on_deposed
+        self._thread = threading.Thread(target=self._loop, name="hybridflow-leader", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
+        """Stop campaigning and, if this replica holds the Lease, release it (the operator is stopping)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.retry_seconds + 5)
+        try:
+            self.release()
+        except Exception:
+            log.exception("leader election: could not release the Lease")
+
+    def release(self) -> bool:
+        """Give the Lease up now if this replica holds it; True when it did."""
+        held = self.is_leader
+        self._leader_until = None
+        self._check_deposed()
+        if not held:
+            return False
+        lease = self.api.get_lease(self.namespace, LEASE_NAME)
+        spec = (lease or {}).get("spec") or {}
+        if lease is None or spec.get("holderIdentity") != self.identity:
+            return False
+        now = _micro_time(self.clock())
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": LEASE_NAME,
+                "namespace": self.namespace,
+                "resourceVersion": (lease.get("metadata") or {}).get("resourceVersion"),
+            },
+            "spec": {
+                "holderIdentity": None,
+                "leaseDurationSeconds": 1,
+                "renewTime": now,
+                "acquireTime": now,
+                "leaseTransitions": int(spec.get("leaseTransitions") or 0),
+            },
+        }
+        released = self.api.replace_lease(self.namespace, LEASE_NAME, body)
+        if released:
+            log.info("leader election: %s released the Lease", self.identity)
+        return released
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self.try_acquire_or_renew()
-            except Exception:  # the API is down: keep what we have until the lease runs out
+            except Exception:  # the API is down: keep what we have until the renew deadline
                 log.exception("leader election: could not reach the Lease")
+            self._check_deposed()
             self._stop.wait(self.retry_seconds)
+
+    def _check_deposed(self) -> None:
+        """Run ``on_deposed`` once when this replica stopped leading (lost, expired or released)."""
+        leading = self.is_leader
+        if self._was_leader and not leading:
+            log.info("leader election: %s no longer holds the Lease", self.identity)
+            self._on_deposed()
+        self._was_leader = leading
 
     def try_acquire_or_renew(self) -> bool:
         """One round of the protocol; True when this replica holds the Lease afterwards."""
@@ -108,7 +177,7 @@ class LeaderElection:
             holder = held.get("holderIdentity")
             renewed = _parse_time(held.get("renewTime")) or _parse_time(held.get("acquireTime"))
             duration = int(held.get("leaseDurationSeconds") or self.lease_seconds)
-            expired = renewed is None or now >= renewed + timedelta(seconds=duration)
+            expired = not holder or renewed is None or now >= renewed + timedelta(seconds=duration)
             if holder != self.identity and not expired:
                 self._leader_until = None
                 return False
@@ -126,8 +195,9 @@ class LeaderElection:
             }
             won = self.api.replace_lease(self.namespace, LEASE_NAME, body)
         if won:
-            # Count the lease from before the request, so a slow request never stretches it.
-            self._leader_until = now + timedelta(seconds=self.lease_seconds)
+            # Count from before the request, so a slow request never stretches it, and only up to the
+            # renew deadline, so that this replica stops before anyone else may start.
+            self._leader_until = now + timedelta(seconds=self.renew_deadline_seconds)
             if not was_leader:
                 log.info("leader election: %s now holds the Lease", self.identity)
                 self._on_elected()

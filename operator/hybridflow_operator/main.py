@@ -57,9 +57,18 @@ from hybridflow_operator.builders import RayJobDefaults
 from hybridflow_operator.builders.metadata import JOB_LABEL, MANAGED_BY, MANAGED_BY_LABEL
 from hybridflow_operator.cluster import ApiCluster, ApiError, Cluster
 from hybridflow_operator.health import HealthServer
+from hybridflow_operator.kuberay import (
+    ASSUMED_CURRENT,
+    RAYJOB_CRD_NAME,
+    SUPPORTED_KUBERAY,
+    KubeRayFeatures,
+    features_from_crd,
+)
 from hybridflow_operator.leader import LeaderElection
 from hybridflow_operator.metrics import OperatorMetrics
+from hybridflow_operator.names import job_label_value
 from hybridflow_operator.reconcile import ReconcileResult, reconcile
+from hybridflow_operator.relist import Relister
 from hybridflow_operator.status import OPERATOR_OWNED_KEYS, RetryPolicy, RLHFJobStatus
 
 __all__ = ["JobCache", "OperatorConfig", "Scheduler", "register"]
@@ -128,17 +137,45 @@ JobKey = tuple[str, str]
 class JobCache:
     """What the watches delivered: RLHFJobs by (namespace, name), children by (namespace, job label).
 
-    Mutated only from kopf's handlers; read under the job's lock by the reconcile. Plain dicts
-    with whole-value replacement, so a reader never sees a half-updated entry.
+    Children carry the job's label, ``hybridflow.io/job``, whose value is the job's name only up to
+    63 characters (longer names are cut and hashed, ``names.job_label_value``), so children are
+    kept by (namespace, label value) and :meth:`children_of` finds a job's by its name; a child
+    event is mapped back to its job through the jobs cached under that label.
+
+    Mutated only from kopf's handlers (and :class:`Relister`); read under the job's lock by the
+    reconcile. Plain dicts with whole-value replacement, so a reader never sees a half-updated
+    entry. Every entry remembers when it was last put (a counter), so that a relist can tell
+    what it saw from what changed after it.
     """
 
     def __init__(self) -> None:
         self.jobs: dict[JobKey, dict[str, Any]] = {}
         self.children: defaultdict[JobKey, dict[tuple[str, str], dict[str, Any]]] = defaultdict(dict)
+        """By (namespace, job label value), then (kind, name)."""
         self.written: dict[JobKey, RLHFJobStatus] = {}
         """The status each job's last pass left stored, until the watch delivers it."""
         self.created: dict[JobKey, set[str]] = {}
         """RayJobs each job's passes created, until the watch delivers them (:meth:`own_create_echo`)."""
+        self._job_by_label: dict[JobKey, JobKey] = {}
+        self._put_at: dict[tuple[str, str, str, str], int] = {}
+        """(kind, namespace, label-or-job, name) -> :attr:`clock` when last put."""
+        self.clock = 0
+
+    def put_job(self, key: JobKey, body: Mapping[str, Any]) -> None:
+        self.jobs[key] = dict(body)
+        self._job_by_label[(key[0], job_label_value(key[1]))] = key
+        self.clock += 1
+        self._put_at[("RLHFJob", key[0], key[1], key[1])] = self.clock
+
+    def drop_job(self, key: JobKey) -> None:
+        self.jobs.pop(key, None)
+        label = (key[0], job_label_value(key[1]))
+        if self._job_by_label.get(label) == key:
+            del self._job_by_label[label]
+        self._put_at.pop(("RLHFJob", key[0], key[1], key[1]), None)
+
+    def children_of(self, key: JobKey) -> dict[tuple[str, str], dict[str, Any]]:
+        return self.children.get((key[0], job_label_value(key[1])), {})
 
     def own_create_echo(
         self, key: JobKey, name: str, event_type: str | None, body: Mapping[str, Any]
@@ -159,17 +196,42 @@ class JobCache:
         return event_type == "ADDED" and not body.get("status")
 
     def put_child(self, body: Mapping[str, Any], deleted: bool) -> JobKey | None:
+        """Cache (or forget) a child; the key of its job (as cached, else its label's), or None
+        for an object without the job label."""
         meta = body.get("metadata") or {}
         job = (meta.get("labels") or {}).get(JOB_LABEL)
         if not job:
             return None
-        key = (str(meta.get("namespace")), str(job))
+        label = (str(meta.get("namespace")), str(job))
         child = (str(body.get("kind")), str(meta.get("name")))
+        stamp = (child[0], label[0], label[1], child[1])
         if deleted:
-            self.children[key].pop(child, None)
+            self.children[label].pop(child, None)
+            self._put_at.pop(stamp, None)
         else:
-            self.children[key][child] = _cached_form(body)
-        return key
+            self.children[label][child] = _cached_form(body)
+            self.clock += 1
+            self._put_at[stamp] = self.clock
+        return self._job_by_label.get(label, label)
+
+    def stale_jobs(self, listed: set[JobKey], since: int) -> list[JobKey]:
+        """Cached jobs a list begun at :attr:`clock` ``since`` did not return and no event put since."""
+        return [
+            key
+            for key in self.jobs
+            if key not in listed and self._put_at.get(("RLHFJob", key[0], key[1], key[1]), 0) <= since
+        ]
+
+    def stale_children(self, kind: str, listed: set[tuple[str, str]], since: int) -> list[dict[str, Any]]:
+        """Cached children of ``kind`` a list (of (namespace, name)) begun at ``since`` did not return."""
+        stale = []
+        for (namespace, label), children in self.children.items():
+            for (child_kind, name), body in children.items():
+                if child_kind != kind or (namespace, name) in listed:
+                    continue
+                if self._put_at.get((kind, namespace, label, name), 0) <= since:
+                    stale.append(body)
+        return stale
 
     def relevant_job_change(self, key: JobKey, body: Mapping[str, Any]) -> bool:
         """Does ``body`` (a new version of the job) change anything the operator acts on?"""
@@ -217,6 +279,26 @@ def _owned_status(status: object) -> dict[str, Any]:
     if not isinstance(status, Mapping):
         return {}
     return {key: status.get(key) for key in OPERATOR_OWNED_KEYS if status.get(key) not in (None, [], {})}
+
+
+class KubeRayState:
+    """What the installed KubeRay serves, as last read; ``for_builders`` what a pass builds for."""
+
+    def __init__(self) -> None:
+        self.features: KubeRayFeatures | None = None
+        self._lock = threading.Lock()
+
+    def update(self, features: KubeRayFeatures) -> bool:
+        with self._lock:
+            changed = features != self.features
+            self.features = features
+            return changed
+
+    def for_builders(self) -> KubeRayFeatures:
+        """The features read, or (nothing read, or no CRD yet) the newest supported KubeRay's: a
+        RayJob create then answers 404 (``KubeRayMissing``) until KubeRay is installed."""
+        features = self.features
+        return features if features is not None and features.installed else ASSUMED_CURRENT
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -319,6 +401,46 @@ def register(
     leader = LeaderElection.from_config(config, api) if config.leader_election else None
     ready = threading.Event()
 
+    def child_gone(child: dict[str, Any]) -> None:
+        key = cache.put_child(child, deleted=True)
+        if key is not None and key in cache.jobs:
+            run(key, "relist")
+
+    kuberay = KubeRayState()
+
+    def read_kuberay(crd: Mapping[str, Any] | None = None, *, read: bool = True) -> None:
+        """Learn what the installed KubeRay serves (``hybridflow_operator.kuberay``); when it changed
+        after startup, every job gets a pass (jobs waiting for KubeRay go on, or are refused)."""
+        if read:
+            try:
+                crd = api.get_crd(RAYJOB_CRD_NAME)
+            except ApiError as err:
+                log.warning(
+                    "reading CustomResourceDefinition %s failed (%s): assuming KubeRay %s",
+                    RAYJOB_CRD_NAME,
+                    err,
+                    SUPPORTED_KUBERAY[-1],
+                )
+                return
+        features = features_from_crd(crd)
+        if kuberay.update(features):
+            log.info(
+                "KubeRay: the RayJob CRD %s (%s)",
+                "is served" if features.installed else "is missing",
+                features.version_range,
+            )
+            if ready.is_set():
+                reconcile_everything()
+
+    relister = Relister(
+        api,
+        cache,
+        namespaces=config.namespaces,
+        label_selector=MANAGED_SELECTOR,
+        on_job_gone=lambda key: forget_job(key),
+        on_child_gone=child_gone,
+    )
+
     def run(key: JobKey, trigger: str, skip: Callable[[], bool] | None = None) -> ReconcileResult | None:
         """One pass for ``key`` under its lock; none when ``skip`` (asked under the lock) says so."""
         if leader is not None and not leader.is_leader:
@@ -339,12 +461,13 @@ def register(
                     return None
                 result = reconcile(
                     body,
-                    cache.children.get(key, {}).values(),
+                    cache.children_of(key).values(),
                     api,
                     config.defaults,
                     now=datetime.now(UTC),
                     last_written=cache.written.get(key),
                     retry_policy=config.retry_policy,
+                    kuberay=kuberay.for_builders(),
                 )
                 rayjobs = {name for kind, name in result.created if kind == "RayJob"}
                 if rayjobs:
@@ -399,22 +522,24 @@ def register(
         # the watches start): a pass must never take a child it has not heard of yet for a missing one.
         for child in api.list_children(config.namespaces, MANAGED_SELECTOR):
             cache.put_child(child, deleted=False)
+        read_kuberay()
         if serve_metrics:
             metrics.serve(config.metrics_port)
             HealthServer(config.health_port, alive=scheduler.alive, ready=lambda: ready.is_set()).start()
         scheduler.start()
         if leader is not None:
-            leader.start(on_elected=reconcile_everything)
+            leader.start(on_elected=reconcile_everything, on_deposed=metrics.forget_jobs)
         ready.set()
 
     @kopf.on.cleanup(registry=registry)
     def cleanup(**_: Any) -> None:
         scheduler.stop()
+        relister.stop()
         if leader is not None:
             leader.stop()
 
     def forget_job(key: JobKey) -> None:
-        cache.jobs.pop(key, None)
+        cache.drop_job(key)
         cache.written.pop(key, None)
         cache.created.pop(key, None)
         scheduler.forget(key)
@@ -440,13 +565,17 @@ def register(
         if type == "DELETED":
             forget_job(key)
             return
+        if type is None:  # listed, not watched: a (re)list, which reports no deletions
+            relister.noted("RLHFJob")
         relevant = cache.relevant_job_change(key, body)
-        cache.jobs[key] = dict(body)
+        cache.put_job(key, body)
         if relevant:
             run(key, "rlhfjob")
 
     def child_handler(kind: str) -> Callable[..., None]:
         def child_changed(*, body: kopf.Body, type: str | None, **_: Any) -> None:
+            if type is None:  # listed, not watched: a (re)list, which reports no deletions
+                relister.noted(kind)
             key = cache.put_child(body, deleted=type == "DELETED")
             if key is None or key not in cache.jobs:
                 return
@@ -461,6 +590,17 @@ def register(
 
         child_changed.__name__ = f"{kind.lower()}_changed"
         return child_changed
+
+    @kopf.on.event(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        registry=registry,
+        when=lambda name, **_: name == RAYJOB_CRD_NAME,
+    )
+    def rayjob_crd_changed(*, body: kopf.Body, type: str | None, **_: Any) -> None:
+        # KubeRay installed (or upgraded, or removed) while the operator runs.
+        read_kuberay(None if type == "DELETED" else dict(body), read=False)
 
     for group, version, plural, kind in CHILD_KINDS:
         on_child = (

@@ -133,5 +133,14 @@ class OperatorMetrics:
         with contextlib.suppress(KeyError):
             self.attempts.remove(namespace, name)
 
+    def forget_jobs(self) -> None:
+        """Drop every per-job figure (the phase counts, the attempts): a replica that stops leading
+        no longer knows them, and only the leader exports job state."""
+        with self._lock:
+            for phase in set(self._phases.values()):
+                self.jobs.labels(phase=phase).set(0)
+            self._phases.clear()
+            self.attempts.clear()
+
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

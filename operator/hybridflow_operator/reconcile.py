@@ -60,12 +60,15 @@ from hybridflow.spec import SpecError, parse_job_manifest
 from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
 from hybridflow_operator.cluster import ApiError, Cluster
 from hybridflow_operator.events import Event, api_failure_reason
+from hybridflow_operator.kuberay import ASSUMED_CURRENT, KubeRayFeatures
+from hybridflow_operator.kueue import workload_change
 from hybridflow_operator.status import (
     ACTIVE_TIME_ANNOTATION,
     DEFAULT_RETRY_POLICY,
     STOPPED_ANNOTATION,
     TERMINAL_PHASES,
     USER_SUSPEND_ANNOTATION,
+    WORKLOAD_ACTIVE_ANNOTATION,
     ObservedRayJob,
     RetryPolicy,
     RLHFJobStatus,
@@ -121,29 +124,42 @@ def _failure_problem(err: ApiError, doing: str) -> tuple[str, str]:
 
 
 def rayjob_patch(
-    spec_suspend: bool, latest: ObservedRayJob, decision: StatusDecision, now: datetime
+    spec_suspend: bool,
+    latest: ObservedRayJob,
+    decision: StatusDecision,
+    now: datetime,
+    *,
+    workload_active: bool | None = None,
 ) -> dict[str, Any] | None:
     """The merge patch of the current, unfinished RayJob this pass needs, or None.
 
-    A deadline stop suspends it for good (:data:`STOPPED_ANNOTATION`, with the running-time
-    record, whose ``periodEnd`` says when the job ended). Otherwise the user's
-    ``spec.suspend`` is written when it differs from the record of what the operator last wrote
-    (:data:`USER_SUSPEND_ANNOTATION`), except that a resume of a RayJob Kueue queues (its queue
-    label) changes only the record: unsuspending it is Kueue's admission. A patch that suspends
-    a RayJob whose running period is not recorded yet records it in the same write, and a
-    record the decision asks for (Kueue suspended it) is written on its own.
+    A stop (deadline; on KubeRay 1.5 a startup timeout) suspends it for good
+    (:data:`STOPPED_ANNOTATION` names why, with the running-time record, whose ``periodEnd`` says
+    when the job ended). Otherwise the user's ``spec.suspend`` is written when it differs from the
+    record of what the operator last wrote (:data:`USER_SUSPEND_ANNOTATION`). A RayJob Kueue queues
+    (its queue label) gets the records only, never ``suspend``: Kueue owns that field and undoes
+    any other writer's value; the operator holds it through its Workload instead
+    (``hybridflow_operator.kueue``), and ``workload_active`` is what this pass wrote there, to be
+    recorded. A patch that suspends a RayJob whose running period is not recorded yet records it
+    in the same write, and a record the decision asks for (Kueue suspended it) is written on its own.
     """
-    if latest.stopped_reason:
+    if latest.stopped_reason and workload_active is None:
         return None
+    queued = latest.queue_name is not None
     annotations: dict[str, str] = {}
     spec: dict[str, Any] = {}
-    if decision.stop_rayjob == latest.name:
-        annotations[STOPPED_ANNOTATION] = "DeadlineExceeded"
-        spec["suspend"] = True
+    if latest.stopped_reason:
+        pass  # only the Workload record below
+    elif decision.stop_rayjob == latest.name:
+        annotations[STOPPED_ANNOTATION] = decision.stop_reason
+        if not queued:
+            spec["suspend"] = True
     elif latest.user_suspend != spec_suspend:
         annotations[USER_SUSPEND_ANNOTATION] = str(spec_suspend).lower()
-        if spec_suspend or latest.queue_name is None:
+        if not queued:
             spec["suspend"] = spec_suspend
+    if workload_active is not None:
+        annotations[WORKLOAD_ACTIVE_ANNOTATION] = str(workload_active).lower()
     stopping = STOPPED_ANNOTATION in annotations  # its record's periodEnd is the job's completionTime
     if stopping or (spec.get("suspend") is True and latest.period_open):
         annotations[ACTIVE_TIME_ANNOTATION] = close_running_period(latest, now).to_annotation()
@@ -157,6 +173,22 @@ def rayjob_patch(
     return patch
 
 
+def _hold_through_workload(
+    cluster: Cluster, namespace: str, latest: ObservedRayJob, active: bool
+) -> tuple[str, str] | None:
+    """Write ``active`` onto ``latest``'s Kueue Workload; the problem, if it could not."""
+    workload = cluster.find_workload(namespace, latest.uid)
+    if workload is None:
+        return (
+            "KueueWorkloadMissing",
+            f"RayJob {latest.name} is queued (label kueue.x-k8s.io/queue-name) but Kueue has no Workload for "
+            f"it yet; the job is {'released' if active else 'held'} through its Workload once there is one",
+        )
+    name = str((workload.get("metadata") or {}).get("name"))
+    cluster.patch("Workload", namespace, name, {"spec": {"active": active}})
+    return None
+
+
 def reconcile(
     body: Mapping[str, Any],
     children: Iterable[Mapping[str, Any]],
@@ -166,8 +198,11 @@ def reconcile(
     now: datetime,
     last_written: RLHFJobStatus | None = None,
     retry_policy: RetryPolicy = DEFAULT_RETRY_POLICY,
+    kuberay: KubeRayFeatures = ASSUMED_CURRENT,
 ) -> ReconcileResult:
     """Converge one RLHFJob; see the module docstring.
+
+    ``kuberay`` is what the installed KubeRay's RayJob CRD serves (``hybridflow_operator.kuberay``).
 
     ``children`` are the objects of the job's namespace that carry its job label, as cached
     (any kind); ``last_written`` is the status the previous pass of this process left stored,
@@ -238,7 +273,7 @@ def reconcile(
         (owned if owned_by(child, owner.uid) else foreign)[key] = child
     attempts = [ObservedRayJob.from_body(c) for (kind, _), c in owned.items() if kind == "RayJob"]
     decision = desired_status(
-        job, current, attempts, now=now, generation=generation, retry_policy=retry_policy
+        job, current, attempts, now=now, generation=generation, retry_policy=retry_policy, kuberay=kuberay
     )
     status = decision.status
     events = list(decision.events)
@@ -264,12 +299,16 @@ def reconcile(
         attempt=attempt,
         defaults=defaults,
         active_deadline_seconds=remaining_deadline_seconds(spec, attempts, now),
+        kuberay=kuberay,
     )
     to_make = desired if problem is None else []  # the job could not be deleted: make nothing new
     for child in to_make:
         kind, name = child["kind"], child["metadata"]["name"]
         if kind == "RayJob" and decision.start_attempt is None:
             continue
+        if kind == "RayJob" and kuberay.installed and not kuberay.supported:
+            problem = ("KubeRayUnsupported", kuberay.unsupported_message())
+            break
         if (kind, name) in foreign:
             problem = (
                 "NameConflict",
@@ -311,14 +350,22 @@ def reconcile(
 
     latest = max(attempts, key=lambda a: a.attempt) if attempts else None
     if problem is None and latest is not None and not latest.finished:
-        patch = rayjob_patch(spec.suspend, latest, decision, now)
-        if patch is not None:
-            try:
+        active = workload_change(spec.suspend, latest, decision)
+        try:
+            if active is not None:
+                problem = _hold_through_workload(cluster, owner.namespace, latest, active)
+                writes += problem is None
+            patch = (
+                rayjob_patch(spec.suspend, latest, decision, now, workload_active=active)
+                if problem is None
+                else None
+            )
+            if patch is not None:
                 cluster.patch("RayJob", owner.namespace, latest.name, patch)
                 writes += 1
-            except ApiError as err:
-                failures.append(err)
-                problem = _failure_problem(err, f"patch RayJob {latest.name}")
+        except ApiError as err:
+            failures.append(err)
+            problem = _failure_problem(err, f"{err.verb} {err.kind} {err.name}")
 
     status, ready_changed = set_children_ready(current, status, problem, now=now)
     if problem is not None and ready_changed:

@@ -88,9 +88,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from hybridflow.spec import RLHFJob, RLHFJobSpec
-from hybridflow_operator.builders.metadata import ATTEMPT_LABEL, STOPPED_ANNOTATION, USER_SUSPEND_ANNOTATION
+from hybridflow_operator.builders.metadata import (
+    ATTEMPT_LABEL,
+    STOPPED_ANNOTATION,
+    USER_SUSPEND_ANNOTATION,
+    WORKLOAD_ACTIVE_ANNOTATION,
+)
 from hybridflow_operator.builders.rayjob import KUEUE_QUEUE_LABEL
 from hybridflow_operator.events import Event
+from hybridflow_operator.kuberay import ASSUMED_CURRENT, KubeRayFeatures
 from hybridflow_operator.names import rayjob_name
 
 Phase = Literal[
@@ -153,6 +159,13 @@ FINAL_FAILURE_REASONS: tuple[str, ...] = ("DeadlineExceeded", "ValidationFailed"
 """KubeRay failure reasons a new attempt cannot fix. Every other reason (AppFailed,
 SubmissionFailed, JobDeploymentStatusTransitionGracePeriodExceeded, a pre-running deadline, a
 lost node) is worth a fresh cluster resuming from the checkpoint, unless it repeats."""
+STOP_DEADLINE = "DeadlineExceeded"
+"""The operator stopped the attempt: ``spec.activeDeadlineSeconds`` is spent (final)."""
+STOP_STARTUP_TIMEOUT = "StartupTimeout"
+"""The operator stopped the attempt: on a KubeRay without ``preRunningDeadlineSeconds`` (1.5.x) its
+cluster did not start within ``spec.startupTimeoutSeconds`` (retried, like KubeRay's own
+PreRunningDeadlineExceeded)."""
+RETRYABLE_STOPS: tuple[str, ...] = (STOP_STARTUP_TIMEOUT,)
 APPLICATION_FAILURE_REASONS: tuple[str, ...] = ("AppFailed", "Failed")
 """Failure reasons of the application itself (the Ray job failed): a repeat with the same message
 is deterministic (:func:`repeated_failure`)."""
@@ -368,6 +381,7 @@ class ObservedRayJob(StatusModel):
     """
 
     name: str = Field(description="metadata.name")
+    uid: str = Field(default="", description="metadata.uid (Kueue's Workload names it in a label)")
     attempt: int = Field(default=1, ge=1, description="metadata.labels[hybridflow.io/attempt]")
     created_at: datetime | None = Field(default=None, description="metadata.creationTimestamp")
     generation: int = Field(default=1, ge=1, description="metadata.generation (grows on spec changes)")
@@ -380,6 +394,9 @@ class ObservedRayJob(StatusModel):
         default=None, description="metadata.annotations[hybridflow.io/user-suspend]"
     )
     stopped_reason: str = Field(default="", description="metadata.annotations[hybridflow.io/stopped]")
+    workload_active: bool | None = Field(
+        default=None, description="metadata.annotations[hybridflow.io/workload-active]"
+    )
     job_deployment_status: str = Field(default="", description="status.jobDeploymentStatus")
     job_status: str = Field(default="", description="status.jobStatus")
     reason: str = Field(default="", description="status.reason")
@@ -400,8 +417,10 @@ class ObservedRayJob(StatusModel):
         suffix = name.rsplit("-", 1)[-1]
         attempt = int(attempt_label) if attempt_label.isdigit() else int(suffix) if suffix.isdigit() else 1
         user_suspend = annotations.get(USER_SUSPEND_ANNOTATION)
+        workload_active = annotations.get(WORKLOAD_ACTIVE_ANNOTATION)
         return cls(
             name=name,
+            uid=str(metadata.get("uid") or ""),
             attempt=max(1, attempt),
             created_at=metadata.get("creationTimestamp"),
             generation=max(1, int(metadata.get("generation") or 1)),
@@ -410,6 +429,7 @@ class ObservedRayJob(StatusModel):
             suspend=bool(spec.get("suspend", False)),
             user_suspend=None if user_suspend is None else user_suspend == "true",
             stopped_reason=str(annotations.get(STOPPED_ANNOTATION) or ""),
+            workload_active=None if workload_active is None else workload_active == "true",
             job_deployment_status=str(status.get("jobDeploymentStatus") or ""),
             job_status=str(status.get("jobStatus") or ""),
             reason=str(status.get("reason") or ""),
@@ -520,7 +540,10 @@ class StatusDecision:
     recheck_after_seconds: float | None = None
     """When a time-based transition is due (retry backoff, deadline); None: nothing scheduled."""
     stop_rayjob: str | None = None
-    """A RayJob to stop now (suspend it, recording :data:`STOPPED_ANNOTATION`): the deadline passed."""
+    """A RayJob to stop now (suspend it, recording :data:`STOPPED_ANNOTATION`): the deadline passed,
+    or (KubeRay 1.5) its startup timeout."""
+    stop_reason: str = STOP_DEADLINE
+    """What :data:`STOPPED_ANNOTATION` records for ``stop_rayjob``."""
     record_active_time: ActiveTime | None = None
     """A record to write onto the current RayJob (:data:`ACTIVE_TIME_ANNOTATION`): Kueue suspended it,
     ending a running period the operator did not end itself."""
@@ -614,7 +637,13 @@ def _failure(reason: str, message: str, *, retryable: bool) -> _Outcome:
 def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
     """Map one RayJob state to the attempt's outcome (see the module docstring's table)."""
     if rayjob.stopped_reason:
-        return _failure(rayjob.stopped_reason, rayjob.message or "stopped by the operator", retryable=False)
+        retryable = rayjob.stopped_reason in RETRYABLE_STOPS
+        detail = (
+            "its cluster did not start within spec.startupTimeoutSeconds"
+            if retryable
+            else rayjob.message or "stopped by the operator"
+        )
+        return _failure(rayjob.stopped_reason, detail, retryable=retryable)
     deployment, ray_status = rayjob.job_deployment_status, rayjob.job_status
     if deployment in (DEPLOYMENT_NEW, DEPLOYMENT_SCHEDULING, DEPLOYMENT_SCHEDULED):
         return _Outcome(_waiting_phase(spec, rayjob.suspend))
@@ -798,6 +827,7 @@ def desired_status(
     now: datetime,
     generation: int | None = None,
     retry_policy: RetryPolicy = DEFAULT_RETRY_POLICY,
+    kuberay: KubeRayFeatures = ASSUMED_CURRENT,
 ) -> StatusDecision:
     """The status ``job`` should have, decided from its own RayJobs only.
 
@@ -813,6 +843,9 @@ def desired_status(
     ``now`` is the reconcile's clock, passed in so the function is pure. Feeding the result's
     status back as ``current`` with the same ``attempts`` yields the same status again, which
     is what makes a second reconcile write nothing.
+
+    ``kuberay`` is what the installed KubeRay serves: without ``preRunningDeadlineSeconds``
+    (1.5.x) the operator keeps ``spec.startupTimeoutSeconds`` itself (:func:`startup_wait_seconds`).
     """
     now = _now(now)
     spec = job.spec
@@ -840,6 +873,18 @@ def desired_status(
                 stop_rayjob = latest.name
         elif latest is not None and latest.counting:
             recheck = float(deadline - ran)  # while nothing runs the clock stands still: no recheck
+    stop_reason = STOP_DEADLINE
+    if stop_rayjob is None and latest is not None and not kuberay.pre_running_deadline:
+        wait = startup_wait_seconds(spec, latest, now)
+        if wait is not None and wait <= 0:
+            stop_rayjob, stop_reason = latest.name, STOP_STARTUP_TIMEOUT
+            outcome = _failure(
+                STOP_STARTUP_TIMEOUT,
+                f"its cluster did not start within spec.startupTimeoutSeconds ({spec.startup_timeout_seconds}s)",
+                retryable=True,
+            )
+        elif wait is not None:
+            recheck = wait if recheck is None else min(recheck, wait)
 
     start_attempt: int | None = None
     attempts_started = attempt
@@ -879,6 +924,12 @@ def desired_status(
         if phase == "Pending" and attempt > 1:
             phase = "Retrying"  # the next attempt's RayJob exists but has not started yet
         reason, message = outcome.reason, outcome.message
+    if start_attempt is not None and spec.suspend and spec.queue_name is not None:
+        # A new RayJob's Workload starts active, and Kueue would admit and start it against the
+        # user's suspend: a queued job's next RayJob is created when it is resumed.
+        start_attempt = None
+        attempts_started = attempt if ordered else 0
+        phase = "Suspended"
     if phase in TERMINAL_PHASES:
         recheck = None
     record = (
@@ -887,8 +938,8 @@ def desired_status(
         else None
     )
 
-    new_name = rayjob_name(job.metadata.name, attempts_started)
-    attempt_text = f"attempt {attempts_started} of {max_attempts}"
+    new_name = rayjob_name(job.metadata.name, max(1, attempts_started))
+    attempt_text = f"attempt {max(1, attempts_started)} of {max_attempts}"
     mirrors: dict[str, Any] = {
         "job_deployment_status": (latest.job_deployment_status or None) if latest else None,
         "job_status": (latest.job_status or None) if latest else None,
@@ -938,7 +989,27 @@ def desired_status(
     )
     if hold is not None:
         recheck = hold if recheck is None else min(recheck, hold)
-    return StatusDecision(status, start_attempt, events, recheck, stop_rayjob, record, hold)
+    return StatusDecision(
+        status,
+        start_attempt,
+        events,
+        recheck,
+        stop_rayjob,
+        stop_reason,
+        record_active_time=record,
+        hold_status_seconds=hold,
+    )
+
+
+def startup_wait_seconds(spec: RLHFJobSpec, rayjob: ObservedRayJob, now: datetime) -> float | None:
+    """Seconds until ``rayjob``'s startup timeout, as KubeRay >= 1.6 keeps ``preRunningDeadlineSeconds``
+    (``checkPreRunningDeadlineAndUpdateStatusIfNeeded``: from the period's ``startTime`` while the
+    deployment is Initializing or Waiting); None when it does not apply (started, held, finished)."""
+    timeout = spec.startup_timeout_seconds
+    starting = rayjob.job_deployment_status in (DEPLOYMENT_INITIALIZING, DEPLOYMENT_WAITING)
+    if timeout is None or rayjob.start_time is None or not starting or rayjob.held or rayjob.stopped_reason:
+        return None
+    return timeout - (_now(now) - _now(rayjob.start_time)).total_seconds()
 
 
 def invalid_spec_status(

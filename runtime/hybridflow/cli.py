@@ -32,14 +32,16 @@ STALLED_PREFIX = "error: Stalled: "
 """The line a stalled run ends with; ``hybridflow_operator.status`` maps it to the reason Stalled."""
 
 
-def _stop_on_sigterm() -> Callable[[], bool]:
+def _stop_on_sigterm(requested: threading.Event | None = None) -> Callable[[], bool]:
     """Turn SIGTERM (a preemption, a drained node, ``ray job stop``) into a stop after the current step.
 
     The training loop asks the returned function after every step and, once it says yes,
     checkpoints that step and returns; so the grace period a run needs is one step plus one
     checkpoint save. A second SIGTERM changes nothing (the checkpoint is already under way).
+    ``requested`` is shared with whatever else may ask for the stop (in a cluster, the preStop
+    hooks' ``POST /stop``, ``hybridflow.incluster.stop``).
     """
-    requested = threading.Event()
+    requested = requested or threading.Event()
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if not requested.is_set():
@@ -255,12 +257,25 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     import ray
 
     from hybridflow.incluster import StatusPusher, TrainingMetricsExporter
+    from hybridflow.incluster.stop import AUTH_TOKEN_ENV, ControllerServer, StopMarker
     from hybridflow.metrics import progress_line
     from hybridflow.metrics.step_report import StepReport
     from hybridflow.trainer.runner import run_training
 
     exporter = TrainingMetricsExporter(namespace, job.metadata.name)
-    exporter.serve(args.metrics_port)
+    stop_requested = threading.Event()
+    server = ControllerServer(
+        args.metrics_port, exporter.registry, stop_requested, token=os.environ.get(AUTH_TOKEN_ENV) or None
+    ).start()
+    marker = StopMarker(job.spec.checkpoint_dir)
+    grace = job.spec.checkpoint.stop_grace_period_seconds
+
+    def mark_when_stopping() -> None:
+        stop_requested.wait()
+        print("stop requested: checkpointing after the current step, then exiting", flush=True)
+        marker.write(grace)
+
+    threading.Thread(target=mark_when_stopping, name="hybridflow-stop-marker", daemon=True).start()
     pusher = StatusPusher.in_cluster(namespace, job.metadata.name, placement=placement)
     pusher.push_placement()
 
@@ -272,13 +287,33 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     from hybridflow.controller import WorkerStalledError
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
-    should_stop = _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+    should_stop = _stop_on_sigterm(stop_requested)  # after ray.init, which installs its own handler
+    # A resumed job's previous pods may still be saving (their preStop hooks): resume after them.
+    marker.wait()
     try:
         summary = run_training(job.spec, simulated=False, on_report=report, should_stop=should_stop)
     except WorkerStalledError as err:
         print(f"{STALLED_PREFIX}{err}", file=sys.stderr, flush=True)
         return EXIT_STALLED
+    finally:
+        if stop_requested.is_set():
+            marker.clear()  # the checkpoint is saved (or the run failed): nothing to wait for
+        server.close()
     return EXIT_PREEMPTED if summary.preempted else 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """``hybridflow stop``: a Ray container's preStop hook (``hybridflow.incluster.stop``)."""
+    from hybridflow.incluster.stop import AUTH_TOKEN_ENV, controller_address, stop_controller
+
+    address = args.address or controller_address(os.environ)
+    return stop_controller(
+        address,
+        args.port,
+        token=os.environ.get(AUTH_TOKEN_ENV) or None,
+        timeout_seconds=args.timeout_seconds,
+        say=lambda line: print(line, flush=True),
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -384,6 +419,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure the device constants with a short run of the actor's architecture on this machine",
     )
     plan.set_defaults(handler=_plan)
+
+    stop = commands.add_parser(
+        "stop",
+        help="a Ray pod's preStop hook: ask the controller to checkpoint and exit, and wait until it has",
+    )
+    stop.add_argument(
+        "--address",
+        default=None,
+        help="the controller's host (default: $HYBRIDFLOW_CONTROLLER_ADDRESS, else this Ray node's head)",
+    )
+    stop.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("HYBRIDFLOW_METRICS_PORT", "8081")),
+        help="the controller's HTTP port (its /metrics)",
+    )
+    stop.add_argument(
+        "--timeout-seconds",
+        type=float,
+        default=600.0,
+        help="give up after this long (before the kubelet's SIGKILL)",
+    )
+    stop.set_defaults(handler=_stop)
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")
     tiny.add_argument("--model-dir", default="outputs/tiny-model")

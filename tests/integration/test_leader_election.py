@@ -43,8 +43,8 @@ def test_one_leader_at_a_time_and_takeover_after_expiry(cluster: EmulatedCluster
 
     assert a.try_acquire_or_renew() and a.is_leader
     assert not b.try_acquire_or_renew() and not b.is_leader
-    clock.now += timedelta(seconds=10)
-    assert a.try_acquire_or_renew()  # renewed: b must wait 15 s from now
+    clock.now += timedelta(seconds=8)
+    assert a.try_acquire_or_renew()  # renewed within its deadline: b must wait 15 s from now
     clock.now += timedelta(seconds=10)
     assert not b.try_acquire_or_renew()
     clock.now += timedelta(seconds=6)  # a stopped renewing 16 s ago: its lease has run out
@@ -97,3 +97,52 @@ def test_health_endpoints() -> None:
         assert (status("/healthz"), status("/readyz"), status("/other")) == (503, 200, 404)
     finally:
         server.stop()
+
+
+def test_a_leader_stops_at_its_renew_deadline_before_its_lease_runs_out(cluster: EmulatedCluster) -> None:
+    """client-go's margin: the holder stops writing 10 s after its last renewal began; nobody may
+    take the Lease before 15 s, so two replicas never reconcile at once."""
+    clock = Clock()
+    api = ApiCluster(cluster.api_client)
+    a = LeaderElection(api, namespace="default", identity="a", clock=clock)
+    b = LeaderElection(api, namespace="default", identity="b", clock=clock)
+    assert a.try_acquire_or_renew()
+    clock.now += timedelta(seconds=10)  # a's renewals failed since (the API was unreachable for it)
+    assert not a.is_leader
+    assert not b.try_acquire_or_renew()  # ... and the lease still keeps b out for 5 s more
+    clock.now += timedelta(seconds=5)
+    assert b.try_acquire_or_renew()
+    with pytest.raises(ValueError, match="renew deadline"):
+        LeaderElection(api, namespace="default", identity="c", lease_seconds=10, renew_deadline_seconds=10)
+
+
+def test_a_stopping_leader_releases_the_lease_and_drops_its_job_gauges(cluster: EmulatedCluster) -> None:
+    clock = Clock()
+    api = ApiCluster(cluster.api_client)
+    deposed: list[str] = []
+    a = LeaderElection(api, namespace="default", identity="a", clock=clock)
+    b = LeaderElection(api, namespace="default", identity="b", clock=clock)
+    a._on_deposed = lambda: deposed.append("a")
+    assert a.try_acquire_or_renew()
+    a._check_deposed()
+    assert a.release()  # what SIGTERM's cleanup does (LeaderElection.stop)
+    assert deposed == ["a"] and not a.is_leader
+    stored = api.get_lease("default", LEASE_NAME)
+    assert stored is not None and not stored["spec"].get("holderIdentity")
+    assert b.try_acquire_or_renew()  # at once, not after the 15 s lease
+
+
+def test_the_metrics_of_a_deposed_leader_hold_no_job() -> None:
+    from hybridflow_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    metrics.observe_phase("default/a", "Running")
+    metrics.observe_attempts("default/a", 2)
+    metrics.forget_jobs()
+    text = "\n".join(
+        f"{sample.name}{sample.labels} {sample.value}"
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name.startswith(("hybridflow_operator_jobs", "hybridflow_operator_job_attempts"))
+    )
+    assert "rlhfjob" not in text and " 1.0" not in text, text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from hybridflow_operator.cluster import ApiCluster
 from hybridflow_operator.main import OperatorConfig, register
 from kube.emulator import WriteFault, WriteSeen
 from kube.harness import EmulatedCluster, load_crd, operator_registry, wait_until
+from kube.kueue import register_kueue
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +51,7 @@ def cluster() -> Any:
     with EmulatedCluster() as cluster:
         cluster.emulator.register_crd(load_crd(ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml"))
         cluster.emulator.register_crd(rayjob_crd())
+        register_kueue(cluster.emulator)
         registry = operator_registry()
         config = OperatorConfig(
             {"HYBRIDFLOW_RETRY_BACKOFF_SECONDS": "1", "HYBRIDFLOW_RUNTIME_IMAGE": "img:test"}
@@ -180,26 +183,43 @@ def test_suspend_reaches_the_rayjob_and_deletion_cascades(cluster: Any) -> None:
     wait_until(lambda: rayjob(cluster, "pause-1") is None, message="owner-reference garbage collection")
 
 
-def test_resuming_a_queued_job_leaves_its_admission_to_kueue(cluster: Any) -> None:
-    create_job(cluster, "kq", queueName="research")
-    wait_until(lambda: rayjob(cluster, "kq-1"))
-    kuberay(cluster, "kq-1", "Suspended")  # parked by KubeRay until Kueue admits it
+def test_a_queued_job_is_held_and_released_through_its_kueue_workload(cluster: Any) -> None:
+    """With the Kueue stand-in: Kueue undoes a suspend written on an admitted RayJob, so the user's
+    suspend goes through the Workload's spec.active, and the job stays held until resumed."""
+    from kube.kueue import KueueStandIn
 
-    def user_suspend() -> str | None:
-        annotations = ((rayjob(cluster, "kq-1") or {}).get("metadata") or {}).get("annotations") or {}
-        return annotations.get("hybridflow.io/user-suspend")
+    def workload() -> dict[str, Any] | None:
+        uid = ((rayjob(cluster, "kq-1") or {}).get("metadata") or {}).get("uid")
+        found = cluster.custom.list_namespaced_custom_object(
+            "kueue.x-k8s.io", "v1beta2", NS, "workloads", label_selector=f"kueue.x-k8s.io/job-uid={uid}"
+        )["items"]
+        return found[0] if uid and found else None
+
+    def suspended() -> bool:
+        return bool((rayjob(cluster, "kq-1") or {}).get("spec", {}).get("suspend"))
 
     def set_suspend(suspend: bool) -> None:
         cluster.custom.patch_namespaced_custom_object(
             GROUP, VERSION, NS, PLURAL, "kq", {"spec": {"suspend": suspend}}
         )
 
-    set_suspend(True)
-    wait_until(lambda: user_suspend() == "true")
-    set_suspend(False)
-    wait_until(lambda: user_suspend() == "false")
-    wait_until(lambda: phase(cluster, "kq") == "Queued")
-    assert (rayjob(cluster, "kq-1") or {})["spec"]["suspend"] is True  # unsuspending it is Kueue's
+    with KueueStandIn(cluster.api_client, namespace=NS) as kueue:
+        create_job(cluster, "kq", queueName="research")
+        wait_until(lambda: rayjob(cluster, "kq-1") is not None and not suspended())  # Kueue admitted it
+        kuberay(cluster, "kq-1", "Running", "RUNNING")
+        set_suspend(True)
+        wait_until(lambda: (workload() or {}).get("spec", {}).get("active") is False)
+        wait_until(suspended)  # Kueue evicts the deactivated Workload and suspends the RayJob
+        kuberay(cluster, "kq-1", "Suspended")  # KubeRay deletes its cluster
+        wait_until(lambda: phase(cluster, "kq") == "Suspended")
+        time.sleep(1.0)
+        assert suspended()  # held: Kueue does not readmit an inactive Workload
+        set_suspend(False)
+        wait_until(lambda: (workload() or {}).get("spec", {}).get("active") is True)
+        wait_until(lambda: not suspended())  # requeued, admitted, unsuspended: Kueue's to do
+        annotations = (rayjob(cluster, "kq-1") or {})["metadata"]["annotations"]
+        assert annotations["hybridflow.io/workload-active"] == "true"
+        assert not kueue.errors, kueue.errors
 
 
 def errors(cluster: Any, reason: str) -> float:

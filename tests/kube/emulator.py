@@ -25,6 +25,11 @@ kmock 0.8 behaviour it fixes:
 ``_serve_list``/``_serve_watch``   label and field selectors; list ``resourceVersion``; watches
                                    that start *after* a given ``resourceVersion`` (kmock replays
                                    every object as ADDED, which stalls kopf).
+``compact``                        410 Gone: etcd compaction (:meth:`compact`) and a bounded
+                                   event history (``watch_history_limit``); a watch from an older
+                                   ``resourceVersion`` gets one ``ERROR`` event (``Expired``,
+                                   "too old resource version: X (Y)") and ends; an ``Exact`` list
+                                   from before the compaction answers 410.
 ``_parse_namespace_paths``         ``/api/v1/namespaces[/{name}]`` (kmock's URL parser raises);
                                    the ``default`` namespace exists from the start.
 ``_admit``                         what kmock stores unchecked: ObjectMeta rules, each served
@@ -34,18 +39,48 @@ kmock 0.8 behaviour it fixes:
                                    schemas for built-ins (kubernetes-validate); 422 Status
                                    bodies listing every cause. Unknown fields are a 422 unless
                                    the request asks ``fieldValidation=Warn|Ignore`` (pruned).
+                                   A binding's ``roleRef`` cannot change.
+``_authorize``                     RBAC for the tokens in ``identities`` (any other token is an
+                                   admin): Roles and ClusterRoles, bound by RoleBindings (in
+                                   their namespace) and ClusterRoleBindings (everywhere, and the
+                                   only grant for cluster-scoped resources) to User, Group and
+                                   ServiceAccount subjects; ``resourceNames``, subresources
+                                   (``rlhfjobs/status``, ``*/status``), ``*``; 403 Status bodies
+                                   worded as the API server's. Discovery stays open.
+``_prevent_escalation``            RBAC escalation prevention: writing a Role or ClusterRole
+                                   needs every permission it grants (or ``escalate``), writing
+                                   a binding every permission of its role (or ``bind``).
+``_enforce_owner_references``      the OwnerReferencesPermissionEnforcement admission plugin:
+                                   ``blockOwnerDeletion`` needs ``update`` on the owner's
+                                   ``finalizers``; changing ownerReferences needs ``delete``
+                                   (``owner_references_permission_enforcement`` turns it off).
+``_call_webhooks``                 validating admission webhooks (``validating_webhooks``, a
+                                   list of :class:`ValidatingWebhook`): callables asked about
+                                   each matching CREATE/UPDATE after schema admission, by any
+                                   user; a message denies it with 403, as a webhook does.
 =================================  ===========================================================
+
+Each rule of kube-apiserver names, where it is implemented, the Go function it follows
+(Kubernetes v1.3x). ``tests/integration/test_api_server_rules.py`` shows each one.
 
 Threading protocol: every state change happens in :meth:`ApiServerEmulator._handle` on the
 server's event loop, under kmock's ``_lock``; stored object versions are never mutated in place
 (each write stores a new dict), so watch events and responses can share them without copies.
 Tests on other threads may read ``emulator.objects`` and iterate requests, may register a
-resource before its first request, and must change objects only through the API.
+resource (or set ``identities``, ``validating_webhooks``) before its first request, and must
+change objects only through the API, or through ``EmulatedCluster.run_on_server`` (which runs
+a function on the server's loop: ``watch_gap``, ``compact``, :meth:`delete_stored_object`).
 
-Deliberately absent (the operator does not rely on them): admission webhooks, RBAC, server-side apply (415), strategic merge (treated as a JSON merge patch, so
+Deliberately absent (the operator does not rely on them): admission webhooks over HTTP (the
+callables above stand in for them; no mutating webhooks), RBAC's bootstrap roles (no
+``system:discovery`` and the like: only the roles a test creates grant anything),
+``nonResourceURLs`` authorization (non-resource paths are open to everyone),
+ClusterRole aggregation (``aggregationRule`` is stored, never evaluated), impersonation and
+access reviews, server-side apply (415), strategic merge (treated as a JSON merge patch, so
 lists are replaced, not merged by key), foreground deletion (treated as background; orphaning
 leaves the dependents' ownerReferences in place), deletecollection, paginated lists (``limit``
-is ignored), namespace existence checks, watch bookmarks and history expiry (no 410 Gone).
+is ignored), historical reads (a list at an older ``resourceVersion`` serves the current
+objects, unless it is compacted), namespace existence checks, watch bookmarks.
 """
 
 from __future__ import annotations
@@ -63,6 +98,7 @@ import secrets
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, Final, Literal
 
 import aiohttp.web
@@ -349,20 +385,274 @@ def _verb(request: kmock.Request) -> str:
     )
 
 
-def _rule_allows(rule: JsonObject, group: str, resource: str, verb: str, name: str | None) -> bool:
-    """One PolicyRule of a Role, evaluated as RBAC does (``*`` wildcards; resourceNames need a name)."""
-    groups, resources, verbs = (
-        rule.get("apiGroups") or [],
-        rule.get("resources") or [],
-        rule.get("verbs") or [],
+RBAC_GROUP: Final = "rbac.authorization.k8s.io"
+SERVICE_ACCOUNT_USER_PREFIX: Final = "system:serviceaccount:"
+ROLES: Final = kmock.resource(RBAC_GROUP, "v1", "roles")
+CLUSTER_ROLES: Final = kmock.resource(RBAC_GROUP, "v1", "clusterroles")
+ROLE_RESOURCES: Final = {"Role": "roles", "ClusterRole": "clusterroles"}
+BINDING_RESOURCES: Final = frozenset({"rolebindings", "clusterrolebindings"})
+# A subject as the bindings index keys it: ("User", name), ("Group", name) or
+# ("ServiceAccount", "namespace/name").
+SubjectKey = tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class UserInfo:
+    """Who sent a request, as authentication hands it to the authorizer: a name and groups."""
+
+    name: str
+    groups: tuple[str, ...]
+
+    @classmethod
+    def named(cls, name: str, extra_groups: tuple[str, ...] | list[str] = ()) -> UserInfo:
+        # k8s.io/apiserver/pkg/authentication/serviceaccount UserInfo()/MakeGroupNames(): a
+        # ServiceAccount's token is user system:serviceaccount:NS:NAME in the groups
+        # system:serviceaccounts and system:serviceaccounts:NS; every authenticated user then
+        # gets system:authenticated (pkg/authentication/group AuthenticatedGroupAdder).
+        groups: list[str] = []
+        if name.startswith(SERVICE_ACCOUNT_USER_PREFIX):
+            namespace = name.removeprefix(SERVICE_ACCOUNT_USER_PREFIX).partition(":")[0]
+            groups += ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"]
+        groups += [group for group in extra_groups if group not in groups]
+        if "system:authenticated" not in groups:
+            groups.append("system:authenticated")
+        return cls(name, tuple(groups))
+
+    def subject_keys(self) -> list[SubjectKey]:
+        """Every binding subject that names this user (see :func:`_subject_key`)."""
+        keys = [("User", self.name)] + [("Group", group) for group in self.groups]
+        if self.name.startswith(SERVICE_ACCOUNT_USER_PREFIX):
+            namespace, _, name = self.name.removeprefix(SERVICE_ACCOUNT_USER_PREFIX).partition(":")
+            keys.append(("ServiceAccount", f"{namespace}/{name}"))
+        return keys
+
+
+def _subject_key(subject: JsonObject, binding_namespace: str) -> SubjectKey | None:
+    # pkg/registry/rbac/validation/rule.go appliesToUser(): a User subject matches by name, a
+    # Group by membership, a ServiceAccount by its namespace (defaulting to the binding's, so a
+    # ClusterRoleBinding's must name one) and name; other kinds match nobody.
+    kind, name = subject.get("kind"), str(subject.get("name", ""))
+    if kind in ("User", "Group"):
+        return kind, name
+    if kind == "ServiceAccount":
+        namespace = subject.get("namespace") or binding_namespace
+        return ("ServiceAccount", f"{namespace}/{name}") if namespace else None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Attributes:
+    """What a request asks to do, as the authorizer sees it (``authorizer.AttributesRecord``)."""
+
+    verb: str
+    group: str
+    resource: str
+    subresource: str = ""
+    name: str = ""
+    namespace: str = ""  # "" for cluster-scoped resources and requests across all namespaces
+
+
+def _resource_matches(resources: list[str], combined: str, subresource: str) -> bool:
+    # pkg/apis/rbac/v1/evaluation_helpers.go ResourceMatches(): "*", the exact resource (with
+    # its subresource: "rlhfjobs/status"), or "*/status" for that subresource of any resource.
+    return any(
+        resource in ("*", combined) or (bool(subresource) and resource == f"*/{subresource}")
+        for resource in resources
     )
+
+
+def _rule_allows(rule: JsonObject, attributes: Attributes) -> bool:
+    # plugin/pkg/auth/authorizer/rbac/rbac.go RuleAllows() for resource requests, with
+    # VerbMatches/APIGroupMatches/ResourceMatches/ResourceNameMatches (evaluation_helpers.go):
+    # "*" wildcards; a rule with resourceNames allows only requests naming one of them (so no
+    # create, and list/watch only with a metadata.name field selector).
+    verbs, groups = rule.get("verbs") or [], rule.get("apiGroups") or []
     names = rule.get("resourceNames") or []
+    combined = attributes.resource + (f"/{attributes.subresource}" if attributes.subresource else "")
     return (
-        ("*" in groups or group in groups)
-        and ("*" in resources or resource in resources)
-        and ("*" in verbs or verb in verbs)
-        and (not names or (name is not None and name in names))
+        ("*" in verbs or attributes.verb in verbs)
+        and ("*" in groups or attributes.group in groups)
+        and _resource_matches(rule.get("resources") or [], combined, attributes.subresource)
+        and (not names or attributes.name in names)
     )
+
+
+def _breakdown(rule: JsonObject) -> list[JsonObject]:
+    # pkg/registry/rbac/validation/policy_comparator.go BreakdownRule(): one rule per group,
+    # resource, verb (and resource name); non-resource URLs combine with verbs only.
+    names = rule.get("resourceNames") or []
+    subrules = [
+        {"apiGroups": [group], "resources": [resource], "verbs": [verb]}
+        | ({"resourceNames": [name]} if name is not None else {})
+        for group in rule.get("apiGroups") or []
+        for resource in rule.get("resources") or []
+        for verb in rule.get("verbs") or []
+        for name in (names or [None])
+    ]
+    subrules += [
+        {"nonResourceURLs": [url], "verbs": [verb]}
+        for url in rule.get("nonResourceURLs") or []
+        for verb in rule.get("verbs") or []
+    ]
+    return subrules
+
+
+def _resources_cover(owned: list[str], wanted: list[str]) -> bool:
+    # policy_comparator.go resourceCoversAll(): "*", each resource itself, or "*/sub" for a
+    # subresource.
+    if "*" in owned:
+        return True
+    return all(
+        resource in owned or ("/" in resource and "*/" + resource.split("/", 1)[1] in owned)
+        for resource in wanted
+    )
+
+
+def _urls_cover(owned: list[str], wanted: list[str]) -> bool:
+    # policy_comparator.go nonResourceURLsCoversAll()/nonResourceURLCovers(): exact, or a
+    # trailing "*" prefix.
+    return all(
+        any(path == url or (path.endswith("*") and url.startswith(path.rstrip("*"))) for path in owned)
+        for url in wanted
+    )
+
+
+def _rule_covers(owner: JsonObject, subrule: JsonObject) -> bool:
+    # policy_comparator.go ruleCovers(): the owner rule holds the (broken-down) subrule.
+    def holds(field: str) -> bool:
+        owned = owner.get(field) or []
+        return "*" in owned or set(subrule.get(field) or []) <= set(owned)
+
+    owner_names, wanted_names = owner.get("resourceNames") or [], subrule.get("resourceNames") or []
+    names = not owner_names or (bool(wanted_names) and set(wanted_names) <= set(owner_names))
+    return (
+        holds("verbs")
+        and holds("apiGroups")
+        and _resources_cover(owner.get("resources") or [], subrule.get("resources") or [])
+        and _urls_cover(owner.get("nonResourceURLs") or [], subrule.get("nonResourceURLs") or [])
+        and names
+    )
+
+
+def _uncovered(owner_rules: list[JsonObject], rules: list[JsonObject]) -> list[JsonObject]:
+    """policy_comparator.go Covers(): the broken-down rules that no owner rule covers."""
+    return [
+        subrule
+        for rule in rules
+        for subrule in _breakdown(rule)
+        if not any(_rule_covers(owner, subrule) for owner in owner_rules)
+    ]
+
+
+def _compact_rules(rules: list[JsonObject]) -> list[JsonObject]:
+    # pkg/registry/rbac/validation/policy_compact.go CompactRules(): rules of one group and one
+    # resource (and at most one name) that differ only by verb are merged, for the message.
+    compacted: list[JsonObject] = []
+    simple: dict[tuple[str, str, str | None], JsonObject] = {}
+    for rule in rules:
+        names = rule.get("resourceNames") or []
+        groups, resources = rule.get("apiGroups") or [], rule.get("resources") or []
+        if len(names) > 1 or rule.get("nonResourceURLs") or len(groups) != 1 or len(resources) != 1:
+            compacted.append(rule)
+            continue
+        key = (groups[0], resources[0], names[0] if names else None)
+        if key in simple:
+            simple[key]["verbs"] = simple[key]["verbs"] + list(rule.get("verbs") or [])
+        else:
+            simple[key] = copy.deepcopy(rule)
+    return compacted + list(simple.values())
+
+
+def _go_strings(values: tuple[str, ...] | list[str]) -> str:
+    """A []string as Go's %q prints it: ["a" "b"]."""
+    return "[" + " ".join(json.dumps(value) for value in values) + "]"
+
+
+def _compact_string(rule: JsonObject) -> str:
+    # pkg/apis/rbac/v1/evaluation_helpers.go CompactString().
+    parts = [
+        f"{label}:{_go_strings(rule[field])}"
+        for label, field in (
+            ("APIGroups", "apiGroups"),
+            ("Resources", "resources"),
+            ("NonResourceURLs", "nonResourceURLs"),
+            ("ResourceNames", "resourceNames"),
+            ("Verbs", "verbs"),
+        )
+        if rule.get(field)
+    ]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _aggregate(errors: list[str]) -> str:
+    """Go's utilerrors.NewAggregate(errs).Error(): one message alone, several in brackets."""
+    unique = list(dict.fromkeys(errors))
+    return unique[0] if len(unique) == 1 else "[" + ", ".join(unique) + "]"
+
+
+def _only_gc_fields_change(new: JsonObject, old: JsonObject) -> bool:
+    # pkg/registry/rbac/helpers.go IsOnlyMutatingGCFields(): the write changes nothing but
+    # ownerReferences and finalizers (and managedFields), as the garbage collector's do.
+    meta = dict(new.get("metadata") or {})
+    old_meta = old.get("metadata") or {}
+    for field in ("ownerReferences", "finalizers", "managedFields", "selfLink"):
+        if field in old_meta:
+            meta[field] = old_meta[field]
+        else:
+            meta.pop(field, None)
+    return {**new, "metadata": meta} == old
+
+
+def _field_selector_name(selector: str) -> str:
+    """The name a list/watch's ``metadata.name=`` field selector requires ("" if none)."""
+    for requirement in _split_requirements(selector):
+        match = _FIELD_REQUIREMENT.match(requirement)
+        if match is not None and match["field"] == "metadata.name" and match["op"] != "!=":
+            return str(match["value"])
+    return ""
+
+
+def forbidden(resource: kmock.resource, name: str, message: str) -> kmock.KubernetesError:
+    """403 as ``errors.NewForbidden(groupResource, name, err)`` words it."""
+    target = f'{_group_resource(resource)} "{name}"' if name else _group_resource(resource)
+    return kmock.KubernetesError(
+        403,
+        "Forbidden",
+        f"{target} is forbidden: {message}",
+        {"name": name, "group": resource.group, "kind": resource.plural},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidatingWebhook:
+    """A validating admission webhook, as a callable (what a ValidatingWebhookConfiguration's
+    webhook and its server do, in-process).
+
+    ``resources`` are plurals as a webhook rule's ``resources`` list them: ``"rlhfjobs"`` (the
+    main resource only), ``"rlhfjobs/status"``, ``"*"`` (every main resource), ``"*/*"``;
+    ``operations`` are ``"CREATE"`` and/or ``"UPDATE"``. ``check(new, old)`` gets copies of the
+    object after schema admission and of the stored one (``None`` on CREATE) and returns
+    ``None`` to allow or a message to deny, which answers 403 Forbidden with
+    ``admission webhook "<name>" denied the request: <message>`` (controller-runtime's
+    CustomValidator denial). An exception is a 500, as a failing webhook with
+    ``failurePolicy: Fail``.
+    """
+
+    name: str
+    resources: AbstractSet[str]
+    operations: AbstractSet[str]
+    check: Callable[[JsonObject, JsonObject | None], str | None]
+
+    def matches(self, plural: str, subresource: str | None, operation: str) -> bool:
+        # k8s.io/apiserver/pkg/admission/plugin/webhook/predicates/rules/rules.go
+        # Matcher.resource(): "res/sub" patterns, "*" in either part.
+        if operation not in self.operations:
+            return False
+        for pattern in self.resources:
+            resource, _, sub = pattern.partition("/")
+            if resource in ("*", plural) and sub in ("*", subresource or ""):
+                return True
+        return False
 
 
 # --- patches -----------------------------------------------------------------------------------
@@ -399,6 +689,41 @@ class WatchEvent:
     current: JsonObject
 
 
+@dataclasses.dataclass
+class WatchLog:
+    """One resource's watch events still kept, oldest first (the watch cache's window).
+
+    Watchers hold absolute positions (``dropped`` + index), so forgetting the oldest events
+    does not move them; a watcher whose next event was forgotten has fallen behind.
+    """
+
+    events: list[WatchEvent] = dataclasses.field(default_factory=list)
+    dropped: int = 0
+    """How many events were forgotten from the front."""
+    floor: int = 0
+    """The resourceVersion up to which events were forgotten by the history bound: a watch from
+    an older one cannot be served (the Y of "too old resource version: X (Y)")."""
+
+    def append(self, event: WatchEvent, limit: int | None) -> None:
+        self.events.append(event)
+        if limit is not None and len(self.events) > max(limit, 1):
+            excess = len(self.events) - max(limit, 1)
+            self.floor = self.events[excess - 1].resource_version
+            del self.events[:excess]
+            self.dropped += excess
+
+    def forget_through(self, revision: int) -> None:
+        """Forget the events up to ``revision`` (compaction)."""
+        count = bisect.bisect_right(self.events, revision, key=lambda event: event.resource_version)
+        del self.events[:count]
+        self.dropped += count
+
+    def position_after(self, resource_version: int) -> int:
+        """The absolute position of the first event after ``resource_version``."""
+        index = bisect.bisect_right(self.events, resource_version, key=lambda event: event.resource_version)
+        return self.dropped + index
+
+
 WriteFault = Literal["conflict", "lost", "applied"]
 
 
@@ -429,7 +754,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     """
 
     _resource_version: int = attrs.field(default=0, init=False)
-    _watch_logs: dict[kmock.resource, list[WatchEvent]] = attrs.field(factory=dict, init=False)
+    _watch_logs: dict[kmock.resource, WatchLog] = attrs.field(factory=dict, init=False)
+    _compacted_revision: int = attrs.field(default=0, init=False)
     _watch_wakeup: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _watches_closed: bool = attrs.field(default=False, init=False)
     # The outcome of each write, computed in _handle() and served by the fallback reactions.
@@ -452,9 +778,22 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     validate_builtins: bool = True
     """Check built-in objects against Kubernetes' schemas (kubernetes-validate)."""
     identities: dict[str, str] = attrs.field(factory=dict)
-    """Bearer token -> user name for tokens that get RBAC checks (``system:serviceaccount:NS:NAME``
-    users are authorized by the Roles bound to that ServiceAccount). Any other token is an admin,
-    as the harness's own clients and the operator under test are."""
+    """Bearer token -> user name for tokens that get RBAC checks: a ServiceAccount
+    (``system:serviceaccount:NS:NAME``, in the groups ``system:serviceaccounts`` and
+    ``system:serviceaccounts:NS``) or any other user name; all are in ``system:authenticated``.
+    Any other token is an admin (``system:masters``: no RBAC, no escalation or ownerReference
+    checks), as the harness's own clients and the operator under test are."""
+    user_groups: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    """User name -> further groups it authenticates with (what an OIDC token's groups claim
+    gives), for Group subjects beyond the implied ones."""
+    owner_references_permission_enforcement: bool = True
+    """Run the OwnerReferencesPermissionEnforcement admission plugin (on in most clusters: it is
+    in kube-apiserver's recommended --enable-admission-plugins, and OpenShift's)."""
+    validating_webhooks: list[ValidatingWebhook] = attrs.field(factory=list)
+    """Validating admission webhooks, called in order after schema admission."""
+    watch_history_limit: int | None = None
+    """Watch events kept per resource (the watch cache's capacity); None keeps all (until
+    :meth:`compact`). A watch from before the oldest kept event gets 410 Gone."""
 
     write_faults: Callable[[WriteSeen], WriteFault | None] | None = None
     """Fault injection (the e2e scenarios): asked about every write before it is applied.
@@ -476,9 +815,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     _keys_by_resource: dict[kmock.resource, dict[ObjectKey, None]] = attrs.field(factory=dict, init=False)
     _key_by_uid: dict[str, ObjectKey] = attrs.field(factory=dict, init=False)
     _indexed_count: int = attrs.field(default=-1, init=False)
-    # RoleBindings that have named a ServiceAccount as a subject, by (binding namespace, SA
-    # namespace, SA name): candidates only, each re-checked against the binding as it is now.
-    _bindings_by_subject: dict[tuple[str, str, str], set[ObjectKey]] = attrs.field(factory=dict, init=False)
+    # RoleBindings and ClusterRoleBindings that have named a subject, by (the binding's
+    # namespace, "" for a ClusterRoleBinding; the subject): candidates only, each re-checked
+    # against the binding as it is now. A request costs O(the bindings of its user).
+    _bindings_by_subject: dict[tuple[str, SubjectKey], set[ObjectKey]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -569,7 +909,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # Replaces KubernetesEmulator._handle(), whose write bookkeeping is what the fixes below
         # change: state changes here, under kmock's lock, even when a user reaction intercepts
         # the response (kmock's documented behaviour), and the fallback reactions registered by
-        # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome.
+        # kmock (_serve_create/_update/_delete, and PUT above) serve the outcome. A refusal (a
+        # KubernetesError) is answered here with the API server's Status body: kmock would add
+        # a traceback as its details and keep the error, and the request, for the session.
         self.request_count += 1
         if request.resource is not None and request.resource.plural is not None:
             token = _bearer_token(request)
@@ -577,7 +919,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         denied = self._authorize(request)
         if denied is not None:
             self._forget(request)
-            return self._forbidden_response(denied)
+            return self._error_response(denied)
         if request.method.value in WRITE_METHODS:
             self._writes.append(request)
         fault = self._fault_for(request)
@@ -588,73 +930,323 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 "Conflict" if fault == "conflict" else "ServiceUnavailable",
                 f"injected fault: {fault}",
             )
-        if self._is_emulated_write(request):
-            async with self._lock:
-                self._write_results[id(request)] = self._apply_write(request)
-        if fault == "applied":
-            self._write_results.pop(id(request), None)
-            self._forget(request)
-            return self._status_response(503, "ServiceUnavailable", "injected fault: applied, answer lost")
         try:
+            if self._is_emulated_write(request):
+                async with self._lock:
+                    self._write_results[id(request)] = self._apply_write(request)
+            if fault == "applied":
+                self._write_results.pop(id(request), None)
+                return self._status_response(
+                    503, "ServiceUnavailable", "injected fault: applied, answer lost"
+                )
             # Skip KubernetesEmulator._handle (its state changes are replaced above) and go to
             # the reactions, as kmock's own _handle does after its bookkeeping.
             return await self._react(request)
+        except kmock.KubernetesError as error:
+            return self._error_response(error)
         finally:
             self._write_results.pop(id(request), None)
             self._forget(request)
 
+    # --- authorization --------------------------------------------------------------------------
+
+    def _user_of(self, request: kmock.Request) -> UserInfo | None:
+        """The user a request authenticates as; None for an admin token (system:masters)."""
+        name = self.identities.get(_bearer_token(request))
+        return None if name is None else UserInfo.named(name, self.user_groups.get(name, ()))
+
+    @staticmethod
+    def _attributes_of(request: kmock.Request) -> Attributes:
+        # k8s.io/apiserver/pkg/endpoints/request/requestinfo.go RequestInfoFactory.NewRequestInfo:
+        # a list or watch names the object its metadata.name field selector requires, and a
+        # Namespace's own namespace is its name (/api/v1/namespaces/NAME[/status]).
+        resource = request.resource
+        assert resource is not None and resource.plural is not None
+        verb = _verb(request)
+        name = request.name or ""
+        if not name and verb in ("list", "watch"):
+            name = _field_selector_name(request.params.get("fieldSelector", ""))
+        namespace = request.namespace or ""
+        if not resource.group and resource.plural == "namespaces" and request.name:
+            namespace = request.name
+        return Attributes(
+            verb, resource.group or "", resource.plural, request.subresource or "", name, namespace
+        )
+
     def _authorize(self, request: kmock.Request) -> kmock.KubernetesError | None:
-        # Fixes kmock 0.8, which has no authorization: a request whose token names a
-        # ServiceAccount is allowed only by a rule of a Role bound to it (RBAC, namespaced
-        # Roles only, which is all the operator grants), else 403 Forbidden with the API
-        # server's message. Discovery (no resource) is open, as to system:authenticated.
-        user = self.identities.get(_bearer_token(request))
+        # Fixes kmock 0.8, which has no authorization: kube-apiserver's RBAC authorizer
+        # (plugin/pkg/auth/authorizer/rbac/rbac.go RBACAuthorizer.Authorize, v1.3x) allows a
+        # request only by a rule bound to its user; else 403 Forbidden with the message of
+        # k8s.io/apiserver/pkg/endpoints/handlers/responsewriters/errors.go forbiddenMessage()
+        # plus the authorizer's reason ("RBAC: " and the bindings whose role is missing).
+        # Discovery and other non-resource paths are open, as to system:authenticated.
+        user = self._user_of(request)
         resource = request.resource
         if user is None or resource is None or resource.plural is None:
             return None
-        verb = _verb(request)
-        plural = resource.plural + (f"/{request.subresource}" if request.subresource else "")
-        namespace = request.namespace
-        if user.startswith("system:serviceaccount:") and namespace is not None:
-            sa_namespace, sa_name = user.removeprefix("system:serviceaccount:").split(":", 1)
-            for rule in self._rules_for(namespace, sa_namespace, sa_name):
-                if _rule_allows(rule, resource.group or "", plural, verb, request.name):
-                    return None
-        where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
-        target = (
-            f'{_group_resource(resource)} "{request.name}"' if request.name else _group_resource(resource)
+        attributes = self._attributes_of(request)
+        allowed, errors = self._authorizes(user, attributes)
+        if allowed:
+            return None
+        combined = attributes.resource + (f"/{attributes.subresource}" if attributes.subresource else "")
+        where = (
+            f' in the namespace "{attributes.namespace}"' if attributes.namespace else " at the cluster scope"
         )
-        return kmock.KubernetesError(
-            403,
-            "Forbidden",
-            f'{target} is forbidden: User "{user}" cannot {verb} resource "{plural}" in API group '
-            f'"{resource.group or ""}"{where}',
-            {"name": request.name or "", "group": resource.group, "kind": resource.plural},
+        message = (
+            f'User "{user.name}" cannot {attributes.verb} resource "{combined}" in API group '
+            f'"{attributes.group}"{where}'
         )
+        if errors:
+            message += f": RBAC: {_aggregate(errors)}"
+        return forbidden(resource, request.name or "", message)
 
-    def _rules_for(self, namespace: str, sa_namespace: str, sa_name: str) -> list[JsonObject]:
-        roles = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
+    def _authorizes(self, user: UserInfo, attributes: Attributes) -> tuple[bool, list[str]]:
+        """Whether RBAC allows ``attributes`` to ``user``, and the rule resolution errors."""
+        rules, errors = self._rules_for(user, attributes.namespace)
+        return any(_rule_allows(rule, attributes) for rule in rules), errors
+
+    def _rules_for(
+        self, user: UserInfo, namespace: str, *, registry: bool = False
+    ) -> tuple[list[JsonObject], list[str]]:
+        # pkg/registry/rbac/validation/rule.go DefaultRuleResolver.VisitRulesFor()/RulesFor():
+        # the rules of the roles of every ClusterRoleBinding naming the user, then (for a
+        # namespace) of every RoleBinding in that namespace naming it; a roleRef names a Role
+        # of the binding's namespace or a ClusterRole (GetRoleReferenceRules). A missing role
+        # grants nothing and is reported. Candidates come from the subject index, re-checked.
         self._refresh_indexes()
-        candidates = sorted(self._bindings_by_subject.get((namespace, sa_namespace, sa_name), ()), key=str)
+        keys = user.subject_keys()
+        wanted = set(keys)
         rules: list[JsonObject] = []
-        for binding in (self._live_object(key) for key in candidates):
-            if binding is None or binding["metadata"].get("namespace") != namespace:
-                continue
-            if not any(
-                s.get("kind") == "ServiceAccount"
-                and s.get("name") == sa_name
-                and s.get("namespace", namespace) == sa_namespace
-                for s in binding.get("subjects") or []
-            ):
-                continue
-            ref = binding.get("roleRef") or {}
-            role = (
-                self._live_object((roles, namespace, ref.get("name", "")))
-                if ref.get("kind") == "Role"
-                else None
+        errors: list[str] = []
+        for scope in ("", namespace) if namespace else ("",):
+            candidates: set[ObjectKey] = set()
+            for key in keys:
+                candidates |= self._bindings_by_subject.get((scope, key), set())
+            for binding_key in sorted(candidates, key=str):
+                binding = self._live_object(binding_key)
+                if binding is None or (binding["metadata"].get("namespace") or "") != scope:
+                    continue
+                if not any(_subject_key(s, scope) in wanted for s in binding.get("subjects") or []):
+                    continue
+                role_rules, error = self._role_reference_rules(
+                    binding.get("roleRef") or {}, scope, registry=registry
+                )
+                rules += role_rules
+                if error is not None:
+                    errors.append(str(error.message))
+        return rules, errors
+
+    def _role_reference_rules(
+        self, role_ref: JsonObject, namespace: str, *, registry: bool
+    ) -> tuple[list[JsonObject], kmock.KubernetesError | None]:
+        # rule.go DefaultRuleResolver.GetRoleReferenceRules(). The authorizer reads roles from
+        # informer listers, whose NotFound says `role.rbac...`; the RBAC storage reads them from
+        # the registry, whose NotFound says `roles.rbac...`.
+        kind, name = role_ref.get("kind"), str(role_ref.get("name", ""))
+        if kind not in ROLE_RESOURCES:
+            return [], kmock.KubernetesError(
+                500, "InternalError", f'unsupported role reference kind: "{kind}"', {}
             )
-            rules += (role or {}).get("rules") or []
-        return rules
+        resource = ROLES if kind == "Role" else CLUSTER_ROLES
+        role = None
+        if kind == "ClusterRole":
+            role = self._live_object((resource, None, name))
+        elif namespace:
+            role = self._live_object((resource, namespace, name))
+        if role is None:
+            plural = resource.plural if registry else str(kind).lower()
+            return [], kmock.KubernetesError(
+                404,
+                "NotFound",
+                f'{plural}.{RBAC_GROUP} "{name}" not found',
+                {"name": name, "group": RBAC_GROUP, "kind": plural},
+            )
+        return list(role.get("rules") or []), None
+
+    def _confirm_no_escalation(self, user: UserInfo, namespace: str, rules: list[JsonObject]) -> str | None:
+        # pkg/registry/rbac/validation/rule.go ConfirmNoEscalation(): the user must already
+        # hold every permission of `rules` in `namespace` ("" for cluster-wide: only
+        # ClusterRoleBindings count); the message lists the missing ones, compacted.
+        owner_rules, errors = self._rules_for(user, namespace, registry=True)
+        missing = _uncovered(owner_rules, rules)
+        if not missing:
+            return None
+        descriptions = sorted({_compact_string(rule) for rule in _compact_rules(missing)})
+        message = (
+            f'user "{user.name}" (groups={_go_strings(user.groups)}) is attempting to grant RBAC '
+            "permissions not currently held:\n" + "\n".join(descriptions)
+        )
+        if errors:
+            message += f"; resolution errors: [{' '.join(errors)}]"
+        return message
+
+    def _prevent_escalation(
+        self, request: kmock.Request, resource: kmock.resource, obj: JsonObject, old: JsonObject | None
+    ) -> None:
+        # kube-apiserver's RBAC storage (pkg/registry/rbac/{role,clusterrole}/policybased/
+        # storage.go Create/Update, v1.3x): a Role or ClusterRole is written only if its writer
+        # holds `escalate` on it (RoleEscalationAuthorized) or already holds every rule it
+        # grants (ConfirmNoEscalation, in its namespace or cluster-wide); the
+        # {role,clusterrole}binding policybased storage writes a binding only if its writer
+        # holds `bind` on the role (BindingAuthorized) or every rule of the role
+        # (GetRoleReferenceRules, 404 if it is missing, then ConfirmNoEscalation). System
+        # masters (admin tokens) skip it (EscalationAllowed), and so does an update that changes
+        # only ownerReferences and finalizers (IsOnlyMutatingGCFields). Runs before validation.
+        if resource.group != RBAC_GROUP or resource.plural not in {
+            *ROLE_RESOURCES.values(),
+            *BINDING_RESOURCES,
+        }:
+            return
+        user = self._user_of(request)
+        if user is None or (old is not None and _only_gc_fields_change(obj, old)):
+            return
+        meta = obj.get("metadata") or {}
+        namespace = str(meta.get("namespace") or "")
+        name = str(meta.get("name") or "")
+        if resource.plural in ROLE_RESOURCES.values():
+            escalate = Attributes(
+                "escalate", RBAC_GROUP, resource.plural, "", request.name or "", request.namespace or ""
+            )
+            if self._authorizes(user, escalate)[0]:
+                return
+            rules = list(obj.get("rules") or [])
+        else:
+            role_ref = obj.get("roleRef") or {}
+            role_plural = ROLE_RESOURCES.get(role_ref.get("kind", ""))
+            if role_plural is not None:
+                bind = Attributes(
+                    "bind",
+                    str(role_ref.get("apiGroup", "")),
+                    role_plural,
+                    "",
+                    str(role_ref.get("name", "")),
+                    namespace,
+                )
+                if self._authorizes(user, bind)[0]:
+                    return
+            rules, error = self._role_reference_rules(role_ref, namespace, registry=True)
+            if error is not None:
+                raise error
+        denial = self._confirm_no_escalation(user, namespace, rules)
+        if denial is not None:
+            raise forbidden(resource, name, denial)
+
+    def _enforce_owner_references(
+        self, request: kmock.Request, resource: kmock.resource, obj: JsonObject, old: JsonObject | None
+    ) -> None:
+        # The OwnerReferencesPermissionEnforcement admission plugin
+        # (plugin/pkg/admission/gc/gc_admission.go gcPermissionsEnforcement.Validate, v1.3x),
+        # for writes by users other than admins: changing an object's ownerReferences on update
+        # needs `delete` on the object; each ownerReference with blockOwnerDeletion: true that is
+        # new, or was not blocking before (newBlockingOwnerDeletionRefs), needs `update` on the
+        # owner's `finalizers` subresource (ownerRefToDeleteAttributeRecords: the owner's kind
+        # mapped to its resource, in the object's namespace when the owner is namespaced).
+        # pods/status is exempt (whiteList). 403 in admission.NewForbidden's words.
+        if not self.owner_references_permission_enforcement:
+            return
+        user = self._user_of(request)
+        if user is None or (resource.group, resource.plural, request.subresource) == ("", "pods", "status"):
+            return
+        meta = obj.get("metadata") or {}
+        refs = list(meta.get("ownerReferences") or [])
+        old_refs = list((old or {}).get("metadata", {}).get("ownerReferences") or [])
+        if (not refs) if old is None else refs == old_refs:  # isChangingOwnerReference()
+            return
+        name = str(meta.get("name") or "")
+        namespace = str(meta.get("namespace") or "")
+        if old is not None:
+            delete = Attributes(
+                "delete",
+                resource.group or "",
+                str(resource.plural),
+                request.subresource or "",
+                name,
+                namespace,
+            )
+            allowed, errors = self._authorizes(user, delete)
+            if not allowed:
+                reason = f"RBAC: {_aggregate(errors)}" if errors else ""
+                raise forbidden(
+                    resource, name, f"cannot set an ownerRef on a resource you can't delete: {reason}, <nil>"
+                )
+        was_blocking = {ref.get("uid") for ref in old_refs if ref.get("blockOwnerDeletion") is True}
+        for ref in refs:
+            if ref.get("blockOwnerDeletion") is not True or ref.get("uid") in was_blocking:
+                continue
+            api_version, kind = str(ref.get("apiVersion", "")), str(ref.get("kind", ""))
+            mappings = self._rest_mappings(api_version, kind)
+            if isinstance(mappings, str):
+                raise forbidden(
+                    resource,
+                    name,
+                    "cannot set blockOwnerDeletion in this case because cannot find RESTMapping for "
+                    f"APIVersion {api_version} Kind {kind}: {mappings}",
+                )
+            for owner_resource, info in mappings:
+                finalizers = Attributes(
+                    "update",
+                    owner_resource.group or "",
+                    str(owner_resource.plural),
+                    "finalizers",
+                    str(ref.get("name", "")),
+                    namespace if info.namespaced else "",
+                )
+                allowed, errors = self._authorizes(user, finalizers)
+                if not allowed:
+                    reason = f"RBAC: {_aggregate(errors)}" if errors else ""
+                    raise forbidden(
+                        resource,
+                        name,
+                        "cannot set blockOwnerDeletion if an ownerReference refers to a resource you "
+                        f"can't set finalizers on: {reason}, <nil>",
+                    )
+
+    def _rest_mappings(
+        self, api_version: str, kind: str
+    ) -> list[tuple[kmock.resource, kmock.ResourceInfo]] | str:
+        """The served resources of a kind in a group/version (a RESTMapper's RESTMappings), or
+        the error message when there is none."""
+        group, _, version = api_version.rpartition("/")
+        if "/" in group:
+            return f"unexpected GroupVersion string: {api_version}"
+        mappings = [
+            (resource, info)
+            for resource, info in list(self.resources.items())
+            if isinstance(resource, kmock.resource)
+            and isinstance(info, kmock.ResourceInfo)
+            and (resource.group or "") == group
+            and resource.version == version
+            and info.kind == kind
+        ]
+        return mappings or f'no matches for kind "{kind}" in version "{api_version}"'
+
+    def _call_webhooks(
+        self, request: kmock.Request, resource: kmock.resource, obj: JsonObject, old: JsonObject | None
+    ) -> None:
+        # Validating admission webhooks (k8s.io/apiserver/pkg/admission/plugin/webhook/validating
+        # Plugin.Validate, v1.3x), called for every user, admins included, after schema
+        # validation; a denial becomes 403 with webhookerrors.ToStatusErr()'s message
+        # ("admission webhook %q denied the request: %s"), a webhook that cannot answer a 500.
+        operation = "CREATE" if old is None else "UPDATE"
+        for webhook in list(self.validating_webhooks):
+            if not webhook.matches(str(resource.plural), request.subresource, operation):
+                continue
+            try:
+                message = webhook.check(copy.deepcopy(obj), copy.deepcopy(old) if old is not None else None)
+            except Exception as e:
+                raise kmock.KubernetesError(
+                    500,
+                    "InternalError",
+                    f'Internal error occurred: failed calling webhook "{webhook.name}": {e!r}',
+                    {},
+                ) from e
+            if message is not None:
+                raise kmock.KubernetesError(
+                    403,
+                    "Forbidden",
+                    f'admission webhook "{webhook.name}" denied the request: {message or "Forbidden"}',
+                    {},
+                )
 
     def _fault_for(self, request: kmock.Request) -> WriteFault | None:
         if self.write_faults is None or not self._is_emulated_write(request) or request.resource is None:
@@ -690,18 +1282,20 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return aiohttp.web.json_response(body, status=code)
 
     @staticmethod
-    def _forbidden_response(error: kmock.KubernetesError) -> aiohttp.web.Response:
-        body = {
+    def _error_response(error: kmock.KubernetesError) -> aiohttp.web.Response:
+        """The Status body of a refusal, as the API server sends it (details only if any)."""
+        body: JsonObject = {
             "apiVersion": "v1",
             "kind": "Status",
             "metadata": {},
             "status": "Failure",
-            "code": 403,
-            "reason": "Forbidden",
+            "code": error.status,
+            "reason": error.reason,
             "message": error.message,
-            "details": error.details,
         }
-        return aiohttp.web.json_response(body, status=403)
+        if error.details:
+            body["details"] = error.details
+        return aiohttp.web.json_response(body, status=error.status)
 
     async def _react(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         # Replaces RawHandler._handle (kmock 0.8), whose only difference is how it asks whether
@@ -833,6 +1427,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
         kind: str = obj.setdefault("kind", info.kind or "")
         obj.setdefault("apiVersion", _api_version(resource))
+        self._prevent_escalation(request, resource, obj, None)
         if not meta.get("name"):
             if not meta.get("generateName"):
                 raise invalid(kind, "", "metadata.name", "Required value: name or generateName is required")
@@ -844,13 +1439,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if "status" in info.subresources:
             obj.pop("status", None)  # status is written only through the status subresource
         obj = self._admit(request, resource, obj, None)
-        meta = obj["metadata"]
-        meta.update(
-            uid=str(uuid.uuid4()),
-            resourceVersion=self._next_resource_version(),
-            creationTimestamp=_now(),
-            generation=1,
-        )
+        # The system fields are set before validating admission sees the object (BeforeCreate);
+        # the resourceVersion only when it is stored.
+        obj["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+        self._enforce_owner_references(request, resource, obj, None)
+        self._call_webhooks(request, resource, obj, None)
+        obj["metadata"]["resourceVersion"] = self._next_resource_version()
         self._store(key, obj)
         self._record(resource, "ADDED", None, obj)
         self._collect_if_ownerless(key, obj)
@@ -892,6 +1486,21 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             causes += schema_causes
         elif self.validate_builtins and resource not in self._custom:
             causes += self._builtin_schemas.causes(obj)
+        if (
+            old is not None
+            and resource.group == RBAC_GROUP
+            and resource.plural in BINDING_RESOURCES
+            and obj.get("roleRef") != old.get("roleRef")
+        ):
+            # pkg/apis/rbac/validation/validation.go ValidateRoleBindingUpdate(): a binding
+            # keeps its role for life (delete and recreate it to bind another).
+            causes.append(
+                Cause(
+                    "FieldValueInvalid",
+                    f"Invalid value: {obj.get('roleRef')!r}: cannot change roleRef",
+                    "roleRef",
+                )
+            )
         if causes and not (old is not None and old["metadata"].get("deletionTimestamp")):
             raise invalid_causes(resource, kind, name, causes)
         return obj
@@ -927,7 +1536,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             new = self._patched(request, resource, old)
         new = self._confine_to_endpoint(old, new, request.subresource, info)
         new = self._with_server_metadata(old, new)
+        self._prevent_escalation(request, resource, new, old)
         new = self._admit(request, resource, new, old)
+        self._enforce_owner_references(request, resource, new, old)
+        self._call_webhooks(request, resource, new, old)
         if new == old:
             return old  # a no-op write: same resourceVersion, no watch event, as the real server
 
@@ -1122,13 +1734,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             self._key_by_uid[uid] = key
 
     def _index_subjects(self, key: ObjectKey, obj: JsonObject) -> None:
-        if key[0].group != "rbac.authorization.k8s.io" or key[0].plural != "rolebindings":
+        if key[0].group != RBAC_GROUP or key[0].plural not in BINDING_RESOURCES:
             return
-        namespace = key[1] or ""
+        scope = key[1] or ""
         for subject in obj.get("subjects") or []:
-            if subject.get("kind") == "ServiceAccount":
-                where = (namespace, subject.get("namespace", namespace), subject.get("name", ""))
-                self._bindings_by_subject.setdefault(where, set()).add(key)
+            subject_key = _subject_key(subject, scope)
+            if subject_key is not None:
+                self._bindings_by_subject.setdefault((scope, subject_key), set()).add(key)
 
     def _refresh_indexes(self) -> None:
         """Rebuild the lookup indexes if the store changed other than through _store()."""
@@ -1163,8 +1775,56 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self, resource: kmock.resource, type: str, previous: JsonObject | None, current: JsonObject
     ) -> None:
         event = WatchEvent(int(current["metadata"]["resourceVersion"]), type, previous, current)
-        self._watch_logs.setdefault(resource, []).append(event)
+        self._watch_log(resource).append(event, self.watch_history_limit)
         self._wake_watchers()
+
+    def _watch_log(self, resource: kmock.resource) -> WatchLog:
+        log = self._watch_logs.get(resource)
+        if log is None:
+            log = self._watch_logs[resource] = WatchLog()
+        return log
+
+    def compact(self) -> int:
+        """Forget every watch event up to the current resourceVersion, as etcd's compaction
+        does (kube-apiserver compacts every 5 minutes); return that revision.
+
+        A watch from an older resourceVersion then gets 410 Gone, and so does a list asking for
+        one exactly (``resourceVersionMatch=Exact``). Call on the server's loop (from another
+        thread: ``EmulatedCluster.compact()``).
+        """
+        revision = self._resource_version
+        self._compacted_revision = revision
+        for log in self._watch_logs.values():
+            log.forget_through(revision)
+        return revision
+
+    def watch_gap(self, actions: Callable[[], object] = lambda: None) -> int:
+        """End every watch, run ``actions``, compact: what a watcher sees when it was away
+        longer than the server's history (its next watch gets 410 Gone and must re-list, and
+        sees no events of what ``actions`` did). Atomic: no request is served in between.
+        Call on the server's loop (from another thread: ``EmulatedCluster.watch_gap()``)."""
+        self.drop_watches()
+        actions()
+        return self.compact()
+
+    def delete_stored_object(
+        self,
+        resource: kmock.resource,
+        name: str,
+        namespace: str | None = None,
+        *,
+        propagation: str = "Background",
+    ) -> JsonObject:
+        """Delete an object as an API DELETE does (finalizers hold it; its dependents are
+        garbage-collected), with no request: for functions on the server's loop, such as the
+        actions of :meth:`watch_gap`. Returns the object as the DELETE would answer."""
+        if resource not in self.resources:
+            raise not_found(resource, None)
+        key = self._object_key(resource, self.resources[resource], namespace, name)
+        old = self._live_object(key)
+        if old is None:
+            raise not_found(resource, name)
+        return self._delete(key, old, propagation=propagation)
 
     def _wake_watchers(self) -> None:
         # Each waiting watcher holds the Event it saw; setting it and starting a fresh one
@@ -1192,6 +1852,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # "...", and /api/v1/namespaces cannot be listed (see _parse_namespace_paths).
         resource, info = self._resource_of(request)
         object_filter = ObjectFilter.from_request(request)
+        exact = request.params.get("resourceVersion") or ""
+        exact_match = request.params.get("resourceVersionMatch") == "Exact"
+        if exact_match and exact.isdigit() and int(exact) < self._compacted_revision:
+            # k8s.io/apiserver/pkg/storage/etcd3/errors.go interpretListError(): etcd answers
+            # ErrCompacted for a read at a compacted revision.
+            raise kmock.KubernetesError(
+                410, "Expired", "The resourceVersion for the provided list is too old.", {}
+            )
         return {
             "apiVersion": _api_version(resource),
             "kind": f"{info.kind}List",
@@ -1232,7 +1900,25 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             raise bad_request(f"invalid resourceVersion: {since!r}")
         timeout = float(request.params["timeoutSeconds"]) if "timeoutSeconds" in request.params else None
         initial_events = since == "0" or request.params.get("sendInitialEvents") == "true"
-        log = self._watch_logs.setdefault(resource, [])
+        log = self._watch_log(resource)
+        oldest = max(log.floor, self._compacted_revision)
+        if not initial_events and int(since) < oldest:
+            # k8s.io/apiserver/pkg/storage/cacher/watch_cache.go getAllEventsSinceLocked(): a
+            # resourceVersion older than the oldest event kept is "too old" (410 Expired), and
+            # Cacher.Watch answers it as newErrWatcher() does: 200, one ERROR event, the end.
+            yield {
+                "type": "ERROR",
+                "object": {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "message": f"too old resource version: {int(since)} ({oldest})",
+                    "reason": "Expired",
+                    "code": 410,
+                },
+            }
+            return
         if initial_events:
             start = self._resource_version
             initial = [
@@ -1242,11 +1928,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             ]
         else:
             start, initial = int(since), []
-        position = bisect.bisect_right(log, start, key=lambda event: event.resource_version)
+        position = log.position_after(start)
 
         yield b""  # send the headers now: a client waits for them before reading any event
-        for event in initial:
-            yield event
+        for initial_event in initial:
+            yield initial_event
         if request.params.get("sendInitialEvents") == "true":
             yield {
                 "type": "BOOKMARK",
@@ -1264,8 +1950,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         deadline = None if timeout is None else loop.time() + timeout
         epoch = self._watch_epoch
         while not self._watches_closed and epoch == self._watch_epoch:
-            while position < len(log):
-                event = log[position]
+            while not self._watches_closed and epoch == self._watch_epoch:
+                index = position - log.dropped
+                if index < 0:
+                    # Events it has not sent yet were forgotten (compaction, the history bound):
+                    # end the stream, as the cacher ends a watcher that cannot keep up; the
+                    # client re-watches from its last resourceVersion (and gets 410 Gone).
+                    return
+                if index >= len(log.events):
+                    break
+                event = log.events[index]
                 seen_as = self._as_seen_by(object_filter, event)
                 position += 1
                 if seen_as is not None:

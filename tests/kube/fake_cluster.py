@@ -67,7 +67,9 @@ class FakeCluster:
             return False
         self.writes += 1
         created = copy.deepcopy(dict(obj))
-        created["metadata"].update(creationTimestamp=T0.isoformat(), generation=1)
+        created["metadata"].update(
+            creationTimestamp=T0.isoformat(), generation=1, uid=f"uid-{obj['kind']}-{obj['metadata']['name']}"
+        )
         self.objects[key] = created
         return True
 
@@ -89,6 +91,25 @@ class FakeCluster:
         self._check("patch", "RLHFJob/status")
         self.writes += 1
         merge(self.objects[("RLHFJob", name)].setdefault("status", {}), status)
+
+    def find_workload(self, namespace: str, job_uid: str) -> dict[str, Any] | None:
+        """Kueue's Workload of the RayJob with ``job_uid`` (its ``kueue.x-k8s.io/job-uid`` label)."""
+        self._check("list", "Workload")
+        self.reads += 1
+        for (kind, _), obj in self.objects.items():
+            labels = obj["metadata"].get("labels") or {}
+            if kind == "Workload" and labels.get("kueue.x-k8s.io/job-uid") == job_uid:
+                return copy.deepcopy(obj)
+        return None
+
+    def get_crd(self, name: str) -> dict[str, Any] | None:
+        return None
+
+    def list_children(self, namespaces: Any, label_selector: str, kinds: Any = None) -> list[dict[str, Any]]:
+        return [c for c in self.children() if kinds is None or c["kind"] in kinds]
+
+    def list_jobs(self, namespaces: Any) -> list[dict[str, Any]]:
+        return [copy.deepcopy(v) for (k, _), v in self.objects.items() if k == "RLHFJob"]
 
     def emit_event(self, job: Mapping[str, Any], event: Any) -> None:
         self._check("create", "Event")

@@ -333,6 +333,35 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
             raise RuntimeError("the cluster is not started: use it in a `with` block")
         self._loop.call_soon_threadsafe(self.emulator.drop_watches)
 
+    def run_on_server(self, function: Callable[[], T], *, timeout_seconds: float = 10.0) -> T:
+        """Run ``function`` on the server's loop, under the emulator's lock, and return its result
+        (or raise its exception): no request is served while it runs, so it may change the store
+        (``emulator.delete_stored_object``), as the emulator's threading protocol requires."""
+        loop = self._loop
+        if loop is None or self._url is None:
+            raise RuntimeError("the cluster is not started: use it in a `with` block")
+
+        async def locked() -> T:
+            async with self.emulator._lock:
+                return function()
+
+        return asyncio.run_coroutine_threadsafe(locked(), loop).result(timeout_seconds)
+
+    def compact(self) -> int:
+        """Compact the history as etcd does (``ApiServerEmulator.compact``); return the revision:
+        a watch or an ``Exact`` list from before it gets 410 Gone."""
+        return self.run_on_server(self.emulator.compact)
+
+    def watch_gap(self, actions: Callable[[], object] = lambda: None) -> int:
+        """End every watch, run ``actions`` on the server's loop, compact, in one step: watchers
+        reconnect to 410 Gone, re-list, and never see an event of what ``actions`` did, as after
+        a long disconnection. Returns the compacted revision. For example::
+
+            jobs = kmock.resource("hybridflow.io", "v1alpha1", "rlhfjobs")
+            cluster.watch_gap(lambda: cluster.emulator.delete_stored_object(jobs, "a", "default"))
+        """
+        return self.run_on_server(lambda: self.emulator.watch_gap(actions))
+
     def kubeconfig_with_token(self, token: str, namespace: str = "default") -> dict[str, Any]:
         """A kubeconfig whose requests carry ``token`` (an admin, unless ``identities`` names it):
         fault injection tells one client's writes from another's by it."""
@@ -341,17 +370,19 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
         return config
 
     def kubeconfig_as(self, user: str, namespace: str = "default") -> dict[str, Any]:
-        """A kubeconfig whose token the emulator authorizes as ``user`` (what a pod of that
-        ServiceAccount gets mounted): ``system:serviceaccount:<namespace>:<name>``."""
+        """A kubeconfig whose token the emulator authorizes as ``user`` (RBAC): a ServiceAccount,
+        ``system:serviceaccount:<namespace>:<name>`` (what a pod of it gets mounted), or any
+        other user name (a ``User`` subject)."""
         token = f"token-for-{user}"
         self.emulator.identities[token] = user
         return self.kubeconfig_with_token(token, namespace)
 
     def api_client_as(self, user: str) -> kubernetes.client.ApiClient:
-        """A client whose requests the emulator authorizes as ``user`` (RBAC: the Roles bound to it).
+        """A client whose requests the emulator authorizes as ``user`` (RBAC: the roles bound to it).
 
         ``user`` is a ServiceAccount's name in the API server's form,
-        ``system:serviceaccount:<namespace>:<name>``; the token is made up and registered here.
+        ``system:serviceaccount:<namespace>:<name>``, or any other user name; the token is made
+        up and registered here.
         """
         token = f"token-for-{user}"
         self.emulator.identities[token] = user

@@ -405,6 +405,8 @@ def test_one_worker_group_per_pool() -> None:
     ]
     assert [mount["mountPath"] for mount in head_mounts] == [
         "/etc/hybridflow",
+        "/home/hybridflow",
+        "/tmp",
         "/checkpoints",
         "/models",
         "/data",

@@ -133,14 +133,51 @@ def test_every_rendered_manifest_is_valid_kubernetes(name: str, tmp_path: Path) 
             pytest.fail(f"{where}: {err.message} at {list(err.path)}")
 
 
-def test_chart_crd_is_the_generated_one() -> None:
-    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
-    shipped = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
-    assert shipped == generated
-    for name in generated:
-        assert (CHART / "crds" / name).read_text() == (ROOT / "crds" / name).read_text(), (
-            f"helm/hybridflow/crds/{name} differs from crds/{name}: copy it (`make crds`)"
-        )
+def test_chart_crd_is_the_generated_one(tmp_path: Path) -> None:
+    """The chart renders exactly the generated CRD (plus Helm's keep annotation and its labels)."""
+    from hybridflow_operator.crd import CHART_CRD_PATH, render_chart_crd
+
+    assert not (CHART / "crds").exists(), "helm never upgrades crds/: the CRD is a template"
+    assert CHART_CRD_PATH.read_text() == render_chart_crd(), "templates/crd.yaml is stale: `make crds`"
+    (rendered,) = by_kind(render({}, tmp_path), "CustomResourceDefinition")
+    assert rendered["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert rendered["metadata"].pop("labels")["app.kubernetes.io/part-of"] == "hybridflow"
+    assert rendered == yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text())
+
+
+def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it(tmp_path: Path) -> None:
+    """``helm upgrade`` applies templates only (never crds/): the CRD is one, so an upgrade renders
+    the new schema; ``resource-policy: keep`` saves every RLHFJob from ``helm uninstall``."""
+    values = tmp_path / "values.yaml"
+    values.write_text("{}")
+    upgrade = subprocess.run(
+        [helm_binary(), "template", RELEASE, str(CHART), "-n", NAMESPACE, "--is-upgrade", "-f", str(values)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    crds = [doc for doc in yaml.safe_load_all(upgrade) if doc and doc["kind"] == "CustomResourceDefinition"]
+    assert [crd["metadata"]["name"] for crd in crds] == ["rlhfjobs.hybridflow.io"]
+    assert crds[0]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert not by_kind(render({"crds": {"install": False}}, tmp_path), "CustomResourceDefinition")
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert "helm upgrade" in notes and "CRD" in notes
+
+
+def test_the_capabilities_allow_list_comes_from_the_values(tmp_path: Path) -> None:
+    (default,) = by_kind(render({}, tmp_path), "CustomResourceDefinition")
+    (wider,) = by_kind(
+        render({"podSecurity": {"allowedCapabilities": ["IPC_LOCK", "SYS_NICE", "SYS_PTRACE"]}}, tmp_path),
+        "CustomResourceDefinition",
+    )
+
+    def rule(crd: dict[str, Any]) -> str:
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        (found,) = [r["rule"] for r in spec["x-kubernetes-validations"] if "capabilities.add" in r["rule"]]
+        return str(found)
+
+    assert "['IPC_LOCK', 'SYS_NICE']" in rule(default)
+    assert rule(wider) == rule(default).replace("'SYS_NICE']", "'SYS_NICE', 'SYS_PTRACE']")
 
 
 def test_deployment_is_pod_security_restricted(tmp_path: Path) -> None:
@@ -305,6 +342,7 @@ VERB_OF_PREFIX = {
     "replace": "update",
 }
 GROUP_OF_CLIENT = {
+    "ApiextensionsV1Api": "apiextensions.k8s.io",
     "CoreV1Api": "",
     "RbacAuthorizationV1Api": "rbac.authorization.k8s.io",
     "CoordinationV1Api": "coordination.k8s.io",
@@ -440,6 +478,12 @@ def permissions_the_code_uses() -> set[Permission]:
     # Role it creates for each job's controller.
     for rule in build_role(JobRef("ns", "job", "uid"))["rules"]:
         found |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    # OwnerReferencesPermissionEnforcement: an owner reference with blockOwnerDeletion needs update
+    # on the owner's finalizers, and every child the builders make carries one.
+    from hybridflow_operator.builders import owner_reference
+
+    if owner_reference(JobRef("ns", "job", "uid")).get("blockOwnerDeletion"):
+        found.add((GROUP, f"{PLURAL}/finalizers", "update"))
     return found
 
 
@@ -469,10 +513,15 @@ def test_the_code_scan_finds_the_calls_it_should() -> None:
     assert VERSION == "v1alpha1"
 
 
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
+"""Resources without a namespace: granted by the ``-crds`` ClusterRole in every watch mode."""
+
+
 def _split_leases(used: set[Permission]) -> tuple[set[Permission], set[Permission]]:
     """(what the watched namespaces need, what leader election needs in the release's namespace)."""
     leases = {p for p in used if p[:2] == LEASES}
-    return used - leases, leases
+    cluster = {p for p in used if p[:2] in CLUSTER_SCOPED}
+    return used - leases - cluster, leases
 
 
 @pytest.mark.parametrize("name", ["defaults", "namespaces-and-monitors", "cluster-wide", "leader-elected"])
@@ -480,10 +529,20 @@ def test_rbac_grants_exactly_what_the_operator_uses(name: str, tmp_path: Path) -
     docs = render(VALUES_MATRIX[name], tmp_path)
     leader_elected = VALUES_MATRIX[name].get("leaderElection", {}).get("enabled", False)
     election_roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    (crds_role,) = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"].endswith("-crds")]
+    assert permissions_granted(crds_role["rules"]) == {
+        p for p in permissions_the_code_uses() if p[:2] in CLUSTER_SCOPED
+    }
     roles = [
-        r for r in by_kind(docs, "ClusterRole" if "cluster" in name else "Role") if r not in election_roles
+        r
+        for r in by_kind(docs, "ClusterRole" if "cluster" in name else "Role")
+        if r not in election_roles and r is not crds_role
     ]
-    bindings = by_kind(docs, "ClusterRoleBinding" if "cluster" in name else "RoleBinding")
+    bindings = [
+        b
+        for b in by_kind(docs, "ClusterRoleBinding" if "cluster" in name else "RoleBinding")
+        if not b["metadata"]["name"].endswith("-crds")
+    ]
     expected_namespaces = {
         "defaults": [NAMESPACE],
         "leader-elected": [NAMESPACE],
@@ -493,7 +552,7 @@ def test_rbac_grants_exactly_what_the_operator_uses(name: str, tmp_path: Path) -
         assert len(roles) == 1 and not by_kind(docs, "Role")
     else:
         assert sorted(r["metadata"]["namespace"] for r in roles) == expected_namespaces[name]
-        assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+        assert by_kind(docs, "ClusterRole") == [crds_role] and len(by_kind(docs, "ClusterRoleBinding")) == 1
     watched, leases = _split_leases(permissions_the_code_uses())
     for role in roles:
         assert permissions_granted(role["rules"]) == watched, role["metadata"]

@@ -57,6 +57,68 @@ def test_children_are_cached_by_their_job_label() -> None:
     )
 
 
+@pytest.mark.parametrize("length", [63, 64, 200, 253])
+def test_children_of_a_job_with_a_long_name_are_found_by_its_hashed_label(length: int) -> None:
+    """A name over 63 characters labels its children with a cut, hashed value (names.job_label_value)."""
+    from hybridflow_operator.names import job_label_value
+
+    name = ("a" * length)[:length]
+    key = ("default", name)
+    cache = JobCache()
+    cache.put_job(key, {"metadata": {"name": name, "namespace": "default", "uid": "u"}})
+    child = {
+        "kind": "RayJob",
+        "metadata": {
+            "name": "x-1",
+            "namespace": "default",
+            "labels": {"hybridflow.io/job": job_label_value(name)},
+        },
+    }
+    assert cache.put_child(child, deleted=False) == key
+    assert list(cache.children_of(key)) == [("RayJob", "x-1")]
+    assert cache.put_child(child, deleted=True) == key and not cache.children_of(key)
+
+
+def test_a_relist_finds_what_was_deleted_while_the_watch_was_gone() -> None:
+    """After 410 Gone kopf re-lists and delivers no DELETED events: the caches drop what the list
+    no longer returns, and keep what an event put there after the list began."""
+    from hybridflow_operator.relist import Relister
+
+    cache = JobCache()
+    labels = {"hybridflow.io/job": "job"}
+    for name in ("job", "gone"):
+        cache.put_job(("default", name), {"metadata": {"name": name, "namespace": "default"}})
+    kept = {"kind": "RayJob", "metadata": {"name": "job-1", "namespace": "default", "labels": labels}}
+    deleted = {"kind": "RayJob", "metadata": {"name": "job-2", "namespace": "default", "labels": labels}}
+    cache.put_child(kept, deleted=False)
+    cache.put_child(deleted, deleted=False)
+
+    class Listing:
+        def list_jobs(self, namespaces: Any) -> list[dict[str, Any]]:
+            # An event puts a new job while the list is under way: newer than the list.
+            cache.put_job(("default", "new"), {"metadata": {"name": "new", "namespace": "default"}})
+            return [{"metadata": {"name": "job", "namespace": "default"}}]
+
+        def list_children(self, namespaces: Any, selector: str, kinds: Any = None) -> list[dict[str, Any]]:
+            assert kinds == ["RayJob"]
+            return [kept]
+
+    gone_jobs: list[tuple[str, str]] = []
+    gone_children: list[dict[str, Any]] = []
+    relister = Relister(
+        Listing(),
+        cache,
+        namespaces=["default"],
+        label_selector="x=y",
+        on_job_gone=gone_jobs.append,
+        on_child_gone=gone_children.append,
+    )
+    relister.relist("RLHFJob")
+    relister.relist("RayJob")
+    assert gone_jobs == [("default", "gone")]
+    assert [c["metadata"]["name"] for c in gone_children] == ["job-2"]
+
+
 def test_the_cache_keeps_what_a_pass_reads_of_a_rayjob() -> None:
     cache = JobCache()
     labels = {"hybridflow.io/job": "job"}
@@ -144,8 +206,17 @@ class RecordingCluster:
     def emit_event(self, job: Any, event: Any) -> None:
         self.writes.append(("create", "Event"))
 
-    def list_children(self, namespaces: Any, label_selector: str) -> list[dict[str, Any]]:
+    def list_children(self, namespaces: Any, label_selector: str, kinds: Any = None) -> list[dict[str, Any]]:
         return []
+
+    def list_jobs(self, namespaces: Any) -> list[dict[str, Any]]:
+        return []
+
+    def find_workload(self, namespace: str, job_uid: str) -> dict[str, Any] | None:
+        return None
+
+    def get_crd(self, name: str) -> dict[str, Any] | None:
+        return None
 
 
 def test_a_child_deleted_by_the_garbage_collector_is_not_recreated_for_a_job_that_is_gone() -> None:

@@ -138,39 +138,75 @@ def test_the_same_application_error_twice_stops_retrying() -> None:
     assert ("RayJob", "grpo-tiny-3") not in cluster.objects
 
 
-def test_suspend_is_written_only_for_the_users_own_changes() -> None:
+def workload_of(cluster: FakeCluster, rayjob: str) -> dict[str, Any]:
+    """Play Kueue: the Workload it makes for a queued RayJob (labelled with the RayJob's uid), active."""
+    uid = cluster.objects[("RayJob", rayjob)]["metadata"]["uid"]
+    workload = {
+        "kind": "Workload",
+        "metadata": {"name": f"rayjob-{rayjob}-abcde", "labels": {"kueue.x-k8s.io/job-uid": uid}},
+        "spec": {"active": True},
+    }
+    cluster.objects[("Workload", workload["metadata"]["name"])] = workload
+    return workload
+
+
+def test_a_queued_job_is_held_through_its_workload_never_its_suspend() -> None:
+    """Kueue unsuspends an admitted RayJob whoever suspended it: the hold goes through spec.active."""
     cluster = FakeCluster(job_body(queueName="research"))
     cluster.pass_()
     rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
     assert rayjob["spec"]["suspend"] is True  # created suspended: Kueue admits it
+    workload = workload_of(cluster, "grpo-tiny-1")
     rayjob["spec"]["suspend"] = False  # Kueue admits
     cluster.kuberay("grpo-tiny-1", "Running", "RUNNING")
-    assert cluster.pass_() == 1  # the status; nothing written to the RayJob
+    assert cluster.pass_() == 1  # the status; nothing written to the RayJob or the Workload
     cluster.job["spec"]["suspend"] = True  # the user suspends
     cluster.pass_()
-    assert rayjob["spec"]["suspend"] is True
-    rayjob["spec"]["suspend"] = False  # Kueue re-admits: the operator does not fight it
-    assert cluster.pass_() == 0
-    cluster.job["spec"]["suspend"] = False  # the user resumes
+    assert workload["spec"]["active"] is False
+    assert rayjob["spec"]["suspend"] is False  # Kueue's field: Kueue suspends it on the eviction
+    annotations = rayjob["metadata"]["annotations"]
+    assert annotations["hybridflow.io/workload-active"] == "false"
+    assert annotations["hybridflow.io/user-suspend"] == "true"
+    assert cluster.pass_() == 0  # the records say it is done
+    rayjob["spec"]["suspend"] = True  # Kueue evicts it
+    cluster.kuberay("grpo-tiny-1", "Suspended")
     cluster.pass_()
-    assert rayjob["metadata"]["annotations"]["hybridflow.io/user-suspend"] == "false"
-
-
-def test_resuming_a_queued_job_leaves_admission_to_kueue() -> None:
-    """The user's resume of a job Kueue has not admitted must not unsuspend its RayJob behind Kueue."""
-    cluster = FakeCluster(job_body(queueName="research"))
+    assert cluster.job["status"]["phase"] == "Suspended" and workload["spec"]["active"] is False
+    cluster.job["spec"]["suspend"] = False  # the user resumes: Kueue requeues and admits it
     cluster.pass_()
-    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
-    cluster.kuberay("grpo-tiny-1", "Suspended")  # parked by KubeRay until Kueue admits it
-    cluster.job["spec"]["suspend"] = True
-    cluster.pass_()
-    assert rayjob["metadata"]["annotations"]["hybridflow.io/user-suspend"] == "true"
-    cluster.job["spec"]["suspend"] = False
-    cluster.pass_()
-    assert rayjob["spec"]["suspend"] is True  # still Kueue's to flip
-    assert rayjob["metadata"]["annotations"]["hybridflow.io/user-suspend"] == "false"
+    assert workload["spec"]["active"] is True and rayjob["spec"]["suspend"] is True
+    assert rayjob["metadata"]["annotations"]["hybridflow.io/workload-active"] == "true"
     assert cluster.job["status"]["phase"] == "Queued"
     assert cluster.pass_() == 0
+
+
+def test_a_queued_job_suspended_before_it_starts_gets_no_rayjob_until_resumed() -> None:
+    """A new RayJob's Workload starts active, and Kueue would start it against the user's suspend."""
+    cluster = FakeCluster(job_body(queueName="research", suspend=True))
+    cluster.pass_()
+    assert ("RayJob", "grpo-tiny-1") not in cluster.objects
+    assert cluster.job["status"]["phase"] == "Suspended" and cluster.job["status"].get("attempts", 0) == 0
+    assert cluster.pass_() == 0
+    cluster.job["spec"]["suspend"] = False
+    cluster.pass_()
+    assert cluster.objects[("RayJob", "grpo-tiny-1")]["spec"]["suspend"] is True  # for Kueue to admit
+    assert cluster.job["status"]["phase"] == "Queued"
+
+
+def test_a_queued_job_without_its_workload_says_so_and_retries() -> None:
+    cluster = FakeCluster(job_body(queueName="research"))
+    cluster.pass_()
+    cluster.objects[("RayJob", "grpo-tiny-1")]["spec"]["suspend"] = False
+    cluster.kuberay("grpo-tiny-1", "Running", "RUNNING")
+    cluster.pass_()
+    cluster.job["spec"]["suspend"] = True
+    cluster.pass_()
+    ready = next(c for c in cluster.job["status"]["conditions"] if c["type"] == "ChildrenReady")
+    assert ready["status"] == "False" and ready["reason"] == "KueueWorkloadMissing"
+    assert cluster.result.failed  # retried with backoff
+    workload = workload_of(cluster, "grpo-tiny-1")
+    cluster.pass_()
+    assert workload["spec"]["active"] is False
 
 
 def test_suspend_without_a_queue_is_mirrored() -> None:
@@ -278,6 +314,78 @@ def test_kueue_queueing_and_preemption_spend_no_budget() -> None:
     assert active_time(cluster, "grpo-tiny-1")["seconds"] == 100  # the period Kueue ended, recorded once
     assert rayjob["spec"]["suspend"] is True  # and Kueue's suspend left alone
     assert cluster.pass_(admitted + timedelta(days=1)) == 0
+
+
+def test_a_deadline_stop_of_a_queued_job_deactivates_its_workload_and_stays_stopped() -> None:
+    cluster = FakeCluster(job_body(activeDeadlineSeconds=600, queueName="research"))
+    cluster.pass_()
+    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
+    workload = workload_of(cluster, "grpo-tiny-1")
+    rayjob["spec"]["suspend"] = False  # Kueue admits
+    rayjob["metadata"]["generation"] = 2
+    cluster.kuberay("grpo-tiny-1", "Running", "RUNNING")
+    cluster.pass_(T0 + timedelta(seconds=10))
+    cluster.pass_(T0 + timedelta(seconds=601))
+    assert cluster.job["status"]["reason"] == "DeadlineExceeded"
+    assert workload["spec"]["active"] is False  # Kueue evicts it and does not requeue it
+    assert rayjob["spec"]["suspend"] is False  # never written by the operator: Kueue would undo it
+    annotations = rayjob["metadata"]["annotations"]
+    assert annotations["hybridflow.io/stopped"] == "DeadlineExceeded"
+    assert annotations["hybridflow.io/workload-active"] == "false"
+    assert json.loads(annotations["hybridflow.io/active-time"])["seconds"] == 601
+    assert cluster.pass_(T0 + timedelta(seconds=700)) == 0
+
+
+def reconcile_with(cluster: FakeCluster, kuberay: Any, now: Any = T0) -> int:
+    from hybridflow_operator.reconcile import reconcile
+    from kube.fake_cluster import DEFAULTS
+
+    before = cluster.writes
+    cluster.result = reconcile(
+        copy.deepcopy(cluster.job), cluster.children(), cluster, DEFAULTS, now=now, kuberay=kuberay
+    )
+    return cluster.writes - before
+
+
+def test_on_kuberay_1_5_the_operator_keeps_the_startup_timeout_itself() -> None:
+    """KubeRay 1.5 serves no preRunningDeadlineSeconds (the API server would prune it): the operator
+    stops an attempt whose cluster has not started in time, and retries it."""
+    from hybridflow_operator.kuberay import KubeRayFeatures
+
+    kuberay_1_5 = KubeRayFeatures(installed=True, token_auth=True, pre_running_deadline=False)
+    cluster = FakeCluster(job_body(startupTimeoutSeconds=300, maxRestarts=1))
+    reconcile_with(cluster, kuberay_1_5)
+    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
+    assert "preRunningDeadlineSeconds" not in rayjob["spec"]
+    cluster.kuberay("grpo-tiny-1", "Initializing")
+    reconcile_with(cluster, kuberay_1_5, T0 + timedelta(seconds=100))
+    assert cluster.result.recheck_after_seconds == 200
+    reconcile_with(cluster, kuberay_1_5, T0 + timedelta(seconds=300))
+    assert rayjob["spec"]["suspend"] is True
+    assert rayjob["metadata"]["annotations"]["hybridflow.io/stopped"] == "StartupTimeout"
+    status = cluster.job["status"]
+    assert status["phase"] == "Retrying" and status["reason"] == "StartupTimeout"
+    reconcile_with(cluster, kuberay_1_5, T0 + timedelta(seconds=400))  # after the retry backoff
+    assert ("RayJob", "grpo-tiny-2") in cluster.objects
+    # KubeRay 1.6 keeps it itself: no timer, and the field is sent.
+    cluster = FakeCluster(job_body(startupTimeoutSeconds=300))
+    cluster.pass_()
+    assert cluster.objects[("RayJob", "grpo-tiny-1")]["spec"]["preRunningDeadlineSeconds"] == 300
+    cluster.kuberay("grpo-tiny-1", "Initializing")
+    cluster.pass_(T0 + timedelta(seconds=301))
+    assert cluster.job["status"]["phase"] == "Initializing"
+
+
+def test_a_kuberay_without_token_auth_is_refused_naming_the_minimum_version() -> None:
+    from hybridflow_operator.kuberay import KubeRayFeatures
+
+    old = KubeRayFeatures(installed=True, token_auth=False, pre_running_deadline=False)
+    cluster = FakeCluster(job_body())
+    reconcile_with(cluster, old)
+    assert ("RayJob", "grpo-tiny-1") not in cluster.objects
+    ready = next(c for c in cluster.job["status"]["conditions"] if c["type"] == "ChildrenReady")
+    assert ready["reason"] == "KubeRayUnsupported" and "1.5.1" in ready["message"]
+    assert ("Warning", "KubeRayUnsupported") in cluster.events
 
 
 def test_completion_time_written_by_the_workload_does_not_move_the_ttl() -> None:

@@ -50,6 +50,15 @@ permissions the job Role it creates grants, which it must hold itself): no more,
 - apiGroups: ["hybridflow.io"]
   resources: ["rlhfjobs/status"]
   verbs: ["get", "patch"]
+# Every child's owner reference sets blockOwnerDeletion, which OwnerReferencesPermissionEnforcement
+# (on by default in OpenShift) allows only to who may update the owner's finalizers.
+- apiGroups: ["hybridflow.io"]
+  resources: ["rlhfjobs/finalizers"]
+  verbs: ["update"]
+# A queued job is held and released through its Kueue Workload's spec.active.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "patch"]
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -88,4 +97,21 @@ release's namespace. Also derived from the code by the chart's tests.
 {{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
 {{- end -}}
 {{- join "," $pairs -}}
+{{- end -}}
+
+
+{{/* Cluster-scoped, in every mode: the CRDs, to learn which KubeRay is installed and to watch it appear. */}}
+{{- define "hybridflow.clusterRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["get", "list", "watch"]
+{{- end -}}
+
+{{/* The CRD's capabilities allow-list (CEL list items), from podSecurity.allowedCapabilities. */}}
+{{- define "hybridflow.allowedCapabilities" -}}
+{{- $quoted := list -}}
+{{- range .Values.podSecurity.allowedCapabilities -}}
+{{- $quoted = append $quoted (printf "'%s'" .) -}}
+{{- end -}}
+{{- join ", " $quoted -}}
 {{- end -}}

@@ -22,6 +22,7 @@ from hybridflow_operator.builders.rayjob import (
     pool_resource_name,
 )
 from hybridflow_operator.builders.rbac import build_role, build_role_binding, build_service_account
+from hybridflow_operator.kuberay import ASSUMED_CURRENT, KubeRayFeatures
 
 __all__ = [
     "CONFIG_KEY",
@@ -49,6 +50,7 @@ def build_children(
     attempt: int,
     defaults: RayJobDefaults,
     active_deadline_seconds: int | None = None,
+    kuberay: KubeRayFeatures = ASSUMED_CURRENT,
 ) -> list[dict[str, Any]]:
     """Every child of ``job`` for ``attempt``, in the order to create them.
 
@@ -63,6 +65,11 @@ def build_children(
         build_role_binding(owner),
         build_network_policy(owner, kuberay_pod_labels=dict(defaults.kuberay_pod_labels)),
         build_rayjob(
-            job, owner, attempt=attempt, defaults=defaults, active_deadline_seconds=active_deadline_seconds
+            job,
+            owner,
+            attempt=attempt,
+            defaults=defaults,
+            active_deadline_seconds=active_deadline_seconds,
+            kuberay=kuberay,
         ),
     ]

@@ -33,8 +33,15 @@ from this record, and updates the record in the same patch. Kueue flips ``suspen
 or preempt a queued RayJob; since that leaves the record alone, the operator never writes
 back, so the two never fight over the field."""
 STOPPED_ANNOTATION = "hybridflow.io/stopped"
-"""On a RayJob: why the operator stopped it (``DeadlineExceeded``). The operator's own record
-of a final decision, kept on a child the workload cannot write."""
+"""On a RayJob: why the operator stopped it (``DeadlineExceeded``, or ``StartupTimeout`` on a
+KubeRay without a startup deadline of its own). The operator's own record of its decision,
+kept on a child the workload cannot write."""
+WORKLOAD_ACTIVE_ANNOTATION = "hybridflow.io/workload-active"
+"""On a RayJob that Kueue queues: the ``spec.active`` the operator last wrote onto its Kueue
+Workload ("true"/"false"). Kueue undoes a suspend written on an admitted RayJob ("Job admitted,
+unsuspending"), so the operator holds a queued job (the user's suspend, a deadline stop) by
+deactivating its Workload, and writes that again only when what it wants differs from this
+record (``hybridflow_operator.kueue``)."""
 
 
 @dataclass(frozen=True)

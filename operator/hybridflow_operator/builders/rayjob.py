@@ -61,12 +61,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from hybridflow.spec import ResourcePoolSpec, RLHFJob, RLHFJobSpec
+from hybridflow.spec.security import ContainerSecurityOverride
 from hybridflow_operator.builders.configmap import CONFIG_MOUNT_PATH, CONFIG_PATH
 from hybridflow_operator.builders.metadata import (
     ATTEMPT_LABEL,
@@ -77,6 +77,7 @@ from hybridflow_operator.builders.metadata import (
     child_metadata,
     job_labels,
 )
+from hybridflow_operator.kuberay import ASSUMED_CURRENT, RAY_VERSION, KubeRayFeatures
 from hybridflow_operator.names import child_names, rayjob_name
 
 RAY_API_VERSION = "ray.io/v1"
@@ -124,9 +125,29 @@ class RayJobDefaults:
     Ray dashboard port (``builders.network_policy``)."""
 
 
-RUN_AS_USER = 1000
-"""uid and gid of every container: the runtime image's non-root user (Ray images use 1000 too)."""
+RUN_AS_USER = 10001
+"""uid and gid of every container: the runtime image's user (``images/runtime/Dockerfile``'s
+``USER``; a test reads the Dockerfile). Another uid would have no home and no passwd entry
+there: HOME would be ``/`` and every cache vLLM, Triton, torch and HF write unwritable."""
+HOME_DIR = "/home/hybridflow"
+"""The runtime image user's home (the Dockerfile's ``useradd --create-home``)."""
 SUBMITTER_CONTAINER = "ray-job-submitter"
+HOME_VOLUME = "home"
+TMP_VOLUME = "tmp"
+SCRATCH_MOUNTS: tuple[tuple[str, str], ...] = ((HOME_VOLUME, HOME_DIR), (TMP_VOLUME, "/tmp"))
+"""emptyDirs over HOME and /tmp in every Ray container, so that what the stack writes there is
+writable even under ``readOnlyRootFilesystem``: Ray's session directory (``/tmp/ray``) and its
+auth token, vLLM's and torch's compile caches, Triton's kernels (``~/.triton``), the HF cache."""
+
+STOP_COMMAND = "hybridflow"
+WORKER_GRACE_MARGIN_SECONDS = 30
+"""Workers' pods outlive the head's by this much, so that the controller's checkpoint, which
+every worker writes a shard of, is not cut off by the workers' own deadline."""
+PRESTOP_MARGIN_SECONDS = 5
+"""The preStop hook gives up this long before the kubelet's SIGKILL, so it returns (and logs) first."""
+CONTROLLER_ADDRESS_ENV = "HYBRIDFLOW_CONTROLLER_ADDRESS"
+"""Where ``hybridflow stop`` reaches the controller: set on the head (127.0.0.1); workers find the
+head from their Ray node (``hybridflow.incluster.stop``)."""
 
 
 def restricted_pod_security_context() -> dict[str, Any]:
@@ -143,12 +164,15 @@ def restricted_pod_security_context() -> dict[str, Any]:
     }
 
 
-def restricted_container_security_context(override: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def restricted_container_security_context(
+    override: ContainerSecurityOverride | None = None,
+) -> dict[str, Any]:
     """A container's security context under Pod Security "restricted", with ``override`` merged over it.
 
     The override (``resourcePools[].containerSecurityContext`` or
-    ``spec.pods.headContainerSecurityContext``) replaces whole keys: ``{capabilities: {add:
-    [IPC_LOCK], drop: [ALL]}}`` gives RDMA its capability and keeps the rest restricted.
+    ``spec.pods.headContainerSecurityContext``, an allow-list: ``hybridflow.spec.security``)
+    replaces whole keys: ``{capabilities: {add: [IPC_LOCK]}}`` gives RDMA its capability and keeps
+    every other one dropped.
     """
     context: dict[str, Any] = {
         "allowPrivilegeEscalation": False,
@@ -156,7 +180,12 @@ def restricted_container_security_context(override: Mapping[str, Any] | None = N
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    context.update(dict(override or {}))
+    if override is not None:
+        extra = override.model_dump(mode="json", by_alias=True, exclude_none=True)
+        capabilities = extra.get("capabilities")
+        if capabilities is not None and not capabilities.get("add"):
+            capabilities.pop("add", None)
+        context.update(extra)
     return context
 
 
@@ -264,14 +293,51 @@ def _pod_labels(spec: RLHFJobSpec, owner: JobRef, attempt: int, extra: dict[str,
     return labels
 
 
+def _ray_container_env() -> list[dict[str, Any]]:
+    """What every Ray container (head and workers) is told: its home, and the controller's port."""
+    return [
+        {"name": "HOME", "value": HOME_DIR},
+        {"name": METRICS_PORT_ENV, "value": str(CONTROLLER_METRICS_PORT)},
+    ]
+
+
+def _scratch_volumes() -> list[dict[str, Any]]:
+    return [{"name": name, "emptyDir": {}} for name, _ in SCRATCH_MOUNTS]
+
+
+def _scratch_mounts() -> list[dict[str, Any]]:
+    return [{"name": name, "mountPath": path} for name, path in SCRATCH_MOUNTS]
+
+
+def _stop_hook(grace_seconds: int) -> dict[str, Any]:
+    """The preStop hook of a Ray container: ``hybridflow stop`` (``hybridflow.incluster.stop``).
+
+    Why a hook: KubeRay stops nothing before it deletes an attempt's cluster (suspend, Kueue
+    preemption, a deadline; ``rayjob_controller.go`` leaves it to the pods' preStop hooks). Every
+    pod is deleted at once: the kubelet runs each container's preStop hook, then sends SIGTERM
+    to its PID 1 (``ray start --block``), then SIGKILL when the pod's grace period ends. Ray's
+    end kills the driver's process group, so without a hook the controller is gone before it
+    can save anything. The hook asks the controller to stop after its current step and waits
+    until it has exited (its checkpoint saved): on the head it holds the head's Ray up, on a
+    worker it holds that worker's Ray up, which the checkpoint writes through. It gives up
+    :data:`PRESTOP_MARGIN_SECONDS` before the kubelet would kill it.
+    """
+    timeout = max(1, grace_seconds - PRESTOP_MARGIN_SECONDS)
+    return {"preStop": {"exec": {"command": [STOP_COMMAND, "stop", "--timeout-seconds", str(timeout)]}}}
+
+
 def _head_group(
     spec: RLHFJobSpec, owner: JobRef, attempt: int, image: str, defaults: RayJobDefaults
 ) -> dict[str, Any]:
     volumes, mounts = _volumes(spec)
+    grace = spec.checkpoint.stop_grace_period_seconds
     container = {
         "name": HEAD_CONTAINER,
         "image": image,
-        "env": [{"name": METRICS_PORT_ENV, "value": str(CONTROLLER_METRICS_PORT)}],
+        "env": [
+            *_ray_container_env(),
+            {"name": CONTROLLER_ADDRESS_ENV, "value": "127.0.0.1"},
+        ],
         "ports": [
             *({"name": name, "containerPort": port} for name, port in RAY_HEAD_PORTS),
             {"name": "hf-metrics", "containerPort": CONTROLLER_METRICS_PORT},
@@ -280,8 +346,13 @@ def _head_group(
             "requests": {"cpu": defaults.head_cpu, "memory": defaults.head_memory},
             "limits": {"memory": defaults.head_memory},
         },
-        "volumeMounts": [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH, "readOnly": True}, *mounts],
+        "volumeMounts": [
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH, "readOnly": True},
+            *_scratch_mounts(),
+            *mounts,
+        ],
         "securityContext": restricted_container_security_context(spec.pods.head_container_security_context),
+        "lifecycle": _stop_hook(grace),
     }
     _with_container_env(spec, container)
     config_volume = {"name": CONFIG_VOLUME, "configMap": {"name": child_names(owner.name).config_map}}
@@ -294,8 +365,9 @@ def _head_group(
                 spec,
                 {
                     "serviceAccountName": child_names(owner.name).service_account,
+                    "terminationGracePeriodSeconds": grace,
                     "containers": [container],
-                    "volumes": [config_volume, *volumes],
+                    "volumes": [config_volume, *_scratch_volumes(), *volumes],
                 },
             ),
         },
@@ -323,19 +395,23 @@ def _worker_group(
         requests["memory"] = memory
         limits["memory"] = memory
         shm["sizeLimit"] = memory
+    grace = spec.checkpoint.stop_grace_period_seconds + WORKER_GRACE_MARGIN_SECONDS
     container = {
         "name": WORKER_CONTAINER,
         "image": image,
+        "env": _ray_container_env(),
         "resources": {"requests": requests, "limits": limits},
-        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH}, *mounts],
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH}, *_scratch_mounts(), *mounts],
         "securityContext": restricted_container_security_context(pool.container_security_context),
+        "lifecycle": _stop_hook(grace),
     }
     _with_container_env(spec, container)
     pod_spec: dict[str, Any] = {
         # Workers run no code that talks to the API server: no token in the pod.
         "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": grace,
         "containers": [container],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *volumes],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": shm}, *_scratch_volumes(), *volumes],
     }
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)
@@ -373,13 +449,21 @@ def _submitter_template(spec: RLHFJobSpec, owner: JobRef, attempt: int, image: s
     container = {
         "name": SUBMITTER_CONTAINER,
         "image": image,
+        "env": [{"name": "HOME", "value": HOME_DIR}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "512Mi"}},
+        "volumeMounts": _scratch_mounts(),
         "securityContext": restricted_container_security_context(),
     }
     return {
         "metadata": _pod_metadata(spec, _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "submitter"})),
         "spec": _with_pod_settings(
-            spec, {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [container]}
+            spec,
+            {
+                "restartPolicy": "Never",
+                "automountServiceAccountToken": False,
+                "containers": [container],
+                "volumes": _scratch_volumes(),
+            },
         ),
     }
 
@@ -391,12 +475,16 @@ def build_rayjob(
     attempt: int,
     defaults: RayJobDefaults,
     active_deadline_seconds: int | None = None,
+    kuberay: KubeRayFeatures = ASSUMED_CURRENT,
 ) -> dict[str, Any]:
-    """The RayJob of ``attempt`` (1 for the first run).
+    """The RayJob of ``attempt`` (1 for the first run), for the KubeRay whose RayJob CRD serves ``kuberay``.
 
     ``active_deadline_seconds`` is what is left of ``spec.activeDeadlineSeconds`` for this
     attempt (``hybridflow_operator.status.remaining_deadline_seconds``); None takes the spec's
-    full budget, right for the first attempt.
+    full budget, right for the first attempt. A KubeRay without ``preRunningDeadlineSeconds``
+    (1.5.x) gets none: the API server would drop it, and the operator keeps that timer itself
+    (``hybridflow_operator.status``). A KubeRay without token authentication is refused before
+    anything is built (``hybridflow_operator.kuberay``).
     """
     spec = job.spec
     image = spec.image or defaults.image
@@ -413,7 +501,7 @@ def build_rayjob(
         "suspend": spec.suspend or spec.queue_name is not None,
         "submitterPodTemplate": _submitter_template(spec, owner, attempt, image),
     }
-    if spec.startup_timeout_seconds is not None:
+    if spec.startup_timeout_seconds is not None and kuberay.pre_running_deadline:
         rayjob_spec["preRunningDeadlineSeconds"] = spec.startup_timeout_seconds
     deadline = (
         active_deadline_seconds if active_deadline_seconds is not None else spec.active_deadline_seconds
@@ -421,6 +509,9 @@ def build_rayjob(
     if deadline is not None:
         rayjob_spec["activeDeadlineSeconds"] = deadline
     rayjob_spec["rayClusterSpec"] = {
+        # The image's Ray (hybridflow_operator.kuberay): KubeRay requires it for token authentication
+        # and chooses the pods' probes by it (HTTP from Ray 2.53 on KubeRay >= 1.6, else wget).
+        "rayVersion": RAY_VERSION,
         # Ray's token authentication (Ray >= 2.52, KubeRay >= 1.5.1): KubeRay generates a token
         # Secret for the cluster and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container,
         # so the dashboard, job API and GCS answer only requests that carry it.

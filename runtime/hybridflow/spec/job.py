@@ -36,6 +36,7 @@ from hybridflow.spec.resources import (
 from hybridflow.spec.rewards import RewardFunctionSpec
 from hybridflow.spec.rollout import ROLLOUT_RULES, RolloutSpec
 from hybridflow.spec.rules import CrossFieldRule, RuleViolations, broken_rules, quoted_list
+from hybridflow.spec.security import DEFAULT_ALLOWED_CAPABILITIES
 from hybridflow.spec.storage import DNS_SUBDOMAIN_PATTERN, CheckpointSpec, VolumeClaimMount
 from hybridflow.spec.training import TRAINING_RULES, TrainingSpec
 
@@ -802,7 +803,80 @@ _ABSOLUTE_MODEL_PATHS = " && ".join(
     for role in _MODEL_ROLES
 )
 
+KUEUE_MAX_WORKER_GROUPS = 6
+"""A Kueue Workload holds at most MaxPodSets pod sets (8 before Kueue 0.18, 10 in 0.18, 18 in 0.19): one
+per pool, the head's and KubeRay's submitter's (``jobs/raycluster`` ``ValidateCreate``, ``jobs/rayjob``
+``PodSets``): 6 pools fit every supported Kueue (0.16 to 0.19)."""
+KUEUE_RESERVED_GROUP = "head"
+"""Kueue names the head's pod set ``head`` and refuses a worker group of that name."""
+
+
+def _added_capabilities(spec: RLHFJobSpec) -> list[str]:
+    contexts = [pool.container_security_context for pool in spec.resource_pools]
+    contexts.append(spec.pods.head_container_security_context)
+    return [
+        cap for context in contexts if context.capabilities is not None for cap in context.capabilities.add
+    ]
+
+
+def capabilities_rule_cel(allowed: tuple[str, ...]) -> str:
+    """The CEL of the capabilities allow-list for ``allowed`` (the chart renders it with its own list)."""
+    listed = "[" + ", ".join(f"'{cap}'" for cap in allowed) + "]"
+    one = "(!has({c}.capabilities) || {c}.capabilities.add.all(x, x in {listed}))"
+    return (
+        "self.resourcePools.all(p, "
+        + one.format(c="p.containerSecurityContext", listed=listed)
+        + ") && "
+        + one.format(c="self.pods.headContainerSecurityContext", listed=listed)
+    )
+
+
 IN_CLUSTER_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
+    CrossFieldRule[RLHFJobSpec](
+        name="capabilities-from-the-allow-list",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel=capabilities_rule_cel(DEFAULT_ALLOWED_CAPABILITIES),
+        message=(
+            "containerSecurityContext.capabilities.add (and pods.headContainerSecurityContext's) may only "
+            "name capabilities the operator allows (podSecurity.allowedCapabilities of its chart; by "
+            "default " + ", ".join(DEFAULT_ALLOWED_CAPABILITIES) + "): creating an RLHFJob must not create "
+            "pods its author could not"
+        ),
+        holds=lambda spec: all(cap in DEFAULT_ALLOWED_CAPABILITIES for cap in _added_capabilities(spec)),
+        observed=lambda spec: (
+            "added: "
+            + quoted_list(
+                [cap for cap in _added_capabilities(spec) if cap not in DEFAULT_ALLOWED_CAPABILITIES]
+            )
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="kueue-worker-groups",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel=f"!has(self.queueName) || size(self.resourcePools) <= {KUEUE_MAX_WORKER_GROUPS}",
+        message=(
+            f"may hold at most {KUEUE_MAX_WORKER_GROUPS} pools when spec.queueName is set: a Kueue Workload "
+            "holds one pod set per pool plus the head's and the submitter's, at most 8 before Kueue 0.18"
+        ),
+        holds=lambda spec: spec.queue_name is None or len(spec.resource_pools) <= KUEUE_MAX_WORKER_GROUPS,
+        observed=lambda spec: f"{len(spec.resource_pools)} pools",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="kueue-reserved-pool-name",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel=f"!has(self.queueName) || self.resourcePools.all(p, p.name != '{KUEUE_RESERVED_GROUP}')",
+        message=(
+            f"may not have a pool named {KUEUE_RESERVED_GROUP!r} when spec.queueName is set: Kueue reserves "
+            "that name for the head's pod set"
+        ),
+        holds=lambda spec: (
+            spec.queue_name is None or all(pool.name != KUEUE_RESERVED_GROUP for pool in spec.resource_pools)
+        ),
+        observed=lambda spec: f"pool {KUEUE_RESERVED_GROUP!r} with queueName {spec.queue_name!r}",
+    ),
     CrossFieldRule[RLHFJobSpec](
         name="restarts-need-a-checkpoint-volume",
         node_path="spec",

@@ -6,22 +6,23 @@ name a Secret (and a key) that the kubelet reads when it starts the pod. The ope
 reads a Secret, so no secret value can reach the ConfigMap, the status, an Event or a log.
 
 Security. Every container the operator generates (the head, each pool's workers, KubeRay's
-submitter) runs under Pod Security "restricted" by default: non-root (uid/gid 1000), no
+submitter) runs under Pod Security "restricted" by default: non-root (uid/gid 10001, the runtime
+image's user), no
 privilege escalation, every capability dropped, the runtime's default seccomp profile. A pool
 that needs more (RDMA wants ``IPC_LOCK``, some fabrics a privileged device plugin) overrides its
 workers' container security context with ``resourcePools[].containerSecurityContext``, and
 ``spec.pods.headContainerSecurityContext`` does the same for the head; each is merged over the
 restricted default key by key, so the namespace must then admit that pod (PSS "baseline" or
-"privileged").
+"privileged"). The overrides are an allow-list (``hybridflow.spec.security``): creating an
+RLHFJob must not be a way to create privileged pods.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
 from hybridflow.spec.base import SpecModel
+from hybridflow.spec.security import ContainerSecurityOverride
 
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -100,10 +101,10 @@ class PodsSpec(SpecModel):
     labels: dict[str, str] = Field(
         default_factory=dict, description="Labels added to every pod (the operator's own labels win)."
     )
-    head_container_security_context: dict[str, Any] = Field(
-        default_factory=dict,
+    head_container_security_context: ContainerSecurityOverride = Field(
+        default_factory=ContainerSecurityOverride,
         description=(
-            "Keys merged over the head container's restricted security context (a core/v1 "
-            "SecurityContext), for clusters that need more; the namespace must then admit the pod."
+            "Keys merged over the head container's restricted security context, from an allow-list "
+            "(no privileged, no privilege escalation, no uid 0, capabilities from the operator's list)."
         ),
     )

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints
 
 from hybridflow.spec.base import SpecModel
+from hybridflow.spec.security import ContainerSecurityOverride
 
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 """RFC 1123 label: pool names become parts of Kubernetes object names and Ray resource names."""
@@ -91,12 +92,11 @@ class ResourcePoolSpec(SpecModel):
             "{rdma/ib: '1', vpc.amazonaws.com/efa: '4'} for RDMA or EFA networking."
         ),
     )
-    container_security_context: dict[str, Any] = Field(
-        default_factory=dict,
+    container_security_context: ContainerSecurityOverride = Field(
+        default_factory=ContainerSecurityOverride,
         description=(
-            "Keys merged over the workers' restricted container security context (a core/v1 "
-            "SecurityContext), e.g. {capabilities: {add: [IPC_LOCK], drop: [ALL]}} for RDMA; the "
-            "namespace must then admit the pod."
+            "Keys merged over the workers' restricted container security context, from an allow-list, "
+            "e.g. {capabilities: {add: [IPC_LOCK]}} for RDMA; the namespace must then admit the pod."
         ),
     )
 

@@ -17,6 +17,11 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 ABSOLUTE_PATH_PATTERN = r"^/.*$"
 RELATIVE_PATH_PATTERN = r"^[^/].*$"
 
+DEFAULT_STOP_GRACE_PERIOD_SECONDS = 600
+"""Ten minutes: a step of a large model plus a sharded checkpoint save to a network volume. Far
+above Kubernetes' 30 s default, which would kill nearly every stop before its checkpoint."""
+MIN_STOP_GRACE_PERIOD_SECONDS = 30
+
 
 class VolumeClaimMount(SpecModel):
     """An existing PersistentVolumeClaim and where it is mounted in every pod of the job."""
@@ -60,5 +65,16 @@ class CheckpointSpec(SpecModel):
         description=(
             "Claim that holds the checkpoints in a cluster, mounted read-write. Shared by all runs of "
             "the job, so a restarted run resumes from it."
+        ),
+    )
+    stop_grace_period_seconds: int = Field(
+        default=DEFAULT_STOP_GRACE_PERIOD_SECONDS,
+        ge=MIN_STOP_GRACE_PERIOD_SECONDS,
+        le=86400,
+        description=(
+            "Seconds a stopping attempt (suspend, Kueue preemption, deadline, a drained node) has to finish "
+            "its current step and save a checkpoint before its pods are killed: the head pod's "
+            "terminationGracePeriodSeconds (workers get 30 s more, so they outlive it). Set it to one step "
+            "plus one checkpoint save; a stop that takes longer loses the steps since the last checkpoint."
         ),
     )

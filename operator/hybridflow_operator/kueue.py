@@ -1,0 +1,58 @@
+"""Holding a Kueue-queued job through its Workload, never through the RayJob's ``suspend``.
+
+Kueue's job framework owns a queued RayJob's ``suspend`` (``jobframework/reconciler.go``
+``ReconcileGenericJob``, Kueue 0.16-0.19): it unsuspends a suspended RayJob whose Workload is
+admitted ("Job admitted, unsuspending"), whoever suspended it, and suspends a running one whose
+Workload is not. So a suspend the operator wrote there (the user's ``spec.suspend``, a deadline
+stop) was undone at once, and the job restarted. What Kueue honours is the Workload's
+``spec.active``: false evicts it (reason ``Deactivated``, ``core/workload_controller.go``), Kueue
+suspends the RayJob and does not requeue it until ``spec.active`` is true again.
+
+The protocol, per reconcile of a job whose current RayJob carries Kueue's queue label and is not
+finished:
+
+1. the Workload should be active unless the user suspended the job or the operator stopped the
+   attempt (:func:`wanted_active`);
+2. when that differs from the RayJob's :data:`WORKLOAD_ACTIVE_ANNOTATION` record (absent means
+   active, as Kueue creates it), the operator finds the Workload (one list by Kueue's
+   ``kueue.x-k8s.io/job-uid`` label, :data:`JOB_UID_LABEL`), patches ``spec.active``, and then
+   records what it wrote on the RayJob; a Workload not there yet (Kueue has not seen the RayJob)
+   is a ``KueueWorkloadMissing`` problem, retried with backoff;
+3. the operator never writes such a RayJob's ``suspend``.
+
+A queued job that is suspended before it has a RayJob gets none until it is resumed
+(``status.desired_status``): its Workload would start active and be admitted.
+"""
+
+from __future__ import annotations
+
+from hybridflow_operator.status import ObservedRayJob, StatusDecision
+
+WORKLOAD_GROUP = "kueue.x-k8s.io"
+WORKLOAD_VERSION = "v1beta2"
+"""Kueue's storage version from 0.15 on, served by every supported Kueue (v1beta1 still is, deprecated)."""
+WORKLOAD_PLURAL = "workloads"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""Kueue labels each Workload with the uid of the job it admits (``jobframework`` ``constructWorkload``)."""
+SUPPORTED_KUEUE = ("0.16", "0.17", "0.18", "0.19")
+MAX_WORKER_GROUPS = 6
+"""A Workload holds at most ``MaxPodSets`` pod sets (8 before Kueue 0.18, 10 in 0.18, 18 in 0.19): one
+per worker group, one for the head and, in K8sJobMode (ours), one for KubeRay's submitter. Kueue
+0.16/0.17's webhook admits 7 worker groups, which then overflow the Workload and stay suspended for
+ever: 6 is what runs on every supported Kueue (``tests/kube/kueue.py``)."""
+
+
+def wanted_active(spec_suspend: bool, latest: ObservedRayJob, decision: StatusDecision) -> bool:
+    """Whether ``latest``'s Workload should be active: not while the user suspends the job or the
+    operator has stopped (or is stopping) the attempt."""
+    stopping = decision.stop_rayjob == latest.name or bool(latest.stopped_reason)
+    return not (spec_suspend or stopping)
+
+
+def workload_change(spec_suspend: bool, latest: ObservedRayJob, decision: StatusDecision) -> bool | None:
+    """The ``spec.active`` to write onto ``latest``'s Workload, or None (nothing to write, or not Kueue's)."""
+    if latest.queue_name is None or latest.finished:
+        return None
+    wanted = wanted_active(spec_suspend, latest, decision)
+    recorded = True if latest.workload_active is None else latest.workload_active
+    return None if wanted == recorded else wanted
