@@ -610,3 +610,11 @@ def test_hybridflow_validate_in_cluster_prints_the_admission_message(
         if rule.name in LAPTOP_ONLY:
             assert f"error: in a cluster: {rule.path}: {rule.message}" in err
     assert main(["validate", "--in-cluster", str(ROOT / "examples" / "grpo-cluster.yaml")]) == 0
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*-cluster.yaml")), ids=lambda p: p.name)
+def test_cluster_examples_keep_their_outputs_on_the_checkpoint_volume(path: Path) -> None:
+    """The head pod's disk is deleted with the attempt's cluster: metrics go where checkpoints go."""
+    spec = parse_job_manifest(example(path), "test").spec
+    assert spec.checkpoint.volume is not None
+    assert spec.output_dir.startswith(spec.checkpoint.volume.mount_path.rstrip("/") + "/"), spec.output_dir

@@ -97,3 +97,67 @@ def test_runtime_image_pins_satisfy_the_gpu_extra() -> None:
                 requirement,
                 pins[requirement.name],
             )
+
+
+def _gpu_pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints" / "gpu.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            (spec,) = requirement.specifier
+            pins[requirement.name] = spec.version
+    return pins
+
+
+def test_the_pods_run_as_the_runtime_images_user_with_its_home() -> None:
+    """The builders' uid, gid and HOME are the image's user: another uid has no passwd entry there,
+    HOME would be /, and the caches vLLM, Triton, torch and HF write would be unwritable."""
+    from hybridflow_operator.builders.rayjob import HOME_DIR, RUN_AS_USER
+
+    steps = instructions(ROOT / "images" / "runtime" / "Dockerfile")
+    user = [args for keyword, args in steps if keyword == "USER"][-1]
+    assert user == f"{RUN_AS_USER}:{RUN_AS_USER}"
+    runs = " ".join(args for keyword, args in steps if keyword == "RUN")
+    created = re.search(r"useradd --uid (\d+) --gid (\d+) --create-home .*? (\w+)(?: |$)", runs)
+    assert created is not None and created.groups()[:2] == (str(RUN_AS_USER), str(RUN_AS_USER))
+    assert f"/home/{created.group(3)}" == HOME_DIR
+    assert re.search(rf"groupadd --gid {RUN_AS_USER} ", runs)
+
+
+def test_every_rayjob_names_the_ray_the_runtime_image_installs() -> None:
+    from hybridflow_operator.kuberay import RAY_VERSION
+
+    assert _gpu_pins()["ray"] == RAY_VERSION
+    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert f"ray=={RAY_VERSION}" in gpu
+
+
+def test_the_runtime_image_has_what_kuberays_probes_and_hooks_run() -> None:
+    """KubeRay 1.5's probes exec ``bash -c "wget ... | grep success"`` (common/pod.go
+    ``initLivenessAndReadinessProbe``; 1.6+ also for a rayVersion below 2.53); the preStop hook runs
+    ``hybridflow`` (builders/rayjob.py) from the PATH, and the submitter ``ray job submit``."""
+    from hybridflow_operator.builders.rayjob import STOP_COMMAND
+
+    steps = instructions(ROOT / "images" / "runtime" / "Dockerfile")
+    assert (
+        steps[0][1].startswith("nvidia/cuda:") and "ubuntu" in steps[0][1]
+    )  # bash and grep are essential there
+    installs = " ".join(args for keyword, args in steps if keyword == "RUN" and "apt-get install" in args)
+    assert re.search(r"\bwget\b", installs), installs
+    env = " ".join(args for keyword, args in steps if keyword == "ENV")
+    assert "PATH=/opt/hybridflow/bin:$PATH" in env and "VIRTUAL_ENV=/opt/hybridflow" in env
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert STOP_COMMAND in scripts  # installed into the venv's bin by `pip install .[gpu]`
+
+
+def test_the_resolution_check_asks_for_what_the_dockerfile_installs() -> None:
+    """``make images-check`` (CI) resolves the image's set for the image's Python: parsed here."""
+    sys.path.insert(0, str(ROOT / "images"))
+    try:
+        import check_resolution
+    finally:
+        sys.path.pop(0)
+    dockerfile = (ROOT / "images" / "runtime" / "Dockerfile").read_text()
+    assert check_resolution.image_python(dockerfile) == "3.12"
+    requirements = check_resolution.image_requirements(dockerfile)
+    assert requirements[0] == "torch==2.14.0" and "vllm" in requirements and "kopf>=1.45,<2" in requirements
