@@ -68,7 +68,7 @@ from hybridflow_operator.leader import LeaderElection
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.names import job_label_value
 from hybridflow_operator.reconcile import ReconcileResult, reconcile
-from hybridflow_operator.relist import Relister
+from hybridflow_operator.relist import Relister, WatchRestarts
 from hybridflow_operator.status import OPERATOR_OWNED_KEYS, RetryPolicy, RLHFJobStatus
 
 __all__ = ["JobCache", "OperatorConfig", "Scheduler", "register"]
@@ -402,9 +402,14 @@ def register(
     ready = threading.Event()
 
     def child_gone(child: dict[str, Any]) -> None:
+        """A child a relist no longer returns: as its DELETED event (the job may be gone too)."""
         key = cache.put_child(child, deleted=True)
-        if key is not None and key in cache.jobs:
-            run(key, "relist")
+        if key is None or key not in cache.jobs:
+            return
+        if job_is_gone(key):
+            forget_job(key)
+            return
+        run(key, "relist")
 
     kuberay = KubeRayState()
 
@@ -439,6 +444,10 @@ def register(
         label_selector=MANAGED_SELECTOR,
         on_job_gone=lambda key: forget_job(key),
         on_child_gone=child_gone,
+    )
+    kind_of_plural = {plural: kind for _group, _version, plural, kind in CHILD_KINDS} | {PLURAL: "RLHFJob"}
+    watch_restarts = WatchRestarts(
+        lambda plural: relister.noted(kind_of_plural[plural]) if plural in kind_of_plural else None
     )
 
     def run(key: JobKey, trigger: str, skip: Callable[[], bool] | None = None) -> ReconcileResult | None:
@@ -523,6 +532,7 @@ def register(
         for child in api.list_children(config.namespaces, MANAGED_SELECTOR):
             cache.put_child(child, deleted=False)
         read_kuberay()
+        watch_restarts.install()  # a 410 relists that kind, even when the relist finds nothing
         if serve_metrics:
             metrics.serve(config.metrics_port)
             HealthServer(config.health_port, alive=scheduler.alive, ready=lambda: ready.is_set()).start()
@@ -535,6 +545,7 @@ def register(
     def cleanup(**_: Any) -> None:
         scheduler.stop()
         relister.stop()
+        watch_restarts.uninstall()
         if leader is not None:
             leader.stop()
 

@@ -8,13 +8,17 @@ the watch was down are simply missing from that list: no DELETED event is ever d
 them. A cache fed by events alone would keep such a job for ever (status patches answered 404,
 backoff without end) and such a RayJob too (a pass would think the attempt still runs).
 
-kopf delivers the listed objects as events of type None, which is the only sign a handler gets
-of a (re)list. :class:`Relister` is told of each (:meth:`noted`) and, once a kind's events have
-been quiet for :data:`SETTLE_SECONDS`, lists that kind itself, with the selector the watch
-uses, and drops every cached object the list did not return, except those an event put into
-the cache after the list began (they are newer than the list). The first listing at startup
-goes the same way, which also covers a child deleted between the startup listing that fills
-the caches (``main.register``'s startup handler) and the watch's own.
+kopf delivers the listed objects as events of type None, the only sign a handler gets of a
+(re)list; a relist that finds nothing delivers nothing at all (every RayJob deleted in the gap).
+So :class:`Relister` is told of both: of each listed object (:meth:`noted`, from the handlers),
+and of each 410 itself, which kopf logs as it restarts that watch (:class:`WatchRestarts`, a
+filter on kopf's watching logger: kopf 1.45's "Restarting the watch-stream for <resource>",
+logged only on 410; a test fails if kopf words it otherwise). Once a kind has been quiet for
+:data:`SETTLE_SECONDS`, the Relister lists it itself, with the selector the watch uses, and drops
+every cached object the list did not return, except those an event put into the cache after the
+list began (they are newer than the list). The first listing at startup goes the same way, which
+also covers a child deleted between the startup listing that fills the caches
+(``main.register``'s startup handler) and the watch's own.
 
 Each dropped job is forgotten (``on_job_gone``); each dropped child is handled like its DELETED
 event (``on_child_gone``): the job's next pass sees it missing. One list per kind per relist:
@@ -37,6 +41,37 @@ log = logging.getLogger("hybridflow_operator.relist")
 SETTLE_SECONDS = 2.0
 """Quiet time after a listing's last event before the operator lists the kind itself."""
 JOB_KIND = "RLHFJob"
+
+
+KOPF_WATCH_LOGGER = "kopf._cogs.clients.watching"
+KOPF_RESTART_MESSAGE = "Restarting the watch-stream for "
+
+
+class WatchRestarts(logging.Filter):
+    """Sees kopf's (DEBUG) "Restarting the watch-stream for <plural>.<version>[.<group>] ..." record
+    of a 410 and calls ``on_restart(plural)``; hides DEBUG records unless someone wants them."""
+
+    def __init__(self, on_restart: Callable[[str], None]) -> None:
+        super().__init__("hybridflow-watch-restarts")
+        self.on_restart = on_restart
+        self.show_debug = logging.getLogger().isEnabledFor(logging.DEBUG)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.DEBUG:
+            message = record.getMessage()
+            if message.startswith(KOPF_RESTART_MESSAGE):
+                self.on_restart(message.removeprefix(KOPF_RESTART_MESSAGE).split(".", 1)[0])
+            return self.show_debug
+        return True
+
+    def install(self) -> None:
+        watching = logging.getLogger(KOPF_WATCH_LOGGER)
+        if watching.getEffectiveLevel() > logging.DEBUG:
+            watching.setLevel(logging.DEBUG)  # the record must be made to be seen; the filter hides it
+        watching.addFilter(self)
+
+    def uninstall(self) -> None:
+        logging.getLogger(KOPF_WATCH_LOGGER).removeFilter(self)
 
 
 class Lister(Protocol):

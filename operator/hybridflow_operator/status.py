@@ -72,7 +72,8 @@ RayJob ``jobDeploymentStatus``          RLHFJob phase
 ``ValidationFailed``                    Failed at once (same reason)
 a failure whose message holds the       the attempt failed with reason ``Stalled``
 controller's ``error: Stalled:`` line   (retried like any other failure)
-(RayJob gone after it was observed)     the attempt failed (``RayJobDeleted``)
+(the current RayJob deleted)            that attempt starts again, under the same
+                                        name (attempts come from the RayJobs there are)
 =====================================  =========================================
 """
 

@@ -862,10 +862,26 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         return resource
 
-    def register_crd(self, crd: Mapping[str, Any]) -> list[kmock.resource]:
-        """Serve every served version of a CustomResourceDefinition manifest (a parsed YAML)."""
+    def register_crd(self, crd: Mapping[str, Any], *, store: bool = True) -> list[kmock.resource]:
+        """Serve every served version of a CustomResourceDefinition manifest (a parsed YAML).
+
+        With ``store``, the CRD object itself is also served (``GET .../customresourcedefinitions/
+        <plural>.<group>``), as an installed CRD is: operators read it to learn what a component's
+        installed version serves. Call before the first request (see the threading protocol).
+        """
         spec = crd["spec"]
         names = spec["names"]
+        if store:
+            crds = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+            body = {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{names['plural']}.{spec['group']}"},
+                "spec": copy.deepcopy(dict(spec)),
+            }
+            key = self._object_key(crds, self.resources[crds], None, body["metadata"]["name"])
+            if self._live_object(key) is None:
+                self._create_object(kmock.Request(resource=crds, data=body), crds, self.resources[crds])
         registered = []
         for version in spec["versions"]:
             if not version.get("served", True):

@@ -101,13 +101,14 @@ def test_no_controller_means_nothing_to_wait_for_and_a_stuck_one_is_left_to_the_
 
 
 def test_a_worker_finds_the_controller_at_its_ray_head(tmp_path: Path) -> None:
-    cluster_file = tmp_path / "ray_current_cluster"
-    assert controller_address({"HYBRIDFLOW_CONTROLLER_ADDRESS": "127.0.0.1"}, cluster_file) == "127.0.0.1"
-    assert controller_address({"FQ_RAY_IP": "job-head-svc.ns.svc.cluster.local"}, cluster_file) == (
+    env = {"RAY_TMPDIR": str(tmp_path)}
+    assert controller_address({**env, "HYBRIDFLOW_CONTROLLER_ADDRESS": "127.0.0.1"}) == "127.0.0.1"
+    assert controller_address({**env, "FQ_RAY_IP": "job-head-svc.ns.svc.cluster.local"}) == (
         "job-head-svc.ns.svc.cluster.local"
     )
-    cluster_file.write_text("10.1.2.3:6379\n")  # the head pod's IP: reachable while it terminates
-    assert controller_address({"FQ_RAY_IP": "job-head-svc"}, cluster_file) == "10.1.2.3"
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.1.2.3:6379\n")  # the head pod's IP
+    assert controller_address({**env, "FQ_RAY_IP": "job-head-svc"}) == "10.1.2.3"
 
 
 def test_a_controller_starting_while_another_stops_waits_for_its_checkpoint(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ The protocol, between ``hybridflow stop`` (every Ray container's preStop hook, b
 1. the hook sends ``POST /stop`` to the controller's HTTP port (the one serving /metrics), with
    ``Authorization: Bearer $RAY_AUTH_TOKEN`` when the cluster has Ray token authentication (the
    controller then refuses a request without it, 401); the head's hook reaches it at 127.0.0.1,
-   a worker's at the head's address as its own Ray node knows it (``/tmp/ray/ray_current_cluster``,
+   a worker's at the head's address as its own Ray node knows it (``/tmp/ray/ray_current_cluster``:
    the head pod's IP, which stays reachable while that pod terminates, unlike its Service's name);
 2. the controller treats it as SIGTERM: it finishes the current step, saves a checkpoint and
    exits (``EXIT_PREEMPTED``). While it stops, a marker on the checkpoint volume
@@ -55,8 +55,15 @@ __all__ = [
 STOP_PATH = "/stop"
 STOPPING_MARKER = ".controller-stopping"
 """In the checkpoint directory while a controller stops: JSON ``{"until": <unix seconds>, "host": ...}``."""
-RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
-"""Where a Ray node keeps the address of its cluster's GCS (``<head ip>:<port>``)."""
+RAY_CURRENT_CLUSTER = "ray/ray_current_cluster"
+"""Where, under its temporary root, every Ray node (``ray start``, head or worker) writes its
+cluster's GCS address, ``<head ip>:<port>`` (``ray._private.utils.write_ray_address``)."""
+
+
+def ray_address_file(env: Mapping[str, str]) -> Path:
+    """The node's address file: under ``$RAY_TMPDIR``, else ``$TMPDIR``, else ``/tmp``, as Ray finds
+    its temporary root (``ray._common.utils.get_default_system_temp_dir``)."""
+    return Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp") / RAY_CURRENT_CLUSTER
 DEFAULT_PORT = 8081
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 
@@ -122,13 +129,13 @@ class ControllerServer:
         self._httpd.server_close()
 
 
-def controller_address(env: Mapping[str, str], ray_cluster_file: Path = RAY_CURRENT_CLUSTER) -> str:
+def controller_address(env: Mapping[str, str]) -> str:
     """Where this pod's preStop hook finds the controller (see the module docstring, step 1)."""
     explicit = env.get("HYBRIDFLOW_CONTROLLER_ADDRESS")
     if explicit:
         return explicit
     try:
-        gcs = ray_cluster_file.read_text(encoding="utf-8").strip()
+        gcs = ray_address_file(env).read_text(encoding="utf-8").strip()
     except OSError:
         gcs = ""
     if gcs:
