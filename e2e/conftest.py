@@ -32,12 +32,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kuberay import KubeRayStandIn, write_kubeconfig  # noqa: E402
 from operator_process import OperatorProcess  # noqa: E402
 
+from kube.chart_rbac import install_chart_rbac  # noqa: E402
 from kube.harness import EmulatedCluster  # noqa: E402
+from kube.kueue import KueueStandIn, kueue_rayjob_webhook, register_kueue  # noqa: E402
 
 RAYJOB_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml"
 NAMESPACE = "default"
 OPERATOR_TOKEN = "hybridflow-operator"
-"""The operator's bearer token: the emulator's fault injection tells its writes apart by it."""
+"""The operator's bearer token: the emulator's fault injection tells its writes apart by it, and
+authorizes it as the chart's ServiceAccount (exactly the chart's RBAC, never admin)."""
+RELEASE_NAMESPACE = "hybridflow-system"
 
 
 def rayjob_crd() -> dict[str, Any]:
@@ -100,6 +104,12 @@ def e2e(tmp_path: Path) -> Iterator[E2E]:
             yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text())
         )
         cluster.emulator.register_crd(rayjob_crd())
+        register_kueue(cluster.emulator)
+        cluster.emulator.validating_webhooks.append(kueue_rayjob_webhook("0.19"))
+        account = install_chart_rbac(
+            cluster, release_namespace=RELEASE_NAMESPACE, watched=[NAMESPACE], scratch=tmp_path
+        )
+        cluster.emulator.identities[OPERATOR_TOKEN] = account
         operator_kubeconfig = write_kubeconfig(
             cluster.kubeconfig_with_token(OPERATOR_TOKEN, NAMESPACE), tmp_path / "kubeconfig"
         )
@@ -120,6 +130,14 @@ def e2e(tmp_path: Path) -> Iterator[E2E]:
                 yield E2E(cluster, kuberay, operator, tmp_path)
         finally:
             operator.stop()
+
+
+@pytest.fixture
+def kueue(e2e: E2E) -> Iterator[KueueStandIn]:
+    """Kueue's job framework for the queued RayJobs (``kube.kueue``): admits everything it may."""
+    with KueueStandIn(e2e.cluster.api_client, namespace=NAMESPACE, interval_seconds=0.3) as stand_in:
+        yield stand_in
+    assert not stand_in.errors, stand_in.errors
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,30 +1,42 @@
 """A KubeRay stand-in for the e2e harness (test code, not product): it runs the RayJobs the operator creates.
 
-For each RayJob in the API server (the emulator), as KubeRay v1.7 does with a real cluster:
+What KubeRay decides, it decides as KubeRay does: every pass over every RayJob is one
+``kube.kuberay_lifecycle.reconcile_rayjob`` (KubeRay v1.7's ``RayJobReconciler.Reconcile``, or
+1.5.1/1.6 with ``version``): validation (``ValidationFailed``), New -> Initializing -> Running ->
+Complete/Failed, suspend (Suspending -> Suspended -> New), ``activeDeadlineSeconds``,
+``preRunningDeadlineSeconds``, ``backoffLimit``, shutdown + TTL, its finalizer. This module only
+carries out the twin's actions on a world of processes, and observes that world for it:
 
-1. "create the pods": start a Ray cluster for the job's pools (``ray_host.py``; with Ray's token
-   authentication when the RayJob asks for it, as KubeRay's ``authOptions`` does) and "mount" the
-   head pod's volumes: the ConfigMap's keys are written under ``<root>/pods/<rayjob><mountPath>``
-   and each PersistentVolumeClaim is a directory ``<root>/volumes/<claim>`` that outlives the
-   attempt (so the next attempt finds the checkpoints). Pod paths in the entrypoint and in the
-   mounted manifest are rewritten to those directories (a process cannot mount).
-2. run the entrypoint (``hybridflow run --in-cluster ...``) as a fresh process against that Ray,
-   with the head container's environment (plain values, Secrets resolved by reference as the
-   kubelet does), the job's namespace and the token of the head pod's ServiceAccount (its
-   progress pushes are authorized by the Role the operator made for it, as in a cluster);
-3. write the RayJob's status as KubeRay does: Initializing, Running/RUNNING, then
-   Complete/SUCCEEDED or Failed/FAILED with reason AppFailed and the entrypoint's last log lines
-   in ``message`` (which is where the operator reads a ``Stalled`` report from);
-4. follow ``spec.suspend``: SIGTERM the entrypoint (pods deleted: the controller checkpoints),
-   stop the cluster, status Suspended; unsuspended, run again from the start;
-5. a deleted RayJob: kill its processes.
+* ``create-cluster``: start a Ray cluster for the job's pools (``ray_host.py``, with Ray's token
+  authentication when the RayJob asks for it, as ``authOptions`` does) and "mount" the head
+  pod's volumes: the ConfigMap's keys are written under ``<root>/pods/<rayjob><mountPath>`` and
+  each PersistentVolumeClaim is a directory ``<root>/volumes/<claim>`` that outlives the attempt
+  (so the next attempt finds the checkpoints). Pod paths in the entrypoint and in the mounted
+  manifest are rewritten to those directories (a process cannot mount). The cluster is ready
+  once its GCS answers.
+* ``create-submitter``: run the entrypoint (``hybridflow run --in-cluster ...``) as a fresh
+  process against that Ray: the Ray job's driver. It gets the head container's environment
+  (plain values, Secrets resolved by reference as the kubelet does), the job's namespace and
+  the token of the head pod's ServiceAccount. Ray's job status is RUNNING while it runs, then
+  SUCCEEDED or FAILED by its exit code, with its last log lines as the message.
+* ``delete-cluster``: KubeRay deletes the RayCluster and the garbage collector deletes every pod
+  of it at once; the RayCluster is gone at once (KubeRay goes on), its pods terminate as the
+  kubelet terminates them (:meth:`KubeRayStandIn._terminate_pods`): each container's preStop hook
+  runs first (the pod's command, with its environment), then its PID 1 gets SIGTERM, and the
+  pod's ``terminationGracePeriodSeconds`` after the deletion everything left gets SIGKILL. PID 1
+  of a Ray container is ``ray start --block``: its SIGTERM ends that node's Ray, and the end of
+  Ray SIGKILLs the driver. The cluster's nodes share one Ray process here, so the first pod whose
+  Ray ends ends them all, and the driver with them.
+* ``stop-ray-job`` (a RayJob deleted before it finished): Ray's job stop, SIGTERM to the driver
+  and SIGKILL 3 s later (``RAY_JOB_STOP_WAIT_TIME_S``).
 
-Faults are injected through :meth:`KubeRayStandIn.kill_entrypoint`.
+Faults are injected through :meth:`KubeRayStandIn.kill_entrypoint` and :meth:`evict_pod`.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
 import secrets
@@ -40,37 +52,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
 from kubernetes import client
+
+from kube.kuberay_lifecycle import FINALIZER, ClusterObservation, reconcile_rayjob
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LOG_TAIL_CHARACTERS = 20_000  # what KubeRay copies from Ray's job info into status.message
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+RAY_JOB_STOP_WAIT_SECONDS = 3.0
+DEFAULT_GRACE_SECONDS = 30  # a pod spec's terminationGracePeriodSeconds default
+SHARED_PATHS = ("/tmp", "/dev/shm")
+"""emptyDirs left as this machine's own: the test's files live under /tmp, which a rewrite of
+"/tmp" in the manifest would move away (the pods' Ray keeps its own temp root, ``Pod.ray_tmpdir``)."""
 
 
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-@dataclass
-class Attempt:
-    """One RayJob being run: its Ray cluster and its entrypoint process."""
-
-    name: str
-    namespace: str
-    host: subprocess.Popen[str]
-    entrypoint: subprocess.Popen[bytes]
-    log: Path
-    ray_address: str = ""
-    """The GCS address of the attempt's Ray (what the head pod's port 6379 serves)."""
-    stopping: bool = False
-    started_at: float = field(default_factory=time.monotonic)
 
 
 def pod_path_mapper(mounts: dict[str, Path]) -> Callable[[str], str]:
@@ -87,6 +86,53 @@ def pod_path_mapper(mounts: dict[str, Path]) -> Callable[[str], str]:
     return in_pod
 
 
+def _command(argv: list[str]) -> list[str]:
+    """The image's ``hybridflow`` console script, as this interpreter runs it."""
+    return [sys.executable, "-m", "hybridflow.cli", *argv[1:]] if argv and argv[0] == "hybridflow" else argv
+
+
+@dataclass
+class Pod:
+    """One pod of a cluster: its name, container (as the RayJob's template has it) and grace period."""
+
+    name: str
+    container: dict[str, Any]
+    grace_seconds: float
+    ray_tmpdir: Path
+    """The pod's /tmp as its Ray node sees it (``RAY_TMPDIR``): ``ray/ray_current_cluster`` lives there."""
+
+
+@dataclass
+class Cluster:
+    """The RayCluster of one RayJob: its Ray (all nodes in one process), its pods and its driver."""
+
+    rayjob: str
+    name: str
+    host: subprocess.Popen[str]
+    pods: list[Pod]
+    pod_root: Path
+    in_pod: Callable[[str], str]
+    head_env: dict[str, str]
+    ray_auth: dict[str, str]
+    controller_port: int
+    address: str = ""
+    entrypoint: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    submitter: str = "absent"
+    """absent, created (the K8s Job exists) or deleted."""
+    started_ms: int = 0
+    ended_ms: int = 0
+    exit_code: int | None = None
+    ray_ended: threading.Event = field(default_factory=threading.Event)
+    hooks: list[tuple[str, int | None]] = field(default_factory=list)
+    """(pod, preStop exit code) for every hook run, for the tests."""
+
+    @property
+    def ray_address(self) -> str:
+        """The GCS address of the cluster's Ray (what the head pod's port 6379 serves)."""
+        return self.address
+
+
 class KubeRayStandIn:
     def __init__(
         self,
@@ -94,6 +140,7 @@ class KubeRayStandIn:
         kubeconfig_for: Callable[[str, str], Path],
         root: Path,
         namespace: str = "default",
+        version: str = "1.7",
     ) -> None:
         """``kubeconfig_for(service_account, namespace)`` is the kubeconfig a pod of that
         ServiceAccount sees (its token authorized by RBAC)."""
@@ -102,11 +149,27 @@ class KubeRayStandIn:
         self.kubeconfig_for = kubeconfig_for
         self.root = root
         self.namespace = namespace
-        self.attempts: dict[str, Attempt] = {}
+        self.version = version
+        self.clusters: dict[str, Cluster] = {}
+        """Live clusters by RayJob name (a cluster being deleted is not one)."""
+        self.terminated: list[Cluster] = []
         self.finished: dict[str, int] = {}  # RayJob name -> entrypoint exit code
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._loop, name="kuberay-stand-in", daemon=True)
+
+    @property
+    def attempts(self) -> dict[str, Cluster]:
+        """The live clusters by RayJob name (one per running attempt)."""
+        return self.clusters
+
+    def cluster_of(self, rayjob: str) -> Cluster:
+        """The cluster of ``rayjob``, live or terminated (the newest)."""
+        if rayjob in self.clusters:
+            return self.clusters[rayjob]
+        return next(c for c in reversed(self.terminated) if c.rayjob == rayjob)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -117,78 +180,135 @@ class KubeRayStandIn:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-        for attempt in list(self.attempts.values()):
-            self._stop_attempt(attempt, signal.SIGKILL)
+        for cluster in [*self.clusters.values(), *self.terminated]:
+            self._kill(cluster)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
     def kill_entrypoint(self, rayjob: str, sig: signal.Signals = signal.SIGKILL) -> None:
         """Fault injection: the head pod's driver dies (SIGKILL) or is asked to stop (SIGTERM)."""
-        self.attempts[rayjob].entrypoint.send_signal(sig)
+        entrypoint = self.clusters[rayjob].entrypoint
+        assert entrypoint is not None, f"RayJob {rayjob} has no driver yet"
+        entrypoint.send_signal(sig)
+
+    def evict_pod(self, rayjob: str, pod: str = "worker") -> threading.Thread:
+        """Fault injection: one pod of the cluster is deleted (a drained node, an eviction): its
+        preStop hook, SIGTERM, its grace period, SIGKILL. ``pod`` is ``head`` or ``worker`` (the
+        first worker pod)."""
+        cluster = self.clusters[rayjob]
+        chosen = next(p for p in cluster.pods if (p.name == "head") == (pod == "head"))
+        return self._spawn(lambda: self._terminate_pod(cluster, chosen, time.monotonic()), f"evict-{rayjob}")
 
     # ------------------------------------------------------------------ the control loop
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._reconcile()
+                self._reconcile_all()
             except Exception as error:  # keep going; the test reads errors
                 self.errors.append(repr(error))
             self._stop.wait(0.3)
 
-    def _reconcile(self) -> None:
+    def _reconcile_all(self) -> None:
         items = self.custom.list_namespaced_custom_object("ray.io", "v1", self.namespace, "rayjobs")["items"]
         present = {item["metadata"]["name"] for item in items}
-        for name in [n for n in self.attempts if n not in present]:  # deleted: pods go away
-            self._stop_attempt(self.attempts.pop(name), signal.SIGKILL)
+        for name in [n for n in self.clusters if n not in present]:  # gone: the GC deletes its RayCluster
+            self._delete_cluster(self.clusters.pop(name))
         for rayjob in items:
-            name = rayjob["metadata"]["name"]
-            suspended = bool(rayjob.get("spec", {}).get("suspend"))
-            status = rayjob.get("status") or {}
-            attempt = self.attempts.get(name)
-            if attempt is None:
-                if suspended:
-                    if status.get("jobDeploymentStatus") != "Suspended":
-                        self._status(name, {"jobDeploymentStatus": "Suspended", "jobStatus": ""})
-                elif status.get("jobDeploymentStatus") in (None, "", "Suspended"):
-                    self._start(rayjob)
-                continue
-            if suspended:
-                self._stop_attempt(self.attempts.pop(name), signal.SIGTERM)
-                self._status(name, {"jobDeploymentStatus": "Suspended", "jobStatus": "STOPPED"})
-                continue
-            code = attempt.entrypoint.poll()
-            if code is None:
-                continue
-            self.attempts.pop(name)
-            self._stop_attempt(attempt, signal.SIGKILL)
-            self.finished[name] = code
-            if code == 0:
-                self._status(
-                    name, {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "endTime": _now()}
-                )
-            else:
-                tail = attempt.log.read_text(errors="replace")[-LOG_TAIL_CHARACTERS:]
-                message = (
-                    f"Job entrypoint command failed with exit code {code}, last available logs (truncated to "
-                    f"20,000 chars):\n{tail}"
-                )
-                self._status(
-                    name,
-                    {
-                        "jobDeploymentStatus": "Failed",
-                        "jobStatus": "FAILED",
-                        "reason": "AppFailed",
-                        "message": message,
-                        "endTime": _now(),
-                    },
-                )
+            self._reconcile(rayjob)
 
-    # ------------------------------------------------------------------ pods
+    def _observe(self, name: str) -> ClusterObservation:
+        cluster = self.clusters.get(name)
+        if cluster is None:
+            return ClusterObservation(exists=False, submitter_exists=False)
+        running = cluster.entrypoint is not None and cluster.exit_code is None
+        if cluster.entrypoint is None:
+            job_status, message = "", ""
+        elif running:
+            job_status, message = "RUNNING", ""
+        elif cluster.exit_code == 0:
+            job_status, message = "SUCCEEDED", "Job finished successfully."
+        else:
+            tail = cluster.log.read_text(errors="replace")[-LOG_TAIL_CHARACTERS:] if cluster.log else ""
+            job_status = "FAILED"
+            message = (
+                f"Job entrypoint command failed with exit code {cluster.exit_code}, last available logs "
+                f"(truncated to 20,000 chars):\n{tail}"
+            )
+        submitter = cluster.submitter == "created"
+        return ClusterObservation(
+            exists=True,
+            ready=bool(cluster.address),
+            job_status=job_status,
+            job_message=message,
+            submitter_exists=submitter,
+            submitter_finished=submitter and cluster.entrypoint is not None and not running,
+            job_start_ms=cluster.started_ms,
+            job_end_ms=cluster.ended_ms,
+        )
 
-    def _start(self, rayjob: dict[str, Any]) -> None:
+    def _reconcile(self, rayjob: dict[str, Any]) -> None:
         name = rayjob["metadata"]["name"]
-        self._status(name, {"jobDeploymentStatus": "Initializing", "startTime": _now()})
+        cluster = self.clusters.get(name)
+        if cluster is not None and cluster.entrypoint is not None and cluster.exit_code is None:
+            code = cluster.entrypoint.poll()
+            if code is not None:
+                cluster.exit_code, cluster.ended_ms = code, int(time.time() * 1000)
+                self.finished[name] = code
+        observation = self._observe(name)
+        step = reconcile_rayjob(rayjob, observation, now=datetime.now(UTC), version=self.version)
+        current = rayjob.get("status") or {}
+        if step.actions or step.status.get("jobDeploymentStatus") != current.get("jobDeploymentStatus"):
+            with open(self.root / "kuberay.log", "a") as log:  # what KubeRay did, for a failing test's reader
+                log.write(
+                    f"{datetime.now(UTC).isoformat()} {name} {current.get('jobDeploymentStatus')!r} -> "
+                    f"{step.status.get('jobDeploymentStatus')!r} actions={list(step.actions)} "
+                    f"suspend={rayjob['spec'].get('suspend')} job={observation.job_status!r}\n"
+                )
+        for action in step.actions:
+            self._act(action, rayjob)
+        if step.status != current:
+            patch = {key: step.status.get(key) for key in {*current, *step.status}}
+            self.custom.patch_namespaced_custom_object_status(
+                "ray.io", "v1", self.namespace, "rayjobs", name, {"status": patch}
+            )
+
+    def _act(self, action: str, rayjob: dict[str, Any]) -> None:
+        name = rayjob["metadata"]["name"]
+        finalizers = list(rayjob["metadata"].get("finalizers") or [])
+        if action == "add-finalizer":
+            self._patch_metadata(name, {"finalizers": [*finalizers, FINALIZER]})
+        elif action == "remove-finalizer":
+            self._patch_metadata(name, {"finalizers": [f for f in finalizers if f != FINALIZER]})
+        elif action == "create-cluster" and name not in self.clusters:
+            self.clusters[name] = self._create_cluster(rayjob)
+        elif action == "create-submitter" and name in self.clusters:
+            self._start_driver(self.clusters[name], rayjob)
+        elif action == "delete-submitter" and name in self.clusters:
+            self.clusters[name].submitter = "deleted"
+        elif action == "delete-cluster" and name in self.clusters:
+            self._delete_cluster(self.clusters.pop(name))
+        elif action == "stop-ray-job" and name in self.clusters:
+            self._spawn(lambda: self._stop_driver(self.clusters.get(name)), f"stop-{name}")
+
+    def _patch_metadata(self, name: str, metadata: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            "ray.io", "v1", self.namespace, "rayjobs", name, {"metadata": metadata}
+        )
+
+    def _spawn(self, target: Callable[[], object], name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    # ------------------------------------------------------------------ clusters and pods
+
+    def _create_cluster(self, rayjob: dict[str, Any]) -> Cluster:
+        name = rayjob["metadata"]["name"]
+        cluster_spec = rayjob["spec"]["rayClusterSpec"]
         pod_root = self.root / "pods" / name
-        head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+        head = cluster_spec["headGroupSpec"]["template"]["spec"]
         container = head["containers"][0]
         volumes = {volume["name"]: volume for volume in head.get("volumes", [])}
         mounts: dict[str, Path] = {}
@@ -201,24 +321,24 @@ class KubeRayStandIn:
                 files.update({target / key: text for key, text in (data or {}).items()})
                 mounts[mount["mountPath"]] = target
             elif "persistentVolumeClaim" in volume:
-                target = self.root / "volumes" / volume["persistentVolumeClaim"]["claimName"]
-                mounts[mount["mountPath"]] = target
-
+                mounts[mount["mountPath"]] = (
+                    self.root / "volumes" / volume["persistentVolumeClaim"]["claimName"]
+                )
+            elif "emptyDir" in volume and mount["mountPath"] not in SHARED_PATHS:
+                mounts[mount["mountPath"]] = pod_root / "emptydir" / mount["name"]  # HOME
         in_pod = pod_path_mapper(mounts)
         for target in mounts.values():
             target.mkdir(parents=True, exist_ok=True)
         for path, text in files.items():  # the mounted manifest names pod paths (the checkpoint volume)
             path.write_text(in_pod(text))
-        entrypoint = in_pod(rayjob["spec"]["entrypoint"]).split()
-        manifest = next(arg for arg in entrypoint if arg.endswith(".yaml"))
 
         # authOptions.mode token: KubeRay makes a token Secret for the cluster and sets
-        # RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container; the Ray here and the entrypoint
-        # get the same, so every call the controller makes to Ray carries the token.
-        auth = (rayjob["spec"]["rayClusterSpec"].get("authOptions") or {}).get("mode", "disabled")
+        # RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container (common/pod.go configureTokenAuth).
+        auth = (cluster_spec.get("authOptions") or {}).get("mode", "disabled")
         ray_auth = {"RAY_AUTH_MODE": "disabled"}
         if auth == "token":
             ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+        manifest = next(arg for arg in in_pod(rayjob["spec"]["entrypoint"]).split() if arg.endswith(".yaml"))
         host = subprocess.Popen(
             [sys.executable, str(HERE / "ray_host.py"), manifest],
             stdin=subprocess.PIPE,
@@ -227,35 +347,161 @@ class KubeRayStandIn:
             cwd=pod_root,
             env={**os.environ, **ray_auth},
         )
-        assert host.stdout is not None
-        address = host.stdout.readline().strip()
+        pods = [self._pod("head", head, pod_root)]
+        for group in cluster_spec.get("workerGroupSpecs") or []:
+            for index in range(int(group.get("replicas", 1))):
+                pods.append(self._pod(f"{group['groupName']}-{index}", group["template"]["spec"], pod_root))
+        cluster = Cluster(
+            rayjob=name,
+            name=str((rayjob.get("status") or {}).get("rayClusterName") or name),
+            host=host,
+            pods=pods,
+            pod_root=pod_root,
+            in_pod=in_pod,
+            head_env={key: in_pod(value) for key, value in self._container_env(container).items()},
+            ray_auth=ray_auth,
+            controller_port=_free_port(),
+        )
+        self._spawn(lambda: self._await_ray(cluster), f"ray-{name}")
+        return cluster
+
+    def _pod(self, name: str, spec: dict[str, Any], pod_root: Path) -> Pod:
+        tmpdir = pod_root / "tmp" / name
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        grace = float(spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS))
+        return Pod(name, spec["containers"][0], grace, tmpdir)
+
+    def _await_ray(self, cluster: Cluster) -> None:
+        """The pods start: the Ray nodes join (each writes the GCS address where its Ray node keeps it)."""
+        assert cluster.host.stdout is not None
+        address = cluster.host.stdout.readline().strip()
         if not address:
-            host.kill()
-            raise RuntimeError(f"the Ray cluster of RayJob {name} did not start")
-        log = pod_root / "entrypoint.log"
+            cluster.ray_ended.set()
+            self.errors.append(f"the Ray cluster of RayJob {cluster.rayjob} did not start")
+            return
+        for pod in cluster.pods:
+            (pod.ray_tmpdir / "ray").mkdir(exist_ok=True)
+            (pod.ray_tmpdir / "ray" / "ray_current_cluster").write_text(address)
+        cluster.address = address
+
+    def _start_driver(self, cluster: Cluster, rayjob: dict[str, Any]) -> None:
+        if cluster.entrypoint is not None or not cluster.address:
+            return
+        cluster.submitter = "created"
+        head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
         account = head.get("serviceAccountName") or "default"
         env = {
             **os.environ,
-            **{key: in_pod(value) for key, value in self._container_env(container).items()},
-            **ray_auth,
-            "RAY_ADDRESS": address,
+            **cluster.head_env,
+            **cluster.ray_auth,
+            "RAY_ADDRESS": cluster.address,
             "KUBECONFIG": str(self.kubeconfig_for(account, self.namespace)),
             "POD_NAMESPACE": self.namespace,
-            "HYBRIDFLOW_METRICS_PORT": str(_free_port()),
+            "HYBRIDFLOW_METRICS_PORT": str(cluster.controller_port),  # pods' ports share one host here
             "PYTHONUNBUFFERED": "1",
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)
-        command = (
-            [sys.executable, "-m", "hybridflow.cli", *entrypoint[1:]]
-            if entrypoint[0] == "hybridflow"
-            else entrypoint
-        )
-        with open(log, "wb") as output:
-            process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=pod_root
+        cluster.log = cluster.pod_root / "entrypoint.log"
+        with open(cluster.log, "ab") as output:
+            cluster.entrypoint = subprocess.Popen(
+                _command(cluster.in_pod(rayjob["spec"]["entrypoint"]).split()),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cluster.pod_root,
+                start_new_session=True,  # its own process group: Ray's end takes the whole group
             )
-        self.attempts[name] = Attempt(name, self.namespace, host, process, log, ray_address=address)
-        self._status(name, {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "jobId": name})
+        cluster.started_ms = int(time.time() * 1000)
+        self._note(f"{cluster.rayjob}: driver pid {cluster.entrypoint.pid} on port {cluster.controller_port}")
+
+    def _delete_cluster(self, cluster: Cluster) -> None:
+        """The RayCluster is deleted: all its pods at once (see the module docstring)."""
+        self.terminated.append(cluster)
+        started = time.monotonic()
+        for pod in cluster.pods:
+            self._spawn(lambda pod=pod: self._terminate_pod(cluster, pod, started), f"terminate-{pod.name}")
+
+    def _terminate_pod(self, cluster: Cluster, pod: Pod, started: float) -> None:
+        """The kubelet: preStop hook, SIGTERM to PID 1 (this node's Ray), SIGKILL at the grace period."""
+        deadline = started + pod.grace_seconds
+        command = (((pod.container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get(
+            "command"
+        )
+        if command and not cluster.ray_ended.is_set():
+            env = {
+                **os.environ,
+                **{key: cluster.in_pod(value) for key, value in self._container_env(pod.container).items()},
+                **cluster.ray_auth,
+                "HYBRIDFLOW_METRICS_PORT": str(cluster.controller_port),
+                "RAY_TMPDIR": str(pod.ray_tmpdir),
+                "FQ_RAY_IP": "127.0.0.1",  # KubeRay's head Service name, for worker pods
+            }
+            hook = subprocess.Popen(
+                _command(list(command)),
+                stdout=open(cluster.pod_root / f"prestop-{pod.name}.log", "ab"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            try:
+                code: int | None = hook.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hook.kill()  # the kubelet gives up on the hook at the grace period
+                code = None
+            cluster.hooks.append((pod.name, code))
+        self._end_ray(cluster)  # SIGTERM to `ray start --block`: this node's Ray ends, and the cluster's here
+        if cluster.entrypoint is not None and cluster.entrypoint.poll() is None:
+            # The driver outlived Ray only until Ray's end reaches it (or the grace period: SIGKILL).
+            self._kill_driver(cluster)
+
+    def _note(self, text: str) -> None:
+        with open(self.root / "kuberay.log", "a") as log:
+            log.write(f"{datetime.now(UTC).isoformat()} {text}\n")
+
+    def _end_ray(self, cluster: Cluster) -> None:
+        with self._lock:  # the first of the pods' threads ends it
+            if cluster.ray_ended.is_set():
+                return
+            cluster.ray_ended.set()
+        driver = cluster.entrypoint
+        self._note(
+            f"{cluster.rayjob}: Ray ends (driver pid {driver.pid if driver else None}, running {driver is not None and driver.poll() is None})"
+        )
+        self._kill_driver(cluster)  # the job supervisor's death kills the driver's process group
+        if cluster.host.poll() is None:
+            assert cluster.host.stdin is not None
+            try:
+                cluster.host.stdin.close()
+                cluster.host.wait(timeout=60)
+            except (subprocess.TimeoutExpired, OSError):
+                cluster.host.kill()
+                cluster.host.wait()
+
+    def _kill_driver(self, cluster: Cluster) -> None:
+        entrypoint = cluster.entrypoint
+        if entrypoint is not None and entrypoint.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(entrypoint.pid, signal.SIGKILL)
+            entrypoint.wait()
+        if entrypoint is not None and cluster.exit_code is None:
+            cluster.exit_code, cluster.ended_ms = entrypoint.returncode, int(time.time() * 1000)
+            self.finished[cluster.rayjob] = entrypoint.returncode
+
+    def _stop_driver(self, cluster: Cluster | None) -> None:
+        """Ray's job stop: SIGTERM, then SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S``."""
+        if cluster is None or cluster.entrypoint is None or cluster.entrypoint.poll() is not None:
+            return
+        cluster.entrypoint.send_signal(signal.SIGTERM)
+        try:
+            cluster.entrypoint.wait(timeout=RAY_JOB_STOP_WAIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._kill_driver(cluster)
+
+    def _kill(self, cluster: Cluster) -> None:
+        with self._lock:
+            cluster.ray_ended.clear()
+        self._end_ray(cluster)
+
+    # ------------------------------------------------------------------ the kubelet's environment
 
     def _secret_data(self, name: str) -> dict[str, str]:
         secret = self.core.read_namespaced_secret(name, self.namespace)
@@ -282,29 +528,9 @@ class KubeRayStandIn:
                 env[item["name"]] = self._secret_data(ref["name"])[ref["key"]]
         return env
 
-    def _stop_attempt(self, attempt: Attempt, sig: signal.Signals) -> None:
-        if attempt.entrypoint.poll() is None:
-            attempt.entrypoint.send_signal(sig)
-            try:
-                attempt.entrypoint.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                attempt.entrypoint.kill()
-                attempt.entrypoint.wait()
-        if attempt.host.poll() is None:
-            assert attempt.host.stdin is not None
-            attempt.host.stdin.close()  # the cluster's pods are deleted
-            try:
-                attempt.host.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                attempt.host.kill()
-                attempt.host.wait()
-
-    def _status(self, name: str, fields: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(
-            "ray.io", "v1", self.namespace, "rayjobs", name, {"status": fields}
-        )
-
 
 def write_kubeconfig(config: dict[str, Any], path: Path) -> Path:
+    import yaml
+
     path.write_text(yaml.safe_dump(config))
     return path

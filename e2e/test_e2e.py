@@ -217,23 +217,131 @@ def test_a_killed_run_is_retried_and_resumes_from_its_checkpoint(
     assert duplicate_children(owned, attempts=2) == 0, owned
 
 
+STOP_STEPS = 40
+"""Steps of the stop scenarios: enough that the stop lands mid-run however fast a step is."""
+
+
+def trained(e2e: E2E, claim: str, steps: int) -> bool | None:
+    """At least ``steps`` steps in the run's metrics (written each step; the status lags behind)."""
+    path = e2e.root / "volumes" / claim / "outputs" / "metrics.jsonl"
+    return (path.is_file() and len(path.read_text().splitlines()) >= steps) or None
+
+
+def checkpointed_steps(e2e: E2E, claim: str) -> list[int]:
+    return sorted(
+        int(p.name.removeprefix("step_"))
+        for p in (e2e.root / "volumes" / claim / "checkpoints").glob("step_*")
+    )
+
+
+def stopped_cleanly(e2e: E2E, rayjob: str, claim: str, pods: set[str] | None = None) -> int:
+    """After a stop through pod deletion: the preStop hook of every pod deleted (``pods``, default
+    all of them) returned once the controller was done, and the newest checkpoint holds the last
+    completed step. That step."""
+    cluster = e2e.kuberay.cluster_of(rayjob)
+    deleted = pods if pods is not None else {pod.name for pod in cluster.pods}
+    wait_for(
+        f"{rayjob}'s pods terminated",
+        lambda: (cluster.ray_ended.is_set() and {pod for pod, _ in cluster.hooks} >= deleted) or None,
+        timeout_seconds=300,
+        left=lambda: cluster.hooks,
+    )
+    assert all(code == 0 for _, code in cluster.hooks), cluster.hooks
+    log = (cluster.log.read_text() if cluster.log else "")[-4000:]
+    assert "stop requested: checkpointing" in log, log
+    completed = max(metrics_steps(e2e, claim))
+    assert checkpointed_steps(e2e, claim)[-1] == completed, (checkpointed_steps(e2e, claim), completed)
+    return completed
+
+
 def test_suspend_and_resume_mid_run_continue_from_the_checkpoint(
     e2e: E2E, tiny: Path, figures: dict[str, object]
 ) -> None:
+    """A suspend deletes the whole cluster at once (KubeRay): the preStop hooks make the controller
+    save its last completed step before Ray goes, and the resumed attempt starts right after it."""
     name, claim = "paused", "paused-ckpt"
-    apply(e2e, manifest(FAULTS_EXAMPLE, tiny, name, steps=4, claim=claim))
-    wait_for("step 1", lambda: (status(e2e, name).get("progress") or {}).get("step", 0) >= 1 or None)
+    doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=STOP_STEPS, claim=claim)
+    doc["spec"]["checkpoint"]["intervalSteps"] = 100  # only the stop's own checkpoint
+    apply(e2e, doc)
+    wait_for("step 2", lambda: trained(e2e, claim, 2))
+    first = status(e2e, name)["rayJobName"]
     e2e.cluster.custom.patch_namespaced_custom_object(
         GROUP, VERSION, NAMESPACE, PLURAL, name, {"spec": {"suspend": True}}
     )
     wait_for("Suspended", lambda: phase_is(e2e, name, "Suspended"))
-    saved = sorted(p.name for p in (e2e.root / "volumes" / claim / "checkpoints").glob("step_*"))
-    assert saved, "suspending (SIGTERM to the controller) wrote no checkpoint"
+    saved = stopped_cleanly(e2e, first, claim)
+    figures["suspend_saved_step"] = saved
     e2e.cluster.custom.patch_namespaced_custom_object(
         GROUP, VERSION, NAMESPACE, PLURAL, name, {"spec": {"suspend": False}}
     )
     done = wait_for("Succeeded after resuming", lambda: phase_is(e2e, name, "Succeeded"))
-    assert done["progress"]["step"] == 4
+    assert done["progress"]["step"] == STOP_STEPS
     steps = metrics_steps(e2e, claim)
-    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, 4)
-    assert steps == [1, 2, 3, 4], steps
+    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, STOP_STEPS)
+    assert steps == list(range(1, STOP_STEPS + 1)), steps
+    log = (e2e.root / "pods" / done["rayJobName"] / "entrypoint.log").read_text()
+    assert f"(step {saved})" in log, log[-2000:]  # resumed right after the saved step
+
+
+def test_a_kueue_preemption_saves_the_last_step_and_the_readmitted_job_resumes_after_it(
+    e2e: E2E, kueue: Any, tiny: Path, figures: dict[str, object]
+) -> None:
+    name, claim = "preempted", "preempted-ckpt"
+    doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=STOP_STEPS, claim=claim)
+    doc["spec"]["queueName"] = "research"
+    doc["spec"]["checkpoint"]["intervalSteps"] = 100
+    apply(e2e, doc)
+    wait_for("step 2", lambda: trained(e2e, claim, 2))
+    rayjob = status(e2e, name)["rayJobName"]
+    kueue.hold()  # the preemptor takes the quota: nothing is readmitted until it is released
+    kueue.evict(rayjob)
+    wait_for("Queued", lambda: phase_is(e2e, name, "Queued"))
+    saved = stopped_cleanly(e2e, rayjob, claim)
+    figures["preemption_saved_step"] = saved
+    kueue.release()
+    done = wait_for("Succeeded after readmission", lambda: phase_is(e2e, name, "Succeeded"))
+    assert done["attempts"] == 1  # the same RayJob, suspended and unsuspended by Kueue
+    steps = metrics_steps(e2e, claim)
+    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, STOP_STEPS)
+    assert steps == list(range(1, STOP_STEPS + 1)), steps
+
+
+def test_a_deadline_stop_of_a_queued_job_saves_its_last_step_and_stays_stopped(
+    e2e: E2E, kueue: Any, tiny: Path, figures: dict[str, object]
+) -> None:
+    """Kueue unsuspends an admitted RayJob whoever suspended it: the stop goes through the Workload."""
+    name, claim = "deadline", "deadline-ckpt"
+    doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=500, claim=claim)
+    doc["spec"]["queueName"] = "research"
+    doc["spec"]["checkpoint"]["intervalSteps"] = 1000
+    doc["spec"]["activeDeadlineSeconds"] = 90  # from KubeRay starting the cluster: mid-run here
+    apply(e2e, doc)
+    failed = wait_for("DeadlineExceeded", lambda: phase_is(e2e, name, "Failed"), timeout_seconds=900)
+    assert failed["reason"] == "DeadlineExceeded", failed
+    rayjob = failed["rayJobName"]
+    saved = stopped_cleanly(e2e, rayjob, claim)
+    figures["deadline_saved_step"] = saved
+    time.sleep(5)  # Kueue would have readmitted it by now
+    assert rayjob not in e2e.kuberay.clusters  # no new cluster: it stays stopped
+    assert status(e2e, name)["phase"] == "Failed" and status(e2e, name)["attempts"] == 1
+
+
+def test_an_evicted_worker_pod_makes_the_attempt_checkpoint_and_the_next_resumes_after_it(
+    e2e: E2E, tiny: Path, figures: dict[str, object]
+) -> None:
+    """A drained node deletes one pod: its preStop hook asks the controller to stop, which saves the
+    step and ends the attempt; the retry resumes after it, and nothing is lost or repeated."""
+    name, claim = "evicted", "evicted-ckpt"
+    doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=STOP_STEPS, claim=claim)
+    doc["spec"]["checkpoint"]["intervalSteps"] = 100
+    apply(e2e, doc)
+    wait_for("step 2", lambda: trained(e2e, claim, 2))
+    first = status(e2e, name)["rayJobName"]
+    e2e.kuberay.evict_pod(first, "worker").join(timeout=300)
+    saved = stopped_cleanly(e2e, first, claim, pods={"default-0"})
+    figures["eviction_saved_step"] = saved
+    done = wait_for("Succeeded after the retry", lambda: phase_is(e2e, name, "Succeeded"))
+    assert done["attempts"] == 2
+    steps = metrics_steps(e2e, claim)
+    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, STOP_STEPS)
+    assert steps == list(range(1, STOP_STEPS + 1)), steps

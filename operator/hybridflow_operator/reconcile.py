@@ -8,6 +8,8 @@ can run any number of times: a pass that finds the world as it wants it writes n
 
 1. parse the spec; a spec the operator cannot run sets ``Validated=False`` naming the fields,
    creates nothing, and stops (the admission schema and CEL rules catch most problems earlier);
+   a KubeRay older than the minimum (``hybridflow_operator.kuberay``) gets no RayJob either
+   (``ChildrenReady=False``, ``KubeRayUnsupported``);
 2. sort the observed children: those whose owner reference carries this job's uid are the
    job's; anything else bearing a child's name (a leftover of a deleted job of the same name
    that the garbage collector has not removed yet, or a stranger) is never adopted, counted or
@@ -27,13 +29,14 @@ can run any number of times: a pass that finds the world as it wants it writes n
    emits one Warning Event (a 404 for RayJob means the KubeRay CRD is missing:
    ``KubeRayMissing``); the caller retries with bounded exponential backoff
    (``ReconcileResult.failed``);
-6. stop a RayJob whose deadline passed (suspend it, recording ``hybridflow.io/stopped``: the
-   pods go, the GPUs are released, the record stays), and write the RayJob's ``suspend`` only
-   when the user's ``spec.suspend`` differs from what the operator last wrote there (a record
-   in the RayJob's annotations), so a Kueue admission is never written back; on a RayJob with
-   Kueue's queue label a resume updates only that record, since admitting it is Kueue's. Any
-   patch that suspends the RayJob also records the running time counted so far, and so does a
-   patch of its own after Kueue suspended it (``hybridflow_operator.status``, "The deadline clock");
+6. stop a RayJob whose deadline passed, or (KubeRay 1.5) whose startup timeout passed (suspend
+   it, recording ``hybridflow.io/stopped``: the pods go, the GPUs are released, the record
+   stays), and write the RayJob's ``suspend`` only when the user's ``spec.suspend`` differs from
+   what the operator last wrote there (a record in the RayJob's annotations). A RayJob with
+   Kueue's queue label is never suspended or resumed by the operator: Kueue undoes that; its
+   Workload's ``spec.active`` is written instead (``hybridflow_operator.kueue``), then the records.
+   Any patch that suspends the RayJob also records the running time counted so far, and so does
+   a patch of its own after Kueue suspended it (``hybridflow_operator.status``, "The deadline clock");
 7. patch the status (operator-owned keys only, against the status the operator last wrote, so a
    cache that lags behind our own write causes no second write) and emit the decision's events.
    A brand-new job's first status waits for KubeRay's first status of its RayJob, up to

@@ -484,7 +484,7 @@ def permissions_the_code_uses() -> set[Permission]:
 
     if owner_reference(JobRef("ns", "job", "uid")).get("blockOwnerDeletion"):
         found.add((GROUP, f"{PLURAL}/finalizers", "update"))
-    return found
+    return found | KOPF_OBSERVERS
 
 
 def permissions_granted(rules: list[dict[str, Any]]) -> set[Permission]:
@@ -513,8 +513,16 @@ def test_the_code_scan_finds_the_calls_it_should() -> None:
     assert VERSION == "v1alpha1"
 
 
-CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
 """Resources without a namespace: granted by the ``-crds`` ClusterRole in every watch mode."""
+KOPF_OBSERVERS = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "list"),
+    ("", "namespaces", "watch"),
+}
+"""What kopf itself lists and watches (kopf._core.reactor.observation): the CRDs, to serve resources
+that appear later, and the namespaces it is told to serve. No client call in operator/ shows them."""
 
 
 def _split_leases(used: set[Permission]) -> tuple[set[Permission], set[Permission]]:

@@ -100,11 +100,16 @@ release's namespace. Also derived from the code by the chart's tests.
 {{- end -}}
 
 
-{{/* Cluster-scoped, in every mode: the CRDs, to learn which KubeRay is installed and to watch it appear. */}}
+{{/* Cluster-scoped, in every mode: the CRDs, to learn which KubeRay is installed and to watch it
+appear (kopf starts watching a resource when its CRD appears); the namespaces, which kopf lists and
+watches when it serves named namespaces (without them it retries for a minute before each start). */}}
 {{- define "hybridflow.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
 {{- end -}}
 
 {{/* The CRD's capabilities allow-list (CEL list items), from podSecurity.allowedCapabilities. */}}

@@ -52,9 +52,14 @@ Suspension and Kueue. ``suspend`` is ``spec.suspend``, and true at creation when
 ``spec.queueName`` is set: Kueue admits a RayJob by flipping ``suspend`` to false, so it must
 be created suspended with the ``kueue.x-k8s.io/queue-name`` label. The RayJob records the
 user's ``spec.suspend`` in the annotation ``hybridflow.io/user-suspend``; the reconcile writes
-``suspend`` again only when the user's value changes, so Kueue's admissions and preemptions are
-never written back (no write loop). KubeRay requires ``shutdownAfterJobFinishes`` for a
-suspendable RayJob (``ValidateRayJobSpec``), which it is.
+``suspend`` again only when the user's value changes, and never on a queued RayJob, whose
+``suspend`` is Kueue's (it is held through its Workload: ``hybridflow_operator.kueue``). KubeRay
+requires ``shutdownAfterJobFinishes`` for a suspendable RayJob (``ValidateRayJobSpec``), which it is.
+
+Stopping. Every Ray container has a preStop hook, ``hybridflow stop``, and every pod a grace period
+from ``spec.checkpoint.stopGracePeriodSeconds`` (:func:`_stop_hook`): KubeRay deletes a stopping
+attempt's pods without stopping its job, and the hooks are what lets the controller save its last
+step first (``hybridflow.incluster.stop``).
 """
 
 from __future__ import annotations

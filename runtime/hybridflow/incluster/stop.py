@@ -64,6 +64,8 @@ def ray_address_file(env: Mapping[str, str]) -> Path:
     """The node's address file: under ``$RAY_TMPDIR``, else ``$TMPDIR``, else ``/tmp``, as Ray finds
     its temporary root (``ray._common.utils.get_default_system_temp_dir``)."""
     return Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp") / RAY_CURRENT_CLUSTER
+
+
 DEFAULT_PORT = 8081
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 
