@@ -85,6 +85,14 @@ CHILD_KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("ray.io", "v1", "rayjobs", "RayJob"),
 )
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+ECHO_PATIENCE_SECONDS = 60.0
+"""How long a timed pass waits for the watch to deliver the job's own creates before it runs anyway."""
+ECHO_RECHECK_SECONDS = 1.0
+HANDLER_THREADS = 32
+"""kopf runs the (synchronous) handlers on a thread pool, by default min(32, cores + 4) threads: 6
+on 2 cores. A pass blocks its thread on API requests, so with a few busy jobs every event of every
+other job waits behind them, the caches lag and the queued events' bodies pile up in memory
+(bench/operator_scale.py at 2,000 jobs)."""
 
 
 def _labels(value: str) -> tuple[tuple[str, str], ...]:
@@ -156,6 +164,9 @@ class JobCache:
         """The status each job's last pass left stored, until the watch delivers it."""
         self.created: dict[JobKey, set[str]] = {}
         """RayJobs each job's passes created, until the watch delivers them (:meth:`own_create_echo`)."""
+        self.unseen: dict[JobKey, dict[tuple[str, str], float]] = {}
+        """Children each job's passes created, by (kind, name), with when (monotonic), until the watch
+        delivers them: while a job has one, the cache is behind this process's own writes."""
         self._job_by_label: dict[JobKey, JobKey] = {}
         self._put_at: dict[tuple[str, str, str, str], int] = {}
         """(kind, namespace, label-or-job, name) -> :attr:`clock` when last put."""
@@ -212,21 +223,33 @@ class JobCache:
             self.children[label][child] = _cached_form(body)
             self.clock += 1
             self._put_at[stamp] = self.clock
-        return self._job_by_label.get(label, label)
+        key = self._job_by_label.get(label, label)
+        pending = self.unseen.get(key)
+        if pending is not None:
+            pending.pop(child, None)
+            if not pending:
+                self.unseen.pop(key, None)
+        return key
+
+    def behind(self, key: JobKey, now: float, patience: float) -> bool:
+        """Whether ``key``'s children as cached lag behind what this process created for it (a create
+        the watch has not delivered yet), for at most ``patience`` seconds after that create."""
+        pending = self.unseen.get(key)
+        return bool(pending) and now - min(pending.values()) < patience
 
     def stale_jobs(self, listed: set[JobKey], since: int) -> list[JobKey]:
         """Cached jobs a list begun at :attr:`clock` ``since`` did not return and no event put since."""
-        return [
+        return [  # snapshots: kopf's handler threads may put meanwhile
             key
-            for key in self.jobs
+            for key in list(self.jobs)
             if key not in listed and self._put_at.get(("RLHFJob", key[0], key[1], key[1]), 0) <= since
         ]
 
     def stale_children(self, kind: str, listed: set[tuple[str, str]], since: int) -> list[dict[str, Any]]:
         """Cached children of ``kind`` a list (of (namespace, name)) begun at ``since`` did not return."""
         stale = []
-        for (namespace, label), children in self.children.items():
-            for (child_kind, name), body in children.items():
+        for (namespace, label), children in list(self.children.items()):
+            for (child_kind, name), body in list(children.items()):
                 if child_kind != kind or (namespace, name) in listed:
                     continue
                 if self._put_at.get((kind, namespace, label, name), 0) <= since:
@@ -451,8 +474,18 @@ def register(
     )
 
     def run(key: JobKey, trigger: str, skip: Callable[[], bool] | None = None) -> ReconcileResult | None:
-        """One pass for ``key`` under its lock; none when ``skip`` (asked under the lock) says so."""
+        """One pass for ``key`` under its lock; none when ``skip`` (asked under the lock) says so.
+
+        A timed pass (a recheck, a backoff) waits while the job's cache is behind this process's own
+        creates (:meth:`JobCache.behind`): with the watches lagging (thousands of jobs, a slow API
+        server), it would take a child it created itself for a missing one (409, a read) and a
+        RayJob KubeRay has already moved on for one it has not (a Pending written for nothing).
+        The watch delivering the child triggers nothing, so the pass comes back a little later.
+        """
         if leader is not None and not leader.is_leader:
+            return None
+        if trigger == "timer" and cache.behind(key, time.monotonic(), ECHO_PATIENCE_SECONDS):
+            scheduler.at(key, ECHO_RECHECK_SECONDS)
             return None
         if skip is not None:
             with locks[key]:  # after any pass of this job in flight, which records what it created
@@ -481,6 +514,14 @@ def register(
                 rayjobs = {name for kind, name in result.created if kind == "RayJob"}
                 if rayjobs:
                     cache.created[key] = cache.created.get(key, set()) | rayjobs
+                if result.created:
+                    when = time.monotonic()
+                    unseen = cache.unseen.setdefault(key, {})
+                    unseen.update(
+                        {child: when for child in result.created if child not in cache.children_of(key)}
+                    )
+                    if not unseen:
+                        cache.unseen.pop(key, None)
                 if result.status is not None:
                     cache.written[key] = result.status
                     metrics.observe_attempts(f"{key[0]}/{key[1]}", result.status.attempts)
@@ -522,6 +563,7 @@ def register(
         settings.posting.enabled = False
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="hybridflow.io")
         settings.persistence.diffbase_storage = NoDiffBase()
+        settings.execution.max_workers = max(settings.execution.max_workers or 0, HANDLER_THREADS)
         for group, version, plural, _kind in CHILD_KINDS:
             # Server-side filtering: the operator never lists or watches other ConfigMaps, Roles...
             settings.watching.label_selectors[(group, plural) if group else (version, plural)] = (
@@ -551,6 +593,7 @@ def register(
 
     def forget_job(key: JobKey) -> None:
         cache.drop_job(key)
+        cache.unseen.pop(key, None)
         cache.written.pop(key, None)
         cache.created.pop(key, None)
         scheduler.forget(key)

@@ -248,3 +248,21 @@ def test_a_child_deleted_by_the_garbage_collector_is_not_recreated_for_a_job_tha
     assert cluster.writes == []
     handlers["serviceaccount_changed"](body=child, type="ADDED")
     assert cluster.writes == []  # the job is forgotten: later child events do nothing either
+
+
+def test_a_cache_behind_its_own_creates_says_so_until_the_watch_delivers_them() -> None:
+    """A timed pass waits while the watch has not delivered what this process created (the cache
+    lags at thousands of jobs): it would create those children again (409) and write a Pending
+    KubeRay has already moved past."""
+    cache = JobCache()
+    cache.put_job(KEY, body())
+    cache.unseen[KEY] = {("ConfigMap", "job-config"): 100.0, ("RayJob", "job-1"): 100.0}
+    assert cache.behind(KEY, now=101.0, patience=60)
+    assert not cache.behind(KEY, now=161.0, patience=60)  # not for ever: the pass runs after a minute
+    labels = {"hybridflow.io/job": "job"}
+    for kind, name in (("ConfigMap", "job-config"), ("RayJob", "job-1")):
+        assert cache.behind(KEY, now=101.0, patience=60)
+        cache.put_child(
+            {"kind": kind, "metadata": {"name": name, "namespace": "default", "labels": labels}}, False
+        )
+    assert not cache.behind(KEY, now=101.0, patience=60) and KEY not in cache.unseen
