@@ -235,7 +235,9 @@ class JobCache:
         """Whether ``key``'s children as cached lag behind what this process created for it (a create
         the watch has not delivered yet), for at most ``patience`` seconds after that create."""
         pending = self.unseen.get(key)
-        return bool(pending) and now - min(pending.values()) < patience
+        if not pending:
+            return False
+        return now - min(pending.values()) < patience
 
     def stale_jobs(self, listed: set[JobKey], since: int) -> list[JobKey]:
         """Cached jobs a list begun at :attr:`clock` ``since`` did not return and no event put since."""
