@@ -8,7 +8,7 @@ HELM := $(VENV)/bin/helm
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test e2e lint bench bench-smoke format clean images images-check crds dashboards
+.PHONY: setup demo test e2e lint bench bench-smoke format clean images images-check crds dashboards gpu-wheels gpu-check
 
 setup: $(STAMP) $(HELM)
 
@@ -60,6 +60,7 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/pipeline.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator_scale.py
+	$(PY) bench/scale.py
 	RAY_AUTH_MODE=disabled $(PY) bench/e2e.py
 
 # Every bench in its quick mode (small sizes): each must exit 0 and print its JSON line last.
@@ -73,6 +74,8 @@ bench-smoke: setup
 	$(BENCH_QUICK) bench/resharding.py
 	$(BENCH_QUICK) bench/operator_scale.py
 	$(BENCH_QUICK) bench/e2e.py
+	$(BENCH_QUICK) bench/scale.py
+	$(BENCH_QUICK) bench/gpu_check.py
 
 # Regenerate the CRD from the typed spec, and the chart's template of it (a test diffs both).
 crds: setup
@@ -101,3 +104,18 @@ images-check: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU check (bench/gpu_check.py, docs/gpu.md) runs on a bare GPU machine: CUDA torch, no Ray,
+# no vLLM, no registry. `make gpu-wheels` (here, with PyPI) fetches what its image lacks into
+# .whl/ (git-ignored; carry it); `make gpu-check` (there) runs with the machine's own python3.
+# The GPU image's python3 (its wheels are fetched for it).
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 transformers==5.19.0
+gpu-wheels: setup
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+
+gpu-check:
+	PYTHONUNBUFFERED=1 $(PYTHON) bench/gpu_check.py

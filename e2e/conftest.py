@@ -28,6 +28,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the emulator and its harness: the `kube` package
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Ray GPU workers are held to a GPU node's device preconditions (runtime/hybridflow/devices.py).
+os.environ.setdefault("HYBRIDFLOW_GPU_CONTRACT", "emulate")
 
 from kuberay import KubeRayStandIn, write_kubeconfig  # noqa: E402
 from operator_process import OperatorProcess  # noqa: E402

@@ -234,13 +234,25 @@ DASHBOARDS: tuple[Dashboard, ...] = (
             ),
             Panel(
                 "Rollout vs trainer",
-                "KL and mean absolute log-prob gap between the rollout's log-probs and the trainer's "
-                "before the update, and the truncated importance weights that correct for them.",
+                "The train-inference mismatch, every step: KL and the mean and largest absolute "
+                "log-prob gap between the rollout's log-probs and the trainer's before the update.",
                 (
                     series("hybridflow_rollout_trainer_kl", "{{rlhfjob}} KL"),
                     series("hybridflow_rollout_trainer_log_prob_gap", "{{rlhfjob}} |log-prob gap|"),
+                    series("hybridflow_rollout_trainer_log_prob_gap_max", "{{rlhfjob}} max |log-prob gap|"),
+                ),
+            ),
+            Panel(
+                "Importance ratios and correction",
+                "Spread of the per-token ratio trainer/rollout probability, and the correction's "
+                "weights: their mean, the fraction truncated at maxWeight, the fraction masked.",
+                (
+                    series("hybridflow_importance_ratio_std", "{{rlhfjob}} ratio std"),
+                    series("hybridflow_importance_ratio_min", "{{rlhfjob}} ratio min"),
+                    series("hybridflow_importance_ratio_max", "{{rlhfjob}} ratio max"),
                     series("hybridflow_importance_weight_mean", "{{rlhfjob}} IS weight mean"),
                     series("hybridflow_importance_weight_truncated_fraction", "{{rlhfjob}} IS truncated"),
+                    series("hybridflow_importance_masked_fraction", "{{rlhfjob}} masked"),
                 ),
             ),
         ),

@@ -25,6 +25,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Hold every Ray GPU worker the tests start (here, in scenario processes and in `hybridflow run`
+# subprocesses, which all inherit this) to the device preconditions of a GPU node
+# (hybridflow/devices.py): LOCAL_RANK, the device index and one process per device.
+os.environ.setdefault("HYBRIDFLOW_GPU_CONTRACT", "emulate")
 
 SIMULATED_GPUS = 8
 # Pools the integration tests place: "left"/"right" split the 8 GPUs, "all" spans them.

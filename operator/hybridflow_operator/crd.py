@@ -114,6 +114,12 @@ class TransitionRule:
         return {"rule": self.cel, "message": self.message, "fieldPath": self.field_path}
 
 
+_GPU_LABEL = (
+    "has({pool}.nodeSelector) && 'nvidia.com/gpu.product' in {pool}.nodeSelector ? "
+    "{pool}.nodeSelector['nvidia.com/gpu.product'] : ''"
+)
+"""The ``nvidia.com/gpu.product`` node-selector value of pool ``{pool}`` in CEL ('' when unset)."""
+
 IMMUTABLE_FIELD_RULES: tuple[TransitionRule, ...] = (
     TransitionRule(
         name="models-immutable",
@@ -143,11 +149,29 @@ IMMUTABLE_FIELD_RULES: tuple[TransitionRule, ...] = (
         cel=(
             "size(self.resourcePools) == size(oldSelf.resourcePools) && "
             "self.resourcePools.all(p, oldSelf.resourcePools.exists(q, "
-            "q.name == p.name && q.nodes == p.nodes && q.gpusPerNode == p.gpusPerNode))"
+            "q.name == p.name && q.nodes == p.nodes && q.gpusPerNode == p.gpusPerNode && "
+            "has(q.gpuType) == has(p.gpuType) && (!has(p.gpuType) || q.gpuType == p.gpuType)))"
         ),
         message=(
-            "pool names, nodes and gpusPerNode are immutable: checkpoints are sharded over these GPUs; "
-            "nodeSelector, tolerations, affinity, cpusPerGpu and memoryPerGpu may change"
+            "pool names, nodes, gpusPerNode and gpuType are immutable: checkpoints are sharded over these "
+            "GPUs (and placement auto plans for the gpuType); nodeSelector, tolerations, affinity, "
+            "cpusPerGpu and memoryPerGpu may change"
+        ),
+    ),
+    TransitionRule(
+        name="auto-placement-gpu-label-immutable",
+        node_path="spec",
+        field_path=".resourcePools",
+        # placement auto plans for the pool's gpuType or, without one, for this node-selector
+        # label (planner/gpus.py); a plan must not change under the job's checkpoints.
+        cel=(
+            "!has(self.placement) || self.placement != 'auto' || "
+            "self.resourcePools.all(p, oldSelf.resourcePools.exists(q, q.name == p.name && "
+            f"({_GPU_LABEL.format(pool='q')}) == ({_GPU_LABEL.format(pool='p')})))"
+        ),
+        message=(
+            "the nvidia.com/gpu.product node selector of a pool is immutable under placement auto: "
+            "the plan, and so the checkpoints' sharding, follows that GPU; create a new RLHFJob"
         ),
     ),
     TransitionRule(

@@ -77,10 +77,30 @@ def _validate(args: argparse.Namespace) -> int:
 
     as_written = parse_job_manifest(yaml.safe_load(Path(args.manifest).read_text()), source=args.manifest)
     problems = in_cluster_problems(as_written.spec)
+    if spec.placement == "auto":
+        problems += _cluster_gpu_problems(spec)
     for problem in problems:
         # The CRD's admission rules say exactly this when the manifest is applied to a cluster.
         print(f"{'error' if args.in_cluster else 'note'}: in a cluster: {problem}", file=sys.stderr)
     return EXIT_USER_ERROR if problems and args.in_cluster else 0
+
+
+def _cluster_gpu_problems(spec: RLHFJobSpec) -> list[str]:
+    """What the controller of an auto-placed job would refuse at its start about the pool's GPU.
+
+    Prints the GPU a cluster plans for when the pool declares one; a missing declaration is
+    the admission rule ``auto-placement-knows-the-gpu`` (already among the in-cluster problems).
+    """
+    from hybridflow.planner import PlannerInputError
+    from hybridflow.planner.gpus import declared_device
+
+    try:
+        declared = declared_device(spec)
+    except PlannerInputError as err:
+        return [str(err)]
+    if declared is not None:
+        print(f"  in a cluster it plans for {declared.name}")
+    return []
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -198,27 +218,32 @@ def _resolve_auto_placement(
 
     Also returns the plan as ``status.progress.placement`` (``hybridflow.incluster.placement_status``).
 
-    Locally the planner costs simulated GPUs sharing this machine's cores; in a cluster it
-    costs the default GPU (docs/placement.md) and keeps everything on the budget pool, the one
-    KubeRay worker group the operator made for it (a split placement would need a worker group
-    per planned pool).
+    The GPU planned for is resolved by ``hybridflow.planner.gpus``: in a cluster the budget pool's
+    ``gpuType`` or ``nvidia.com/gpu.product`` label (the head pod sees no worker GPU), locally this
+    machine's CUDA device or, without one, the simulated GPUs on its cores; an unknown GPU exits
+    2 naming what was seen and the ``gpuType`` values. In a cluster the planner keeps everything
+    on the budget pool, the one KubeRay worker group the operator made for it (a split placement
+    would need a worker group per planned pool).
     """
+    from hybridflow.host import available_cores
     from hybridflow.incluster.status import placement_status
-    from hybridflow.planner import A100_80GB, PlannerInputError
-    from hybridflow.planner.job import local_device, resolve_auto_placement
+    from hybridflow.planner import PlannerInputError
+    from hybridflow.planner.gpus import cluster_device, cuda_device, local_device
+    from hybridflow.planner.job import resolve_auto_placement
     from hybridflow.planner.report import describe_plan
 
-    device = A100_80GB if in_cluster else local_device()
     try:
         if in_cluster:
+            device = cluster_device(spec)
             resolved, plan = resolve_auto_placement(spec, device, kinds=("colocate",))
         else:
+            device = local_device(spec, cuda_device(), cores=available_cores())
             resolved, plan = resolve_auto_placement(spec, device)
     except PlannerInputError as err:
         print(f"error: {manifest}: spec.placement auto: {err}", file=sys.stderr)
         return None
-    print(f"placement auto: {describe_plan(plan)}")
-    return resolved, placement_status(plan, device.name)
+    print(f"placement auto: {describe_plan(plan)}; device {device.name}")
+    return resolved, placement_status(plan, device.name[:256])
 
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -332,12 +357,23 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """``hybridflow plan``: the best placements of the manifest's job on a GPU budget (docs/placement.md)."""
-    from hybridflow.planner import A100_80GB, ClusterShape, PlannerInputError, plan_job
+    """``hybridflow plan``: the best placements of the manifest's job on a GPU budget (docs/placement.md).
+
+    The GPU is ``--gpu-type``, else what the pools declare (``gpuType``, the product label), else
+    this machine's as a local run sees it (``hybridflow.planner.gpus``); ``--profile`` measures
+    this machine's compute and memory constants on top of it.
+    """
+    from hybridflow.host import available_cores
+    from hybridflow.planner import ClusterShape, PlannerInputError, plan_job
+    from hybridflow.planner.gpus import GPU_TYPES, cuda_device, declared_device, gpu_constants, local_device
     from hybridflow.planner.job import budget_of, workload_from_spec
     from hybridflow.planner.report import plan_table
     from hybridflow.spec import SpecError, load_job_manifest
 
+    gpu_type = next((known for known in GPU_TYPES if known == args.gpu_type), None)
+    if args.gpu_type is not None and gpu_type is None:
+        print(f"error: --gpu-type: {args.gpu_type!r} is not one of {', '.join(GPU_TYPES)}", file=sys.stderr)
+        return EXIT_USER_ERROR
     try:
         job = load_job_manifest(args.manifest)
         workload = workload_from_spec(job.spec)
@@ -345,14 +381,18 @@ def _plan(args: argparse.Namespace) -> int:
             _, cluster = budget_of(job.spec)
         else:
             cluster = ClusterShape(args.gpus, args.gpus_per_node or min(args.gpus, 8))
+        if gpu_type is not None:
+            device = gpu_constants(gpu_type, "--gpu-type")
+        else:
+            declared = declared_device(job.spec)
+            device = declared or local_device(job.spec, cuda_device(), cores=available_cores())
     except (SpecError, PlannerInputError) as err:
         print(f"error: {args.manifest}: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
-    device = A100_80GB
     if args.profile:
         from hybridflow.planner.calibrate import calibrate_device
 
-        device = calibrate_device(workload, A100_80GB)
+        device = calibrate_device(workload, device)
     try:
         plans = plan_job(workload, cluster, device)
     except PlannerInputError as err:
@@ -413,6 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: min(gpus, 8))")
     plan.add_argument("--top", type=int, default=5, help="how many of the best plans to print")
+    plan.add_argument(
+        "--gpu-type",
+        default=None,
+        help=(
+            "the GPU to plan for, a value of spec.resourcePools[].gpuType (docs/placement.md); default: the "
+            "pools' gpuType or nvidia.com/gpu.product label, else this machine's"
+        ),
+    )
     plan.add_argument(
         "--profile",
         action="store_true",

@@ -40,6 +40,10 @@ class Probe(Worker):
             "coord": self.ctx.coord,
             "backend": dist.get_backend(),
             "env_rank": os.environ["RANK"],
+            "env_local_rank": os.environ["LOCAL_RANK"],
+            "env_node_local_rank": os.environ["HYBRIDFLOW_NODE_LOCAL_RANK"],
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": self.ctx.device,
             "calls": self.calls,
         }
 

@@ -92,6 +92,13 @@ def test_colocated_roles_share_one_process_per_gpu() -> None:
         assert [a["pid"] for a in actor] == [r["pid"] for r in ref]
         # two nodes of two GPUs: local ranks restart per node unless both landed on one Ray node
         assert sorted(a["local_rank"] for a in actor) in ([0, 0, 1, 1], [0, 1, 2, 3])
+        # Held to a GPU node's view (the suite emulates it, hybridflow/devices.py): each worker
+        # sees its own one device, so LOCAL_RANK is 0 and the node-local rank is kept apart.
+        assert [a["env_local_rank"] for a in actor] == ["0"] * 4
+        assert [int(a["env_node_local_rank"]) for a in actor] == [a["local_rank"] for a in actor]
+        assert len({a["visible_devices"] for a in actor}) == 4 and None not in {
+            a["visible_devices"] for a in actor
+        }
         # each role keeps its own state inside the shared process
         d["actor"].whoami()
         assert [a["calls"] for a in d["actor"].whoami()] == [3] * 4

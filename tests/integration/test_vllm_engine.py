@@ -182,6 +182,57 @@ def test_streamed_buckets_may_split_fused_layers(
         engine.load_weights(first.state_dict().items())
 
 
+def test_a_sync_of_many_buckets_is_one_reload_that_pulls_buckets_lazily(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    """``load_weight_buckets``: one vLLM reload per sync, not per bucket, buckets pulled as consumed."""
+    first, second = hf_models
+    items = list(second.state_dict().items())
+    buckets = [items[i : i + 3] for i in range(0, len(items), 3)]  # cuts inside fused layers too
+    pulled: list[int] = []
+
+    def lazy() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for index, bucket in enumerate(buckets):
+            pulled.append(index)
+            yield bucket
+
+    passes = engine.reload_passes
+    try:
+        loaded = engine.load_weight_buckets(lazy())
+        assert engine.reload_passes == passes + 1 and len(buckets) > 5
+        assert pulled == list(range(len(buckets)))
+        assert loaded == sum(t.numel() * t.element_size() for _, t in items)
+        assert engine.generate(PROMPTS, GREEDY).response_token_ids == hf_greedy(
+            second, PROMPTS, NEW_TOKENS, engine.eos_token_ids
+        )
+        # The same sync through load_weights costs one reload per bucket that completes a layer.
+        for bucket in buckets:
+            engine.load_weights(bucket)
+        assert engine.reload_passes > passes + 5
+        # A sync that fails while the buckets stream ends the reload early (vLLM restores what
+        # it did not receive); generation refuses until every weight has been delivered again.
+        with pytest.raises(ValueError, match=r"no parameter 'model.layers.9.mlp.up_proj.weight'"):
+            engine.load_weight_buckets([buckets[0], [("model.layers.9.mlp.up_proj.weight", items[0][1])]])
+        with pytest.raises(EngineStateError, match=r"hold no complete weights"):
+            engine.generate(PROMPTS, GREEDY)
+        # A sync that delivers part of a fused layer leaves that layer refused, not half random.
+        engine.load_weight_buckets([items])
+        state = dict(items)
+        engine.load_weight_buckets(
+            [[("model.layers.0.self_attn.q_proj.weight", state["model.layers.0.self_attn.q_proj.weight"])]]
+        )
+        with pytest.raises(
+            EngineStateError, match=r"hold no complete weights \(e.g. model.layers.0.self_attn.qkv_proj\)"
+        ):
+            engine.generate(PROMPTS, GREEDY)
+        engine.load_weight_buckets([items])
+        assert engine.generate(PROMPTS, GREEDY).response_token_ids == hf_greedy(
+            second, PROMPTS, NEW_TOKENS, engine.eos_token_ids
+        )
+    finally:
+        engine.load_weights(first.state_dict().items())
+
+
 def test_hf_parameters_map_to_the_vllm_layer_that_loads_them() -> None:
     from hybridflow.engines.vllm_engine import vllm_layer_of
 

@@ -43,6 +43,7 @@ CASES = (
     "fsdp-tg2",
     "fsdp-tg1",
     "fsdp4-tg2",
+    "fsdp4h4-tg4",
     "megatron-tg2",
     "megatron-tg1",
     "megatron-p2-tg1",
@@ -203,6 +204,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_equal_hf_after_every_sync(scenario: dict[str, Any], case: str) -> None:
     checks = scenario[case]["checks"]
+    # Every worker ran held to a GPU node's device preconditions: one visible device, its own.
+    views = scenario[case]["device_views"]
+    assert views and all(v["enforced"] and len(v["visible"]) == 1 and v["index"] == 0 for v in views)
+    assert len({v["visible"][0] for v in views}) == len(views)
     assert len(checks) == 3  # after the first sync and after each GRPO step
     for check in checks:
         assert check["engine"] == check["hf"]

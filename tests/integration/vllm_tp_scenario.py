@@ -2,7 +2,7 @@
 
 ``python vllm_tp_scenario.py WORK_DIR CASE...`` (CASE is ``<backend>-tg<t_g>``, e.g. ``fsdp-tg2``,
 ``megatron-tg1`` (megatron at t 2), ``megatron-p2-tg1`` (megatron at p 2), ``fsdp4-tg2`` (FSDP
-over 4 GPUs), ``megatron-t4-tg2``
+over 4 GPUs), ``fsdp4h4-tg4`` (FSDP over 4 GPUs, one vLLM group of 4), ``megatron-t4-tg2``
 (megatron at t 4 on 4 GPUs, a 4-head model: vLLM's TP groups are the strided ``[0, 2], [1, 3]``))
 writes tiny models and prompts under WORK_DIR, starts its own embedded Ray (2 simulated GPUs, 4
 if a case needs them; one pool; worker processes apply the megatron CPU shim at start-up, this
@@ -51,6 +51,10 @@ def manifest(work: Path, backend: str, t_g: int) -> dict[str, Any]:
         spec["training"]["tensorParallelSize"] = 2
     elif backend == "fsdp4":  # FSDP over 4 ranks -> t_g 2: strided groups [0, 2], [1, 3]
         spec["training"]["backend"] = "fsdp"
+        spec["resourcePools"][0]["gpusPerNode"] = 4
+    elif backend == "fsdp4h4":  # FSDP over 4 ranks -> one vLLM group of t_g 4 (a 4-head model)
+        spec["training"]["backend"] = "fsdp"
+        spec["models"] = {role: {"path": str(work / "model-h4-v512")} for role in spec["models"]}
         spec["resourcePools"][0]["gpusPerNode"] = 4
     elif backend == "megatron-t4":  # t 4 -> t_g 2: micro-DP groups [0, 1], [2, 3]
         spec["training"].update({"backend": "megatron", "tensorParallelSize": 4})
@@ -125,6 +129,12 @@ def run_case(work: Path, case: str) -> dict[str, Any]:
     result["rollout_worker"] = roles["rollout"].worker_cls.__name__
     with deploy(resource_pools(spec, simulated=True), roles, placement_timeout_seconds=60) as deployment:
         result["deploy_seconds"] = time.monotonic() - started
+        # What each worker saw of its GPU: under the suite's GPU-contract emulation
+        # (tests/conftest.py) every one is enforced, one visible device, index 0.
+        result["device_views"] = [
+            {"enforced": v.enforced, "visible": v.visible, "index": v.device_index()}
+            for v in deployment.device_views.values()
+        ]
         workers = JobWorkers.of(deployment)
         scorer = RewardScorer(spec, workers.reward)
         state = AlgorithmState(spec)
@@ -155,6 +165,10 @@ def main(work: Path, cases: list[str]) -> None:
     write_tiny_model(work / "model", arch="qwen2", seed=0)
     # Four key/value heads split four ways (megatron at t 4); head dim 32, vLLM's smallest.
     write_tiny_model(work / "model-h4", arch="qwen2", seed=0, hidden=128, heads=4, kv_heads=4)
+    # t_g 4: vLLM pads the vocabulary to a multiple of 64 x t_g before splitting it.
+    write_tiny_model(
+        work / "model-h4-v512", arch="qwen2", seed=0, hidden=128, heads=4, kv_heads=4, vocab_size=512
+    )
     (work / "data").mkdir(exist_ok=True)
     rows = make_toy_dataset("target_char", 32, seed=0)
     (work / "data" / "target_char.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

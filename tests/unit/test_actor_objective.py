@@ -5,6 +5,7 @@ import torch
 
 from hybridflow.rlmath import core
 from hybridflow.rlmath.objectives import actor_objective
+from hybridflow.rlmath.rollout_correction import RolloutCorrection
 from hybridflow.spec import AlgorithmSpec
 
 pytestmark = pytest.mark.unit
@@ -37,26 +38,6 @@ def test_objective_composes_policy_entropy_and_kl_terms() -> None:
         )
 
 
-def test_truncated_importance_weights_by_hand() -> None:
-    # ratios e^0 = 1, e^-1, e^2 (truncated to 2) and a masked token whose NaN must not leak
-    proximal = torch.tensor([[0.0, -1.0, 2.0, float("nan")]])
-    behaviour = torch.zeros(1, 4)
-    mask = torch.tensor([[1, 1, 1, 0]])
-    weights = core.truncated_importance_weights(proximal, behaviour, mask, max_weight=2.0)
-    assert torch.allclose(weights, torch.tensor([[1.0, torch.exp(torch.tensor(-1.0)).item(), 2.0, 0.0]]))
-    assert not weights.requires_grad
-
-
-def test_behaviour_gap_is_zero_when_rollout_and_trainer_agree_and_grows_apart() -> None:
-    mask = torch.ones(2, 3)
-    same = torch.full((2, 3), -1.5)
-    assert core.behaviour_gap(same, same, mask) == {"kl": 0.0, "abs_log_prob_diff": 0.0}
-    # r = e^0.5: k3 = e^0.5 - 1 - 0.5
-    gap = core.behaviour_gap(same + 0.5, same, mask)
-    assert torch.isclose(gap["kl"], torch.tensor(0.5).exp() - 1.5)
-    assert torch.isclose(gap["abs_log_prob_diff"], torch.tensor(0.5))
-
-
 def test_importance_weights_scale_each_tokens_policy_loss() -> None:
     algo = AlgorithmSpec.model_validate({"name": "grpo", "samplesPerPrompt": 2, "entropyCoef": 0.0})
     torch.manual_seed(1)
@@ -74,8 +55,8 @@ def test_importance_weights_scale_each_tokens_policy_loss() -> None:
         advantages=adv,
         response_mask=mask,
         ref_log_probs=None,
-        behaviour_log_probs=behaviour,
-        max_importance_weight=2.0,
+        rollout_log_probs=behaviour,
+        correction=RolloutCorrection("token-truncate", max_weight=2.0),
     )
     weights = torch.tensor([[1.0, 2.0, torch.tensor(-1.0).exp().item()], [2.0, 1.0, 1.0]])
     # On the proximal policy the PPO ratio is 1: each token's loss is -A * w, token-mean.
@@ -85,7 +66,8 @@ def test_importance_weights_scale_each_tokens_policy_loss() -> None:
     assert float(metrics["off_policy/kl"]) > 0
     loss.backward()
     assert log_probs.grad is not None
-    # Without the cap the same call only reports the gap.
+    # Without a correction the same call only reports the gap (tests/unit/test_rollout_correction.py
+    # has the weights and metrics by hand).
     plain, metrics = actor_objective(
         algo,
         log_probs,
@@ -94,7 +76,7 @@ def test_importance_weights_scale_each_tokens_policy_loss() -> None:
         advantages=adv,
         response_mask=mask,
         ref_log_probs=None,
-        behaviour_log_probs=behaviour,
+        rollout_log_probs=behaviour,
     )
     assert torch.allclose(plain, (-adv).mean()) and "off_policy/is_weight_mean" not in metrics
     with pytest.raises(ValueError, match="rollout's log-probs"):
@@ -106,5 +88,5 @@ def test_importance_weights_scale_each_tokens_policy_loss() -> None:
             advantages=adv,
             response_mask=mask,
             ref_log_probs=None,
-            max_importance_weight=2.0,
+            correction=RolloutCorrection("token-truncate", max_weight=2.0),
         )

@@ -112,6 +112,7 @@ RUNTIME_LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "hybridflow.mesh",
         "hybridflow.host",
+        "hybridflow.devices",
         "hybridflow.rlmath",
         "hybridflow.rewards",
         "hybridflow.rewards.rules",

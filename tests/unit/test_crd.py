@@ -498,6 +498,14 @@ CHANGES: dict[str, tuple[list[Callable[[Manifest], None]], set[str]]] = {
     "algorithm": ([_set("spec.algorithm.name", "rloo")], {"algorithm-immutable"}),
     "training backend": ([_set("spec.training.backend", "megatron")], {"training-backend-immutable"}),
     "gpus per node": ([_set("spec.resourcePools.0.gpusPerNode", 4)], {"pool-layout-immutable"}),
+    "gpu type": ([_set("spec.resourcePools.0.gpuType", "H100-80GB")], {"pool-layout-immutable"}),
+    "gpu label under auto placement": (
+        [
+            _set("spec.placement", "auto"),
+            _set("spec.resourcePools.0.nodeSelector", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
+        ],
+        {"auto-placement-gpu-label-immutable"},
+    ),
     "pool renamed": (
         [_set("spec.resourcePools.0.name", "gpu"), _set("spec.roles.actor", "gpu")],
         {"pool-layout-immutable", "roles-immutable"},

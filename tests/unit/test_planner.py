@@ -320,7 +320,8 @@ def test_plan_command_prints_ranked_plans_and_names_bad_input(
     manifest.write_text(yaml.safe_dump(document))
 
     def plan(*args: str) -> tuple[int, str, str]:
-        code = main(["plan", str(manifest), *args])
+        # The paper's GPU, whatever this machine has (tests/unit/test_gpu_devices.py: the default).
+        code = main(["plan", str(manifest), "--gpu-type", "A100-80GB", *args])
         out, err = capsys.readouterr()
         return code, out, err
 

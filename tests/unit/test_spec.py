@@ -539,6 +539,10 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         _all(_set("rollout.temperature", 0.7), _set("rollout.importanceSampling", {"mode": "on"})),
         "'on' with maxStaleness 0 and temperature 0.7",
     ),
+    "mask-band-needs-a-mask-correction": (
+        _set("rollout.importanceSampling.maskUpper", 1.5),
+        "correction 'token-truncate' with maskLower None and maskUpper 1.5",
+    ),
     "parameter-offload-needs-own-engine-weights": (
         _all(
             _set("rollout.engine", "torch"),

@@ -192,6 +192,50 @@ def test_sleep_wake_up_and_close_follow_the_lifecycle() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_sleep_level_2_discards_the_weights_until_a_sync_restores_them(device: str) -> None:
+    """A per-step sync reloads every weight: level 2 frees the device copy instead of moving it to the host."""
+    model = tiny("qwen2").to(device)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = TorchRolloutEngine(model)
+    before = engine.generate(PROMPTS, GREEDY)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+    engine.sleep(level=2)
+    if device == "cuda":
+        assert allocated - torch.cuda.memory_allocated() >= parameter_bytes  # released, not moved
+    assert all(p.device.type == device for p in model.parameters())  # nothing went to the host
+    engine.wake_up()
+    with pytest.raises(
+        EngineStateError, match=r"discarded the weights and \d+ parameters have not been loaded"
+    ):
+        engine.generate(PROMPTS, GREEDY)
+    names = list(state)
+    engine.load_weights((name, state[name]) for name in names[: len(names) // 2])
+    with pytest.raises(EngineStateError, match="discarded"):
+        engine.generate(PROMPTS, GREEDY)  # half a sync is not enough
+    # A level-1 sleep now moves the loaded half to the host; waking brings it back and re-creates
+    # the still-empty half on the device, for the rest of the sync.
+    engine.sleep()
+    engine.wake_up()
+    assert all(p.device.type == device for p in model.parameters())
+    engine.load_weights((name, state[name]) for name in names[len(names) // 2 :])
+    assert engine.generate(PROMPTS, GREEDY) == before
+    with pytest.raises(ValueError, match=r"levels are 1 \(to host memory\) and 2 \(discard\)"):
+        engine.sleep(level=3)
+
+
 def test_bad_prompts_are_rejected_with_the_row() -> None:
     engine = TorchRolloutEngine(tiny("llama"))
     with pytest.raises(ValueError, match="prompt 1 is empty"):

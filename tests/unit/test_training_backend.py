@@ -14,6 +14,7 @@ import os
 import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from hybridflow.backends.api import BACKEND_NAMES, UnsupportedByBackend, training_backend
 from hybridflow.backends.fsdp import token_logprobs_and_entropy
+from hybridflow.backends.fsdp.parallelize import decoder_layers
 from hybridflow.backends.fsdp.training import FSDPTrainingBackend
 from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
 from hybridflow.spec import RLHFJobSpec
@@ -243,8 +245,8 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: 
 
     results = []
     # sharedPromptMinTokens 0: share whatever it saves (this batch saves a few tokens, far below
-    # the default); activation checkpointing drops the cache, so the update does not share; the
-    # default threshold shares nothing here.
+    # the default), without and with activation checkpointing; the default threshold shares
+    # nothing here and is the unshared reference.
     for options in (
         {"shared_prompt_min_tokens": 0},
         {"shared_prompt_min_tokens": 0, "activation_checkpointing": True},
@@ -259,10 +261,20 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: 
             lambda module, args, kwargs, shapes=shapes: shapes.append(tuple(kwargs["input_ids"].shape)),
             with_kwargs=True,
         )
+        mlp_calls: list[int] = []
+        mlp = decoder_layers(backend.model)[0].mlp
+        plain_forward = mlp.forward
+
+        def counted(*args: Any, plain_forward: Any = plain_forward, calls: list[int] = mlp_calls) -> Any:
+            calls.append(1)
+            return plain_forward(*args)
+
+        mlp.forward = counted  # torch's recompute skips module hooks: count the calls themselves
         scored, _ = backend.log_probs(batch, temperature=0.8, with_entropy=False)
+        scoring_calls = len(mlp_calls)
         backend.forward_backward([batch], loss_fn, fields=["response_mask"], temperature=0.8)
         grads = {name: p.grad.full_tensor().clone() for name, p in backend.model.named_parameters()}
-        results.append((shapes, scored, grads))
+        results.append((shapes, scored, grads, len(mlp_calls) - scoring_calls))
     with torch.no_grad():  # the last backend: no sharing
         unshared, _ = token_logprobs_and_entropy(
             backend.model,
@@ -273,18 +285,23 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_unshared_results(model_dir: 
             temperature=0.8,
             with_entropy=False,
         )
-    (shared_shapes, shared_scored, shared_grads), (whole_shapes, _, whole_grads), (default_shapes, _, _) = (
-        results
-    )
+    (shared_shapes, shared_scored, shared_grads, shared_calls), checkpointed, default = results
+    checkpointed_shapes, checkpointed_scored, checkpointed_grads, checkpointed_calls = checkpointed
+    default_shapes, _, default_grads, _ = default
     # log_probs runs micro-batches of 2 rows: rows 0-1 differ; rows 2-3 share A (left padding
     # trimmed: 2 prompt columns); row 4 is alone. The update runs all five: prompts A and B.
     assert shared_shapes == [(2, 7), (1, 2), (2, 3), (1, 7), (2, 4), (5, 3)]
-    assert whole_shapes == [*shared_shapes[:4], (5, 7)]  # scoring (eval mode) still shares
+    # Under activation checkpointing the update shares too, and its two passes are recomputed
+    # in backward (the prompt pass and the response pass: 2 forwards, then 2 replays).
+    assert checkpointed_shapes == shared_shapes
+    assert (shared_calls, checkpointed_calls) == (2, 4)
     assert default_shapes[:4] == [(2, 7), (2, 5), (1, 7), (5, 7)]  # then the unshared reference pass
     torch.testing.assert_close(shared_scored, unshared, atol=1e-5, rtol=0)
-    assert shared_grads.keys() == whole_grads.keys()
-    for name, grad in whole_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    torch.testing.assert_close(checkpointed_scored, unshared, atol=1e-5, rtol=0)
+    for got in (shared_grads, checkpointed_grads):
+        assert got.keys() == default_grads.keys()
+        for name, grad in default_grads.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_the_optimizer_is_the_multi_tensor_adamw_on_every_device() -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from hybridflow.algorithms.api import JobWorkers, RewardScorer, needs_old_log_probs
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import StepTimer
 from hybridflow.controller import Batch
+from hybridflow.metrics.catalogue import combine_values
 from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
 
@@ -76,9 +76,10 @@ def sequence_kl(batch: Batch, estimator: core.KLEstimator) -> torch.Tensor:
 
 
 def average_worker_metrics(per_rank: list[dict[str, float]] | Any) -> dict[str, float]:
-    """Mean over DP ranks of the metric dicts an update returns."""
+    """The step's value of each metric an update returns, over DP ranks: the mean, or the max or min
+    of an extreme (the catalogue's ``combine``: a step's largest log-prob gap is any rank's largest)."""
     keys = sorted({k for m in per_rank for k in m})
-    return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in keys}
+    return {k: combine_values(k, [m[k] for m in per_rank if k in m]) for k in keys}
 
 
 def kl_adjusted_scores(batch: Batch, state: AlgorithmState) -> torch.Tensor:

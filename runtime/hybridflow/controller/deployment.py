@@ -31,6 +31,7 @@ from hybridflow.controller.errors import RoleMappingError
 from hybridflow.controller.resource_pool import PoolPlacement, ResourcePool, place_pool
 from hybridflow.controller.worker import Worker, WorkerHost
 from hybridflow.controller.worker_group import RankPlacement, WorkerGroup, wait_for_ranks
+from hybridflow.devices import DeviceView, check_one_process_per_device
 from hybridflow.mesh import DeviceMesh, MeshError
 
 __all__ = ["Deployment", "RoleSpec", "deploy"]
@@ -54,10 +55,13 @@ class Deployment:
         groups: dict[str, WorkerGroup],
         hosts: dict[str, list[ActorHandle]],
         placements: list[PoolPlacement],
+        device_views: dict[str, DeviceView] | None = None,
     ) -> None:
         self.groups = groups
         self._hosts = hosts
         self._placements = placements
+        self.device_views = dict(device_views or {})
+        """Each worker's view of its GPU, by ``"pool 'name' rank r"`` (``hybridflow/devices.py``)."""
 
     def __getitem__(self, role: str) -> WorkerGroup:
         try:
@@ -195,6 +199,7 @@ def deploy(
             ]
         groups: dict[str, WorkerGroup] = {}
         backends: dict[str, str] = {}
+        device_views: dict[str, DeviceView] = {}  # every pool's: no two workers on one device
         for placement in placements:
             pool = placement.pool
             pool_hosts = hosts[pool.name]
@@ -208,9 +213,11 @@ def deploy(
             node_ids = setup("starting worker processes", [h.node_id.remote() for h in pool_hosts])
             ordered_nodes = [node_ids[r] for r in range(pool.world_size)]
             local = _local_ranks(ordered_nodes)
-            setup(
+            views = setup(
                 "setting local ranks", [h.set_local_rank.remote(*local[r]) for r, h in enumerate(pool_hosts)]
             )
+            device_views.update({f"pool {pool.name!r} rank {r}": view for r, view in views.items()})
+            check_one_process_per_device(device_views)
             chosen = backend or (
                 "nccl"
                 if setup("probing devices", [pool_hosts[0].device.remote()])[0].startswith("cuda")
@@ -251,7 +258,7 @@ def deploy(
                 )
         for bridge in bridges:
             _build_bridge(bridge, roles, hosts, backends, setup_timeout_seconds, collective_timeout_seconds)
-        return Deployment(groups, hosts, placements)
+        return Deployment(groups, hosts, placements, device_views)
     except BaseException:
         Deployment({}, hosts, placements).shutdown()
         raise

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from hybridflow.controller.batch import Batch
 from hybridflow.controller.bridge import Bridge, new_process_group
+from hybridflow.devices import DeviceView, device_environment, view_of_process
 from hybridflow.mesh import DeviceMesh, MeshCoord
 
 __all__ = ["Worker", "WorkerContext", "WorkerHost"]
@@ -111,6 +112,7 @@ class WorkerHost:
         self.world_size = world_size
         self.local_rank = 0
         self.local_world_size = 1
+        self._device_view = DeviceView(node_id="", visible=None, assigned=(), device_count=0, enforced=False)
         self.roles: dict[str, Any] = {}
         self.bridges: dict[str, Bridge] = {}
         self._store: dist.TCPStore | None = None
@@ -125,13 +127,25 @@ class WorkerHost:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def set_local_rank(self, local_rank: int, local_world_size: int) -> None:
+    def set_local_rank(self, local_rank: int, local_world_size: int) -> DeviceView:
+        """Record the rank's place on its node and export the launcher variables for its device.
+
+        ``local_rank`` is the rank's position among the pool's ranks on this node. What is
+        exported as ``LOCAL_RANK`` is the device index among the devices this process sees
+        (``hybridflow.devices``: vLLM's GPU worker and torch hold the process to
+        it). Returns the process's device view, from which the controller checks that no two
+        workers share a device.
+        """
+        import ray
+
         self.local_rank, self.local_world_size = local_rank, local_world_size
-        os.environ.update({"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size)})
+        self._device_view = view_of_process(self.node_id(), ray.get_gpu_ids())
+        os.environ.update(device_environment(self._device_view, local_rank, local_world_size))
+        return self._device_view
 
     def device(self) -> str:
-        # Ray restricts CUDA_VISIBLE_DEVICES to the bundle's GPU, so it is always device 0 here.
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
+        # Ray restricts CUDA_VISIBLE_DEVICES to the bundle's GPU, so the index is 0 on a GPU node.
+        return f"cuda:{self._device_view.device_index()}" if torch.cuda.is_available() else "cpu"
 
     def open_rendezvous(self, timeout_seconds: float) -> tuple[str, int]:
         """Rank 0 only: serve the process group's store on a free port chosen by the OS."""
@@ -152,7 +166,7 @@ class WorkerHost:
             self._store = dist.TCPStore(address, port, self.world_size, is_master=False, timeout=timeout)
         os.environ.update({"MASTER_ADDR": address, "MASTER_PORT": str(port)})
         if backend == "nccl":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(self._device_view.device_index())
         dist.init_process_group(
             backend=backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, Self
@@ -54,8 +54,9 @@ class SamplingParams:
     * ``seed``: makes sampling reproducible: the same seed, prompts and weights give the same
       responses from the same engine. ``None`` draws fresh randomness each call.
     * ``return_logprobs``: also return each sampled token's log-probability (see
-      :class:`RolloutOutput`). Off by default: trainers recompute log-probs with the actor, and
-      some engines pay for them (vLLM compiles a kernel on first use).
+      :class:`RolloutOutput`). The rollout workers always ask: the actor measures the
+      train-inference mismatch with them and corrects for it (``workers/rollout.py``). Off by
+      default for other callers, since vLLM compiles a kernel on a process's first request.
     """
 
     max_new_tokens: int
@@ -145,6 +146,21 @@ class RolloutEngine(ABC):
         unknown name or a wrong shape raises ``ValueError`` naming it; tensors copied before
         the error stay copied, so after an error the engine's weights are a mix: load again.
         """
+
+    def load_weight_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
+        """One weight sync, streamed bucket by bucket; returns the bytes loaded.
+
+        What a sync calls: ``buckets`` is lazy (each bucket is gathered or received only when
+        the engine asks for it, and may be cleared once the next is asked for), and the engine
+        consumes it exactly once, in order. The same contract as :meth:`load_weights` otherwise,
+        which this default calls once per bucket; an engine whose load has a per-call cost over
+        the whole model (vLLM's in-place reload) overrides it to pay that cost once per sync.
+        """
+        loaded = 0
+        for bucket in buckets:
+            self.load_weights(bucket)
+            loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+        return loaded
 
     @abstractmethod
     def sleep(self) -> None:

@@ -30,6 +30,7 @@ eos ids, token for token (the tests check it).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -173,6 +174,8 @@ class TorchRolloutEngine(RolloutEngine):
             pad_token_id if pad_token_id is not None else _configured_pad_id(module, self._eos_token_ids)
         )
         self._state: EngineState = "awake"
+        self._parameter_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        self._discarded: set[str] = set()  # parameters sleep(level=2) released and no load has restored
 
     # ------------------------------------------------------------------ introspection
 
@@ -212,6 +215,11 @@ class TorchRolloutEngine(RolloutEngine):
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """See :meth:`RolloutEngine.generate`; decoding is described in the module docstring."""
         model = self._awake_model("generate")
+        if self._discarded:
+            raise EngineStateError(
+                f"generate: sleep(level=2) discarded the weights and {len(self._discarded)} parameters have "
+                f"not been loaded since (e.g. {sorted(self._discarded)[0]}); load every weight first"
+            )
         if not prompt_token_ids:
             return RolloutOutput([], [], [] if params.return_logprobs else None)
         check_prompts(
@@ -380,30 +388,56 @@ class TorchRolloutEngine(RolloutEngine):
                         f"got {tuple(tensor.shape)}"
                     )
                 target.copy_(tensor)
+                self._discarded.discard(name)
 
-    def sleep(self) -> None:
-        """Move the weights to host memory and release the accelerator's cached blocks.
+    def sleep(self, *, level: int = 1) -> None:
+        """Release the engine's accelerator memory between generations.
 
-        On a CPU engine the weights already live in host memory: only the state changes. The
-        KV cache lives only inside a ``generate`` call, so there is none to free. Do not sleep
-        an engine whose module a trainer is using at the same time: it moves that module.
+        ``level=1`` (the :class:`RolloutEngine` lifecycle): the weights move to host memory and
+        the allocator's cached blocks are released; :meth:`wake_up` moves them back.
+        ``level=2``: the weights are *discarded* (each parameter's storage released, nothing
+        copied to the host), for a caller that reloads every weight after :meth:`wake_up`
+        anyway, as a rollout's per-step sync does: a step then never moves a replica between
+        host and device, and the device holds no replica while the trainer runs. Until every
+        parameter has been loaded again, :meth:`generate` refuses, on CPU too (where nothing
+        is released: the weights already live in host memory), so the contract is the same
+        everywhere. The KV cache lives only inside a ``generate`` call: there is none to free.
+
+        Do not sleep an engine whose module a trainer is using at the same time (a shared
+        module): it moves or empties that module.
         """
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}): the levels are 1 (to host memory) and 2 (discard)")
         model = self._live_model("sleep")
         if self._state == "asleep":
             return
-        if self._device.type != "cpu":
+        if level == 2:
+            self._discarded = {name for name, _ in model.named_parameters()}
+            if self._device.type != "cpu":
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        # Keep the Parameter objects (optimizers, hooks and load_weights hold
+                        # them); only their storage goes, to come back empty in wake_up.
+                        parameter.data = torch.empty(0, dtype=parameter.dtype, device=self._device)
+        elif self._device.type != "cpu":
             model.to("cpu")
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
         self._state = "asleep"
 
     def wake_up(self) -> None:
-        """Move the weights back to the engine's device."""
+        """Restore what :meth:`sleep` released: the weights (level 1), or empty ones to load into (level 2)."""
         model = self._live_model("wake_up")
         if self._state == "awake":
             return
         if self._device.type != "cpu":
-            model.to(self._device)
+            model.to(self._device)  # what a level-1 sleep moved to the host (a no-op for the rest)
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    if parameter.numel() == 0 and math.prod(self._parameter_shapes[name]) > 0:
+                        # discarded by a level-2 sleep: empty storage again, for the sync to fill
+                        shape = self._parameter_shapes[name]
+                        parameter.data = torch.empty(shape, dtype=parameter.dtype, device=self._device)
         self._state = "awake"
 
     def close(self) -> None:

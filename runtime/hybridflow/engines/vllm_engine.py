@@ -118,12 +118,14 @@ import gc
 import hashlib
 import logging
 import os
+import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from hybridflow.devices import check_vllm_local_rank, view_of_process
 from hybridflow.engines.base import (
     EngineStateError,
     FinishReason,
@@ -474,6 +476,10 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             memory["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
 
+        if tensor_parallel_size > 1:
+            # vLLM's GPU worker reads its device from LOCAL_RANK under external_launcher and
+            # asserts it is a visible device; check it here, with a message that says why.
+            check_vllm_local_rank(view_of_process(socket.gethostname(), ()))
         with _vllm_groups_in(rank_order):
             self._llm: LLM | None = LLM(
                 model=str(path),
@@ -508,6 +514,11 @@ class VLLMRolloutEngine(RolloutEngine):
         # vLLM layers whose weights sleep(level=2) discarded and no reload has restored yet.
         self._discarded: set[str] = set()
         self._state: EngineState = "awake"
+        self.reload_passes = 0
+        self._broken: str | None = None  # why the engine refuses every call (see load_weight_buckets)
+        """vLLM in-place reloads run so far (each walks the whole model; one per sync is the aim)."""
+        self.shard_module_writes = 0
+        """vLLM modules written (and post-processed) by :meth:`load_shard` so far: each once per sync."""
 
     # ------------------------------------------------------------------ introspection
 
@@ -548,6 +559,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def _live_llm(self, call: str) -> LLM:
         if self._state == "closed" or self._llm is None:
             raise EngineStateError(f"{call}: the engine is closed")
+        if self._broken is not None and call != "close":
+            raise EngineStateError(f"{call}: {self._broken}; close this engine and build a new one")
         return self._llm
 
     def _awake_llm(self, call: str) -> LLM:
@@ -583,8 +596,9 @@ class VLLMRolloutEngine(RolloutEngine):
         llm = self._awake_llm("generate")
         if self._discarded:
             raise EngineStateError(
-                f"generate: sleep(level=2) discarded the weights and {len(self._discarded)} vLLM layers "
-                f"have not been reloaded since (e.g. {sorted(self._discarded)[0]}); load every weight first"
+                f"generate: {len(self._discarded)} vLLM layers hold no complete weights (e.g. "
+                f"{sorted(self._discarded)[0]}): sleep(level=2) discarded them, or a sync failed or left "
+                f"them partly loaded; load every weight first"
             )
         if self._shard_pending:
             raise EngineStateError(
@@ -707,9 +721,70 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         with _quiet_reload_warnings():
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(ready)})
+        self.reload_passes += 1
         self._discarded -= {self._layer_of[name] for name, _ in ready}
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
+
+    def load_weight_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
+        """One sync in **one** in-place reload, however many buckets (see :meth:`RolloutEngine.load_weight_buckets`).
+
+        vLLM's ``reload_weights`` walks every module of the model twice per call (it prepares
+        each layer for a layerwise reload, then finalises and post-processes what is left), so
+        calling it once per 64 MiB bucket, as :meth:`load_weights` per bucket does, costs about
+        220 walks of a 7B model per sync. Here the buckets become one lazy iterator handed to a
+        single ``reload_weights``: vLLM pulls tensors as it loads, so the next bucket is
+        gathered only when the previous one is consumed, and each layer is processed once, when
+        its last parameter arrives. Tensors held back by earlier :meth:`load_weights` calls
+        come first. :attr:`reload_passes` counts the reloads.
+
+        Failure and partial syncs keep :meth:`generate` safe. vLLM moves the layers to the meta
+        device when a reload starts and restores the ones that received nothing when it ends,
+        so the reload must end normally. An error while the buckets stream (a bad name or
+        shape, checked as each tensor arrives, or a failed gather) therefore ends the stream
+        early instead of propagating through vLLM: the reload finishes with what arrived, every
+        layer is marked discarded, and the error is raised afterwards; :meth:`generate` refuses
+        until a sync has delivered every weight again. A sync that ends with a layer only
+        partly delivered leaves that layer discarded (vLLM processes it with its missing part
+        uninitialised). An error inside vLLM itself leaves its model in an unknown state: the
+        engine then refuses every call and must be rebuilt.
+        """
+        llm = self._awake_llm("load_weights")
+        loaded = [0]
+        delivered: set[str] = set()
+        failure: list[BaseException] = []
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            pending, self._pending = self._pending, {}
+            try:
+                for name, tensor in pending.items():
+                    delivered.add(name)
+                    yield name, tensor
+                for bucket in buckets:
+                    for name, tensor in bucket:
+                        self._checked([(name, tensor)])
+                        delivered.add(name)
+                        loaded[0] += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+            except Exception as error:  # ends the stream: vLLM must still finish its reload
+                failure.append(error)
+
+        try:
+            with _quiet_reload_warnings():
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        except BaseException as error:
+            self._broken = f"a weight reload failed inside vLLM ({type(error).__name__}: {error})"
+            raise
+        finally:
+            self.reload_passes += 1
+        touched = {self._layer_of[name] for name in delivered}
+        incomplete = {layer for layer in touched if not self._layer_members[layer] <= delivered}
+        self._discarded = set(self._layer_members) if failure else (self._discarded - touched) | incomplete
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
+        if failure:
+            raise failure[0]
+        return loaded[0]
 
     def _shard_layout(self) -> list[VLLMShardParam]:
         if self._shard_params is None:
@@ -720,6 +795,11 @@ class VLLMRolloutEngine(RolloutEngine):
                 spec, self._tensor_parallel_size, self.tensor_parallel_rank
             )
         return self._shard_params
+
+    @property
+    def shard_module_count(self) -> int:
+        """The vLLM modules a complete :meth:`load_shard` sync writes (and post-processes), once each."""
+        return len({_module_of(param.name) for param in self._shard_layout()})
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
         """The HF name and shape of every block :meth:`load_shard` expects on this rank."""
@@ -778,6 +858,7 @@ class VLLMRolloutEngine(RolloutEngine):
             return 0
         dtype = self._dtype
         written: list[int] = llm.apply_model(lambda model: _write_shard_params(model, ready, dtype))
+        self.shard_module_writes += len({_module_of(param.name) for param, _ in ready})
         self._discarded -= {_module_of(param.name) for param, _ in ready}
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")

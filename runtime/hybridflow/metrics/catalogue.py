@@ -21,7 +21,7 @@ and TensorBoard.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,13 +33,18 @@ __all__ = [
     "STEP_PHASES",
     "TRAINING_METRICS",
     "UNCATALOGUED",
+    "MetricCombine",
     "MetricDefinition",
     "MetricKind",
     "StepPhase",
+    "combine_values",
     "find_definition",
 ]
 
 MetricKind = Literal["gauge", "counter", "histogram"]
+MetricCombine = Literal["mean", "max", "min"]
+"""How one step's values of a metric from several micro-batches, epochs or ranks become one value:
+their mean (the default), or, for an extreme (a largest gap, a smallest ratio), the max or min."""
 
 # Labels every training metric carries: the RLHFJob's namespace and name.
 JOB_LABELS: tuple[str, ...] = ("namespace", "rlhfjob")
@@ -56,7 +61,8 @@ class MetricDefinition:
 
     ``labels`` are the labels beyond :data:`JOB_LABELS`; for training metrics each is a
     ``{placeholder}`` of ``key``. ``group`` orders the documentation and names the dashboard
-    that shows the metric. Operator metrics have no ``key``.
+    that shows the metric. ``combine`` is what :func:`combine_values` does with the values a
+    worker group returns. Operator metrics have no ``key``.
     """
 
     name: str
@@ -67,6 +73,7 @@ class MetricDefinition:
     labels: tuple[str, ...] = ()
     group: str = ""
     job_labels: tuple[str, ...] = JOB_LABELS
+    combine: MetricCombine = "mean"
     _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -169,8 +176,12 @@ CHECKPOINT_PHASE = StepPhase(
 PHASES: tuple[StepPhase, ...] = (*STEP_PHASES, OTHER_PHASE, CHECKPOINT_PHASE)
 
 
-def _gauge(name: str, unit: str, key: str, help: str, group: str, *labels: str) -> MetricDefinition:
-    return MetricDefinition(name, "gauge", unit, help, key=key, labels=tuple(labels), group=group)
+def _gauge(
+    name: str, unit: str, key: str, help: str, group: str, *labels: str, combine: MetricCombine = "mean"
+) -> MetricDefinition:
+    return MetricDefinition(
+        name, "gauge", unit, help, key=key, labels=tuple(labels), group=group, combine=combine
+    )
 
 
 TRAINING_METRICS: tuple[MetricDefinition, ...] = (
@@ -287,7 +298,7 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "Most bytes any rank held twice (training and generation copies); 0 for HybridFlow's layout.",
         "resharding",
     ),
-    # Overlap: staleness, the rollout-vs-trainer gap, idle pools.
+    # Overlap: staleness, idle pools.
     _gauge(
         "hybridflow_pool_idle_fraction",
         "ratio",
@@ -321,34 +332,78 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "overlap",
         "updates",
     ),
+    # The train-inference mismatch: the rollout's log-probs against the trainer's before the update
+    # (every step; hybridflow.rlmath.rollout_correction), and the correction's weights when one is on.
     _gauge(
         "hybridflow_rollout_trainer_kl",
         "nats/token",
         "off_policy/kl",
         "KL(rollout policy || trainer policy before the update) per token (k3 estimate over the "
         "responses): staleness plus engine-vs-trainer numerics.",
-        "overlap",
+        "mismatch",
     ),
     _gauge(
         "hybridflow_rollout_trainer_log_prob_gap",
         "nats/token",
         "off_policy/abs_log_prob_diff",
         "Token-mean |trainer log-prob - rollout log-prob| of the sampled tokens.",
-        "overlap",
+        "mismatch",
+    ),
+    _gauge(
+        "hybridflow_rollout_trainer_log_prob_gap_max",
+        "nats",
+        "off_policy/abs_log_prob_diff_max",
+        "Largest |trainer log-prob - rollout log-prob| of any sampled token of the step.",
+        "mismatch",
+        combine="max",
+    ),
+    _gauge(
+        "hybridflow_importance_ratio_std",
+        "ratio",
+        "off_policy/ratio_std",
+        "Standard deviation of the per-token importance ratio exp(trainer - rollout log-prob) before any "
+        "correction (per micro-batch, averaged).",
+        "mismatch",
+    ),
+    _gauge(
+        "hybridflow_importance_ratio_min",
+        "ratio",
+        "off_policy/ratio_min",
+        "Smallest per-token importance ratio of the step.",
+        "mismatch",
+        combine="min",
+    ),
+    _gauge(
+        "hybridflow_importance_ratio_max",
+        "ratio",
+        "off_policy/ratio_max",
+        "Largest per-token importance ratio of the step.",
+        "mismatch",
+        combine="max",
     ),
     _gauge(
         "hybridflow_importance_weight_mean",
         "ratio",
         "off_policy/is_weight_mean",
-        "Mean truncated importance weight of the response tokens (spec.rollout.importanceSampling).",
-        "overlap",
+        "Mean correction weight of the response tokens (spec.rollout.importanceSampling; 0 for a dropped "
+        "token, when a correction is on).",
+        "mismatch",
     ),
     _gauge(
         "hybridflow_importance_weight_truncated_fraction",
         "ratio",
         "off_policy/is_truncated_fraction",
-        "Fraction of response tokens whose importance ratio exceeded importanceSampling.maxWeight.",
-        "overlap",
+        "Fraction of response tokens whose importance ratio reached importanceSampling.maxWeight "
+        "(correction token-truncate).",
+        "mismatch",
+    ),
+    _gauge(
+        "hybridflow_importance_masked_fraction",
+        "ratio",
+        "off_policy/is_masked_fraction",
+        "Fraction of response tokens dropped from the loss: their ratio, or their response's geometric-mean "
+        "ratio, outside the kept band (corrections token-mask and sequence-mask).",
+        "mismatch",
     ),
     # Learning.
     _gauge(
@@ -508,3 +563,21 @@ def find_definition(
             return definition, labels
         templated.append((definition, labels))
     return templated[0] if templated else None
+
+
+def combine_values(key: str, values: Sequence[float]) -> float:
+    """One step's value of ``key`` from the values of several micro-batches or ranks (``MetricDefinition.combine``).
+
+    The mean unless the catalogue says the metric is an extreme; an uncatalogued key is averaged.
+    The actor's update combines its micro-batches with it and the algorithms their ranks
+    (``algorithms/common.py``), so a step's largest gap is the largest of any rank's.
+    """
+    if not values:
+        raise ValueError(f"no values to combine for {key!r}")
+    found = find_definition(key)
+    combine = found[0].combine if found is not None else "mean"
+    if combine == "max":
+        return float(max(values))
+    if combine == "min":
+        return float(min(values))
+    return float(sum(values) / len(values))

@@ -29,22 +29,28 @@ __all__ = [
 ]
 
 # (pattern over torch.cuda.get_device_name(), dense bf16 FLOP/s). First match wins, so the
-# specific variants come before the family name.
+# specific variants come before the family name. The figures are the vendors' datasheet "BF16
+# Tensor Core" rows without sparsity (half of the starred "with sparsity" figure where only that is
+# printed). The placement planner's GPU table (hybridflow.planner.gpus) takes its peaks from here;
+# its GPUs' rows name their source.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     (r"\bB200\b", 2.25e15),
     (r"\bB100\b", 1.75e15),
-    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH100\b.*\bPCIe\b", 756e12),  # NVIDIA H100 datasheet, PCIe: 1,513 TFLOPS sparse
     (r"\bH100\b.*\bNVL\b", 835e12),
-    (r"\bH100\b", 989e12),
-    (r"\bH200\b", 989e12),
+    (r"\bH100\b", 989e12),  # NVIDIA H100 datasheet, SXM: 1,979 TFLOPS sparse
+    (r"\bH200\b.*\bNVL\b", 835e12),  # NVIDIA H200 datasheet, NVL: 1,671 TFLOPS sparse
+    (r"\bH200\b", 989e12),  # NVIDIA H200 datasheet, SXM: 1,979 TFLOPS sparse
     (r"\bH800\b", 989e12),
     (r"\bH20\b", 148e12),
-    (r"\bA100\b", 312e12),
+    (r"\bA100\b", 312e12),  # NVIDIA A100 datasheet: 312 TFLOPS, every form factor and memory size
     (r"\bA800\b", 312e12),
-    (r"\bL40S\b", 362e12),
+    (r"\bL40S\b", 362e12),  # NVIDIA L40S datasheet: 362.05 TFLOPS (733 sparse)
     (r"\bL40\b", 181e12),
-    (r"\bL4\b", 121e12),
-    (r"\bA10\b", 125e12),
+    (r"\bL4\b", 121e12),  # NVIDIA L4 datasheet: 242 TFLOPS sparse
+    # AWS's A10G (EC2 G5) has no NVIDIA datasheet: Baseten's "NVIDIA A10 vs A10G" spec table.
+    (r"\bA10G\b", 70e12),
+    (r"\bA10\b", 125e12),  # NVIDIA A10 datasheet: 125 TFLOPS (250 sparse)
     (r"\bMI300X\b", 1307e12),
     (r"\bMI250X?\b", 383e12),
 )

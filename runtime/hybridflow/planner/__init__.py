@@ -2,6 +2,8 @@
 
 * :mod:`~hybridflow.planner.shapes`: the models and one RL step's work (:class:`Workload`).
 * :mod:`~hybridflow.planner.hardware`: the GPU budget and the device constants, with sources.
+* :mod:`~hybridflow.planner.gpus`: the known GPUs' constants, recognising one by name, and which
+  GPU a job is planned for (``gpuType``, the product label, the local CUDA device).
 * :mod:`~hybridflow.planner.parallel`: valid training ``p-t-d`` and generation ``t_g`` per model.
 * :mod:`~hybridflow.planner.cost`: seconds and bytes per GPU of each phase.
 * :mod:`~hybridflow.planner.search`: placements, the best layouts per pool, plans by step time.

@@ -4,7 +4,8 @@ Every constant is named, with its unit in the name and its source next to it. Th
 describe the HybridFlow paper's testbed (Sec. 8.1: machines of 8 NVIDIA A100-80GB GPUs joined
 by 600 GB/s NVLink, 200 Gbps between machines). ``hybridflow plan --profile`` replaces the
 compute and memory constants with figures measured on the current machine
-(:mod:`hybridflow.planner.calibrate`).
+(:mod:`hybridflow.planner.calibrate`). The other GPUs a job may be planned for, and how the one it
+runs on is recognised, are in :mod:`hybridflow.planner.gpus`.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class DeviceConstants:
 
 
 A100_80GB = DeviceConstants(
-    name="A100-80GB (HybridFlow testbed)",
+    name="A100-80GB",
     # NVIDIA A100 datasheet: 312 TFLOPS dense BF16, 2,039 GB/s HBM2e (80GB SXM), 80 GB.
     peak_flops=312e12,
     memory_bandwidth_bytes_per_second=2.039e12,
@@ -173,7 +174,8 @@ A100_80GB = DeviceConstants(
     # NCCL all-reduce of a small tensor across 8 NVLink GPUs: ~20 us (nccl-tests, ring/tree latency).
     collective_latency_seconds=20e-6,
 )
-"""The default device: the paper's A100 testbed."""
+"""The paper's A100 testbed; ``gpuType: A100-80GB`` plans for it, and the other GPUs of
+:data:`hybridflow.planner.gpus.KNOWN_GPUS` share its assumed (non-datasheet) constants."""
 
 
 @dataclass(frozen=True)

@@ -4,22 +4,20 @@
 sizes from the spec. ``apply_plan`` writes a plan into a copy of the spec: the resource pools
 (cut from the budget pool, keeping its scheduling fields), the roles, and the parallel sizes
 (``spec.training`` ``p``/``t``, ``spec.rollout`` ``t_g``). That is what ``spec.placement: auto``
-does before ``hybridflow run`` deploys anything.
+does before ``hybridflow run`` deploys anything, for the GPU :mod:`hybridflow.planner.gpus` resolves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
-from hybridflow.host import available_cores
-from hybridflow.planner.hardware import SIMULATED_CPU_GPU, ClusterShape, DeviceConstants
+from hybridflow.planner.hardware import ClusterShape, DeviceConstants
 from hybridflow.planner.search import PLACEMENT_KINDS, PlacementKind, Plan, plan_job, pool_shape
 from hybridflow.planner.shapes import ModelShape, PlannerInputError, Workload, model_shape_from_dir
 from hybridflow.spec import CRITIC_ALGORITHMS, RLHFJobSpec
 from hybridflow.spec.resources import ResourcePoolSpec, RolePlacementSpec
 
-__all__ = ["apply_plan", "budget_of", "local_device", "resolve_auto_placement", "workload_from_spec"]
+__all__ = ["apply_plan", "budget_of", "resolve_auto_placement", "workload_from_spec"]
 
 
 def workload_from_spec(spec: RLHFJobSpec) -> Workload:
@@ -118,9 +116,3 @@ def resolve_auto_placement(
     _, cluster = budget_of(spec)
     best = plan_job(workload_from_spec(spec), cluster, device, kinds=kinds)[0]
     return apply_plan(spec, best), best
-
-
-def local_device() -> DeviceConstants:
-    """The device ``hybridflow run`` plans for: the simulated CPU GPU sharing this machine's cores."""
-    cores = available_cores()
-    return replace(SIMULATED_CPU_GPU, compute_slots=cores, host_cores=cores)

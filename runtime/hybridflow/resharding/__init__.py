@@ -5,6 +5,9 @@
 * :mod:`~hybridflow.resharding.plan` (pure): who sends what to whom in a transition, for
   HybridFlow and for the two baselines of the paper's Table 2, with the bytes each rank
   receives and holds; the formulas of Table 2.
+* :mod:`~hybridflow.resharding.post_order` (pure): the point-to-point ops each rank posts in a
+  transition, in order (the lists the transfers execute), and the check that both ends of
+  every rank pair post the same sequence, which NCCL's by-order matching needs.
 * :mod:`~hybridflow.resharding.transfer`: runs a plan over ``torch.distributed`` (gloo or
   NCCL) and measures it.
 
@@ -37,6 +40,15 @@ from hybridflow.resharding.plan import (
     table2,
     vanilla_plan,
 )
+from hybridflow.resharding.post_order import (
+    ExchangeBucket,
+    PostedOp,
+    PostOrderMismatch,
+    check_post_order,
+    exchange_buckets,
+    exchange_posts,
+    require_post_order,
+)
 
 __all__ = [
     "DESIGNS",
@@ -44,19 +56,26 @@ __all__ = [
     "BlockSource",
     "DecoderSpec",
     "Design",
+    "ExchangeBucket",
     "Message",
     "ModelLayout",
     "ParamBytes",
     "ParamSpec",
+    "PostOrderMismatch",
+    "PostedOp",
     "RankPlan",
     "ReshardingError",
     "Table2Row",
     "TransitionPlan",
     "allgather_plan",
     "build_plan",
+    "check_post_order",
     "decoder_layout",
+    "exchange_buckets",
+    "exchange_posts",
     "hybridflow_plan",
     "micro_dp_groups",
+    "require_post_order",
     "table2",
     "vanilla_plan",
 ]

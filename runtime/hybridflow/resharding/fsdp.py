@@ -20,7 +20,10 @@ Execution (:class:`FSDPResharder`), per rank, collective over the actor's ranks 
    buckets of at most ``bucket_bytes`` of *generation* bytes (computed from shapes alone, so
    every rank cuts the same buckets), and for each bucket posts one message per peer (the
    pieces for it, back to back, cast to the engine's dtype first) with ``batch_isend_irecv``
-   through the :class:`~hybridflow.resharding.meter.TrafficMeter`.
+   through the :class:`~hybridflow.resharding.meter.TrafficMeter`. The cut and every bucket's
+   ops in posting order come from :func:`fsdp_buckets` (pure), which the check of
+   :mod:`~hybridflow.resharding.post_order` reads too: sender and receiver of every message
+   list its pieces in the same order (parameter, then the plan's piece order).
 2. It assembles each generation block from its own piece and the received ones into a tensor of
    the block's shape and yields the bucket as ``[(HF name, block)]``. The caller loads it into
    its engine before advancing; the bucket is cleared when the next one is requested, so the
@@ -38,12 +41,15 @@ import torch.distributed as dist
 
 from hybridflow.resharding.layout import Block, ModelLayout, ParamSpec, ReshardingError
 from hybridflow.resharding.meter import TrafficMeter
+from hybridflow.resharding.post_order import PostedOp, cut_buckets, dtype_name
 
 __all__ = [
+    "FSDPBucket",
     "FSDPPiece",
     "FSDPPlan",
     "FSDPResharder",
     "contiguous_tp_ranks",
+    "fsdp_buckets",
     "fsdp_generation_plan",
     "fsdp_rows",
     "strided_tp_ranks",
@@ -148,6 +154,43 @@ def fsdp_generation_plan(layout: ModelLayout, world: int, t_g: int, tp_ranks: Se
     return FSDPPlan(layout, world, t_g, tuple(tp_ranks), generation, tuple(pieces))
 
 
+@dataclass(frozen=True)
+class FSDPBucket:
+    """One bucket of :meth:`FSDPResharder.generation_buckets`: parameter indices (layout order) and its posts."""
+
+    indices: tuple[int, ...]
+    posts: tuple[PostedOp[FSDPPiece], ...]
+
+
+def fsdp_buckets(
+    plan: FSDPPlan, rank: int, *, bucket_bytes: int, itemsize: int, dtype: str
+) -> tuple[FSDPBucket, ...]:
+    """What :meth:`FSDPResharder.generation_buckets` posts on ``rank``, bucket by bucket (pure).
+
+    The rank's generation blocks are cut into buckets of at most ``bucket_bytes`` at
+    ``itemsize`` bytes per element; every rank's blocks of one parameter have the same size, so
+    every rank cuts the same buckets. Per bucket (batch = its index): one send per peer that
+    needs some of this rank's rows, then one receive per peer holding rows this rank needs,
+    each in the order peers first appear in the bucket's pieces; a message's payload is its
+    pieces in parameter order, then the plan's piece order, on both ends. Tag 0.
+    """
+    sizes = [block.numel * itemsize for block in plan.generation[rank]]
+    buckets = []
+    for batch, indices in enumerate(cut_buckets(sizes, bucket_bytes)):
+        outgoing: dict[int, list[FSDPPiece]] = {}
+        incoming: dict[int, list[FSDPPiece]] = {}
+        for index in indices:
+            for piece in plan.pieces[index]:
+                if piece.src == rank and piece.dst != rank:
+                    outgoing.setdefault(piece.dst, []).append(piece)
+                elif piece.dst == rank and piece.src != rank:
+                    incoming.setdefault(piece.src, []).append(piece)
+        posts = [PostedOp(batch, "send", dst, 0, tuple(pieces), dtype) for dst, pieces in outgoing.items()]
+        posts += [PostedOp(batch, "recv", src, 0, tuple(pieces), dtype) for src, pieces in incoming.items()]
+        buckets.append(FSDPBucket(tuple(indices), tuple(posts)))
+    return tuple(buckets)
+
+
 def _local_view(local: torch.Tensor, piece: FSDPPiece, local_start: int) -> torch.Tensor:
     rows = local[piece.row_start - local_start : piece.row_stop - local_start]
     return rows if piece.cols is None else rows[:, piece.cols[0] : piece.cols[1]]
@@ -174,29 +217,21 @@ class FSDPResharder:
         self.group = group
         self.meter = meter if meter is not None else TrafficMeter()
 
-    def _buckets(self, bucket_bytes: int, itemsize: int) -> list[list[int]]:
-        buckets: list[list[int]] = []
-        size = 0
-        for index, block in enumerate(self.plan.generation[self.rank]):
-            nbytes = block.numel * itemsize
-            if not buckets or (buckets[-1] and size + nbytes > bucket_bytes):
-                buckets.append([])
-                size = 0
-            buckets[-1].append(index)
-            size += nbytes
-        return buckets
-
     def generation_buckets(
         self, local_shards: Mapping[str, torch.Tensor], *, bucket_bytes: int, dtype: torch.dtype
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """This rank's generation blocks, bucket by bucket (collective in lockstep; see the module docstring).
 
         ``local_shards``: this rank's FSDP2 rows of every parameter, by HF name (``to_local()``).
+        The ops of each bucket are :func:`fsdp_buckets`', posted in its order.
         """
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
         plan, me, world = self.plan, self.rank, self.plan.world
+        buckets = fsdp_buckets(
+            plan, me, bucket_bytes=bucket_bytes, itemsize=dtype.itemsize, dtype=dtype_name(dtype)
+        )
         params = plan.layout.params
+        position = {param.name: index for index, param in enumerate(params)}
+        local_starts: dict[str, int] = {}
         for param in params:
             local = local_shards.get(param.name)
             start, stop = fsdp_rows(param.shape[0], world, me)
@@ -206,63 +241,50 @@ class FSDPResharder:
                 raise ReshardingError(
                     f"rank {me}: FSDP shard of {param.name} should have shape {expected}, got {got}"
                 )
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        for indices in self._buckets(bucket_bytes, itemsize):
-            outgoing: dict[int, list[tuple[FSDPPiece, torch.Tensor]]] = {}
-            incoming: dict[int, list[FSDPPiece]] = {}
+            local_starts[param.name] = start
+        for bucket in buckets:
             blocks: dict[int, torch.Tensor] = {}
-            for index in indices:
+            for index in bucket.indices:
                 param, want = params[index], plan.generation[me][index]
                 local = local_shards[param.name]
-                local_start = fsdp_rows(param.shape[0], world, me)[0]
                 block = torch.empty(want.shape, dtype=dtype, device=local.device)
                 blocks[index] = block
                 for piece in plan.pieces[index]:
                     if piece.src == me and piece.dst == me:
-                        _block_view(block, want, piece).copy_(_local_view(local, piece, local_start))
-                    elif piece.src == me:
-                        outgoing.setdefault(piece.dst, []).append(
-                            (piece, _local_view(local, piece, local_start))
+                        _block_view(block, want, piece).copy_(
+                            _local_view(local, piece, local_starts[param.name])
                         )
-                    elif piece.dst == me:
-                        incoming.setdefault(piece.src, []).append(piece)
             device = next(iter(blocks.values())).device
-            sends: dict[int, torch.Tensor] = {}
-            for dst, parts in outgoing.items():  # one flat message per peer, cast while copying in
-                flat = torch.empty(sum(piece.numel for piece, _ in parts), dtype=dtype, device=device)
-                offset = 0
-                for piece, view in parts:
-                    flat[offset : offset + piece.numel].view(piece.shape).copy_(view)
-                    offset += piece.numel
-                sends[dst] = flat
-            receives = {
-                src: torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
-                for src, pieces in incoming.items()
-            }
-            ops = [
-                dist.P2POp(dist.isend, buffer, self._peer(dst), self.group) for dst, buffer in sends.items()
-            ]
-            ops += [
-                dist.P2POp(dist.irecv, buffer, self._peer(src), self.group)
-                for src, buffer in receives.items()
-            ]
+            ops: list[dist.P2POp] = []
+            receives: list[tuple[PostedOp[FSDPPiece], torch.Tensor]] = []
+            for post in bucket.posts:
+                flat = torch.empty(post.numel, dtype=dtype, device=device)
+                if post.op == "send":  # one flat message per peer, cast while copying in
+                    offset = 0
+                    for piece in post.payload:
+                        view = _local_view(local_shards[piece.name], piece, local_starts[piece.name])
+                        flat[offset : offset + piece.numel].view(piece.shape).copy_(view)
+                        offset += piece.numel
+                    ops.append(dist.P2POp(dist.isend, flat, self._peer(post.peer), self.group))
+                else:
+                    receives.append((post, flat))
+                    ops.append(dist.P2POp(dist.irecv, flat, self._peer(post.peer), self.group))
             if ops:
                 for work in self.meter.batch_isend_irecv(ops):
                     work.wait()
-            del ops, sends
-            for src, pieces in incoming.items():
+            del ops
+            for post, flat in receives:
                 offset = 0
-                for piece in pieces:
-                    index = next(i for i in indices if params[i].name == piece.name)
-                    flat = receives[src][offset : offset + piece.numel]
+                for piece in post.payload:
+                    index = position[piece.name]
                     _block_view(blocks[index], plan.generation[me][index], piece).copy_(
-                        flat.view(piece.shape)
+                        flat[offset : offset + piece.numel].view(piece.shape)
                     )
                     offset += piece.numel
             del receives
-            bucket = [(params[index].name, blocks.pop(index)) for index in indices]
-            yield bucket
-            bucket.clear()
+            bucket_tensors = [(params[index].name, blocks.pop(index)) for index in bucket.indices]
+            yield bucket_tensors
+            bucket_tensors.clear()
 
     def _peer(self, group_rank: int) -> int:
         """The global rank of ``group_rank`` (P2P ops take global ranks)."""

@@ -54,6 +54,7 @@ from hybridflow.resharding.plan import (
     TransitionPlan,
     buffer_kind,
 )
+from hybridflow.resharding.post_order import dtype_name, exchange_buckets, exchange_posts
 
 __all__ = [
     "BucketRecord",
@@ -63,8 +64,6 @@ __all__ = [
     "TrainingShard",
     "TransitionStats",
 ]
-
-_TAGS = {"partitioned": 0, "replicated": 1}
 
 
 def _offsets(blocks: Sequence[Block]) -> dict[Block, int]:
@@ -475,7 +474,11 @@ class Resharder:
     Messages are posted block by block: a rank sends each of its training blocks as the tensor
     its :class:`TrainingShard` holds (a view of a flat buffer, or of the trainer's own
     parameter), so nothing is packed on the sending side; the tag of a block is its position in
-    the sender's ``RankPlan.training``, which both sides know from the plan.
+    the sender's ``RankPlan.training``, which both sides know from the plan. Which ops a rank
+    posts, and in which order, is decided by the pure functions of
+    :mod:`~hybridflow.resharding.post_order` (:func:`exchange_posts`, :func:`exchange_buckets`);
+    this class posts exactly their lists, so the check that both ends of every pair post the
+    same sequence (which NCCL needs) runs on what is executed.
     """
 
     def __init__(
@@ -487,7 +490,6 @@ class Resharder:
         self._me = plan.rank(rank)
         self._group = groups.get(plan.groups) if any(len(group) > 1 for group in plan.groups) else None
         self._offsets = {r: _offsets(plan.rank(r).training) for r in self._me.group}
-        self._tags = {r: {block: i for i, block in enumerate(plan.rank(r).training)} for r in self._me.group}
 
     def _synchronize(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -577,23 +579,21 @@ class Resharder:
                         if shard.flat
                         else torch.cat([shard.view(block).reshape(-1) for block in mine])
                     )
-        ops: list[dist.P2POp] = []
-        for m in me.sends:
-            for block in me.training:
-                if buffer_kind(block) == m.kind:
-                    ops.append(
-                        dist.P2POp(
-                            dist.isend, shard.view(block), m.dst, self._group, self._tags[self.rank][block]
-                        )
-                    )
         for m in me.receives:
-            buffer = torch.empty(m.numel, dtype=dtype, device=device)
-            gathered[(m.src, m.kind)] = buffer
-            offsets = self._offsets[m.src]
-            for block in self.plan.rank(m.src).training:
-                if buffer_kind(block) == m.kind:
-                    piece = buffer[offsets[block] : offsets[block] + block.numel]
-                    ops.append(dist.P2POp(dist.irecv, piece, m.src, self._group, self._tags[m.src][block]))
+            gathered[(m.src, m.kind)] = torch.empty(m.numel, dtype=dtype, device=device)
+        ops: list[dist.P2POp] = []
+        for post in exchange_posts(self.plan, self.rank, dtype_name(dtype)):
+            (block,) = post.payload
+            if post.op == "send":
+                tensor = shard.view(block)
+            else:  # the block's place in the flat receive buffer of its (sender, kind)
+                offset = self._offsets[post.peer][block]
+                tensor = gathered[(post.peer, buffer_kind(block))][offset : offset + block.numel]
+            ops.append(
+                dist.P2POp(
+                    dist.isend if post.op == "send" else dist.irecv, tensor, post.peer, self._group, post.tag
+                )
+            )
         self._run(ops)
         del ops
         self._synchronize(device)
@@ -644,53 +644,31 @@ class Resharder:
         peers' blocks in fresh receive buffers. The bucket is released when the next one is
         asked for, so the extra memory is one bucket's receive buffers and casts (``record``
         measures it) plus whatever the consumer keeps. The training shard must not change
-        until the iteration ends.
+        until the iteration ends. The cut and each bucket's ops, in posting order, are
+        :func:`~hybridflow.resharding.post_order.exchange_buckets`'.
         """
-        if self.plan.design != "hybridflow":
-            raise ReshardingError(
-                f"generation_buckets needs a hybridflow plan (micro-DP groups), not {self.plan.design!r}"
-            )
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+        dtype = dtype or shard.dtype
+        buckets = exchange_buckets(
+            self.plan, self.rank, bucket_bytes=bucket_bytes, itemsize=dtype.itemsize, dtype=dtype_name(dtype)
+        )
         self._check(shard)
         me = self._me
         wants = [want for want, _ in me.generation]
-        for peer in me.group:
-            if [want for want, _ in self.plan.rank(peer).generation] != wants:
-                raise ReshardingError(f"internal: ranks {self.rank} and {peer} of a micro-DP group differ")
-        dtype = dtype or shard.dtype
         device = shard.device
         itemsize = dtype.itemsize
-        cut: list[list[int]] = []
-        size = 0
-        for index, want in enumerate(wants):
-            nbytes = want.numel * itemsize
-            if not cut or (cut[-1] and size + nbytes > bucket_bytes):
-                cut.append([])
-                size = 0
-            cut[-1].append(index)
-            size += nbytes
         record = record if record is not None else BucketRecord()
-        peers = [peer for peer in me.group if peer != self.rank]
-        for indices in cut:
-            names = {wants[index].name for index in indices}
-            sends = [
-                (peer, source.block)
-                for peer in peers
-                for want, sources in self.plan.rank(peer).generation
-                if want.name in names
-                for source in sources
-                if source.rank == self.rank
-            ]
+        for bucket in buckets:
+            indices = bucket.indices
             used = [
                 source.block
                 for index in indices
                 for source in me.generation[index][1]
                 if source.rank == self.rank
             ]
+            sent = [post.payload[0] for post in bucket.posts if post.op == "send"]
             created = 0
             mine: dict[Block, torch.Tensor] = {}
-            for block in [*used, *(block for _, block in sends)]:
+            for block in [*used, *sent]:
                 if block in mine:
                     continue
                 tensor = shard.view(block)
@@ -701,18 +679,15 @@ class Resharder:
                 mine[block] = tensor
             ops: list[dist.P2POp] = []
             received: dict[tuple[int, Block], torch.Tensor] = {}
-            for index in indices:
-                for source in me.generation[index][1]:
-                    if source.rank != self.rank:
-                        buffer = torch.empty(source.block.shape, dtype=dtype, device=device)
-                        created += _nbytes(buffer)
-                        received[(source.rank, source.block)] = buffer
-                        tag = self._tags[source.rank][source.block]
-                        ops.append(dist.P2POp(dist.irecv, buffer, source.rank, self._group, tag))
-            for peer, block in sends:
-                ops.append(
-                    dist.P2POp(dist.isend, mine[block], peer, self._group, self._tags[self.rank][block])
-                )
+            for post in bucket.posts:
+                (block,) = post.payload
+                if post.op == "send":
+                    ops.append(dist.P2POp(dist.isend, mine[block], post.peer, self._group, post.tag))
+                    continue
+                buffer = torch.empty(block.shape, dtype=dtype, device=device)
+                created += _nbytes(buffer)
+                received[(post.peer, block)] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer, post.peer, self._group, post.tag))
             self._run(ops)
             del ops
             self._synchronize(device)

@@ -370,10 +370,11 @@ def policy_loss_clipped(
     its k3 estimate ``mean(ratio - 1 - log ratio)`` (never negative, lower variance: the one
     an early stop at ``targetKl`` reads); all detached scalars.
 
-    ``token_weights`` (detached, e.g. :func:`truncated_importance_weights`) multiply each
-    token's loss before the reduction: the decoupled objective of off-policy PPO, where
-    ``old_logprob`` is the proximal policy (the trainer's before the update) and the weights
-    correct from the behaviour policy that sampled the tokens to it.
+    ``token_weights`` (detached, from
+    :func:`hybridflow.rlmath.rollout_correction.correction_weights`) multiply each token's loss
+    before the reduction: the decoupled objective of off-policy PPO, where ``old_logprob`` is the
+    proximal policy (the trainer's before the update) and the weights correct from the behaviour
+    policy that sampled the tokens (the rollout engine's) to it.
     """
     valid = _valid(response_mask)
     log_ratio = torch.clamp(logprob - old_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -392,46 +393,6 @@ def policy_loss_clipped(
             "approx_kl_k3": masked_mean(ratio - 1.0 - log_ratio, valid),
         }
     return loss, metrics
-
-
-def truncated_importance_weights(
-    proximal_logprob: torch.Tensor,
-    behaviour_logprob: torch.Tensor,
-    response_mask: torch.Tensor,
-    max_weight: float,
-) -> torch.Tensor:
-    """Per-token ``min(exp(proximal - behaviour), max_weight)``, detached; 0 at masked positions.
-
-    ``behaviour_logprob`` is the log-probability under the policy that sampled the token (the
-    rollout engine's, possibly several updates old), ``proximal_logprob`` the trainer's before
-    its update. Truncating the ratio from above (truncated IS: Espeholt et al., 2018; Yao et
-    al., 2025 for the rollout-trainer mismatch) bounds the variance a very stale or very
-    unlikely token adds; the weights carry no gradient.
-    """
-    valid = _valid(response_mask)
-    with torch.no_grad():
-        log_ratio = torch.clamp(proximal_logprob - behaviour_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        weights = torch.clamp(torch.exp(log_ratio), max=max_weight)
-        return torch.where(valid, weights, torch.zeros_like(weights))
-
-
-def behaviour_gap(
-    trainer_logprob: torch.Tensor, behaviour_logprob: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """How far the rollout's log-probs are from the trainer's, over the valid tokens (detached scalars).
-
-    ``kl``: the k3 estimate of KL(behaviour || trainer) from the behaviour policy's own samples,
-    ``mean(r - 1 - log r)`` with ``r = exp(trainer - behaviour)`` (never negative; 0 when the
-    two agree); ``abs_log_prob_diff``: the token-mean of ``|trainer - behaviour|``. Both grow
-    with staleness and with numeric differences between the engine and the trainer.
-    """
-    valid = _valid(response_mask)
-    with torch.no_grad():
-        log_ratio = torch.clamp(trainer_logprob - behaviour_logprob, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return {
-            "kl": masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, valid),
-            "abs_log_prob_diff": masked_mean(log_ratio.abs(), valid),
-        }
 
 
 def value_loss_clipped(

@@ -1,6 +1,7 @@
 """The actor's training objective, shared by every backend's actor worker.
 
-Per micro-batch: PPO's clipped surrogate, minus ``entropyCoef`` times the entropy, plus
+Per micro-batch: PPO's clipped surrogate (each token weighted by the rollout correction when one
+is on: :mod:`hybridflow.rlmath.rollout_correction`), minus ``entropyCoef`` times the entropy, plus
 ``kl.coef`` times the KL to the reference when ``kl.mode`` is ``loss``; all three reduced by
 ``spec.algorithm.lossAggregation`` with the mini-batch's global counts
 (:mod:`hybridflow.rlmath.aggregation`), so the micro-batch losses sum to the mini-batch's. The
@@ -14,6 +15,7 @@ import torch
 
 from hybridflow.rlmath import core
 from hybridflow.rlmath.aggregation import LossNormalizer, aggregate
+from hybridflow.rlmath.rollout_correction import RolloutCorrection, correction_weights, mismatch_metrics
 from hybridflow.spec import AlgorithmSpec
 
 __all__ = ["actor_objective"]
@@ -29,8 +31,8 @@ def actor_objective(
     response_mask: torch.Tensor,
     ref_log_probs: torch.Tensor | None,
     normalizer: LossNormalizer | None = None,
-    behaviour_log_probs: torch.Tensor | None = None,
-    max_importance_weight: float | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    correction: RolloutCorrection | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """(loss, metrics) of one micro-batch; ``ref_log_probs`` None means no KL loss term.
 
@@ -39,29 +41,27 @@ def actor_objective(
     whole mini-batch. Metrics are this micro-batch's own means, detached: 0-d tensors for the
     loss parts, floats for the clip and KL statistics.
 
-    ``behaviour_log_probs`` (the rollout engine's, ``rollout_log_probs``) add the gap metrics
-    ``off_policy/kl`` and ``off_policy/abs_log_prob_diff`` against ``old_log_probs`` (the
-    trainer's before the update); with ``max_importance_weight`` too, each token's policy loss
-    is weighted by :func:`~hybridflow.rlmath.core.truncated_importance_weights` (the weight
-    mean and the fraction truncated are reported).
+    ``rollout_log_probs`` (the engine's, at the trainer's temperature) add the mismatch metrics
+    ``off_policy/*`` of :func:`~hybridflow.rlmath.rollout_correction.mismatch_metrics` against
+    ``old_log_probs`` (the trainer's before the update); they read the log-probs only, so the
+    loss is bit for bit the one without them. ``correction`` too weights (or masks) each token's
+    policy loss by :func:`~hybridflow.rlmath.rollout_correction.correction_weights` and reports
+    the weights' statistics.
     """
     mode = algo.loss_aggregation
     mask = response_mask.float()
     weights = None
     off_policy: dict[str, torch.Tensor | float] = {}
-    if behaviour_log_probs is not None:
-        gap = core.behaviour_gap(old_log_probs, behaviour_log_probs, mask)
-        off_policy = {"off_policy/kl": gap["kl"], "off_policy/abs_log_prob_diff": gap["abs_log_prob_diff"]}
-        if max_importance_weight is not None:
-            weights = core.truncated_importance_weights(
-                old_log_probs, behaviour_log_probs, mask, max_importance_weight
-            )
-            off_policy["off_policy/is_weight_mean"] = core.masked_mean(weights, mask)
-            off_policy["off_policy/is_truncated_fraction"] = float(
-                core.masked_mean((weights >= max_importance_weight).float(), mask)
-            )
-    elif max_importance_weight is not None:
-        raise ValueError("importance sampling needs the rollout's log-probs (behaviour_log_probs)")
+    if rollout_log_probs is not None:
+        gap = mismatch_metrics(old_log_probs, rollout_log_probs, mask)
+        off_policy = {f"off_policy/{name}": value for name, value in gap.items()}
+        if correction is not None:
+            weights, weight_stats = correction_weights(correction, old_log_probs, rollout_log_probs, mask)
+            off_policy.update({f"off_policy/{name}": value for name, value in weight_stats.items()})
+    elif correction is not None:
+        raise ValueError(
+            f"the {correction.kind} correction needs the rollout's log-probs (rollout_log_probs) in the batch"
+        )
     policy_loss, stats = core.policy_loss_clipped(
         log_probs,
         old_log_probs,

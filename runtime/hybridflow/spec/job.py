@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import posixpath
 from collections import Counter
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -27,7 +27,9 @@ from hybridflow.spec.models import ModelsSpec
 from hybridflow.spec.pods import PodsSpec
 from hybridflow.spec.resources import (
     DEFAULT_POOL_NAME,
+    GPU_PRODUCT_LABEL,
     PLACEMENT_DESCRIPTION,
+    GpuType,
     PlacementMode,
     ResourcePoolSpec,
     RoleName,
@@ -831,6 +833,15 @@ def capabilities_rule_cel(allowed: tuple[str, ...]) -> str:
     )
 
 
+def _pools_of_unknown_gpu(spec: RLHFJobSpec) -> list[str]:
+    """The pools that say nothing about their GPU type (neither ``gpuType`` nor the product label)."""
+    return [
+        pool.name
+        for pool in spec.resource_pools
+        if pool.gpu_type is None and GPU_PRODUCT_LABEL not in pool.node_selector
+    ]
+
+
 IN_CLUSTER_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
     CrossFieldRule[RLHFJobSpec](
         name="capabilities-from-the-allow-list",
@@ -876,6 +887,23 @@ IN_CLUSTER_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             spec.queue_name is None or all(pool.name != KUEUE_RESERVED_GROUP for pool in spec.resource_pools)
         ),
         observed=lambda spec: f"pool {KUEUE_RESERVED_GROUP!r} with queueName {spec.queue_name!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="auto-placement-knows-the-gpu",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel=(
+            "self.placement != 'auto' || self.resourcePools.all(p, has(p.gpuType) || "
+            f"(has(p.nodeSelector) && '{GPU_PRODUCT_LABEL}' in p.nodeSelector))"
+        ),
+        message=(
+            "must say which GPU the planner plans for when spec.placement is auto: set "
+            "spec.resourcePools[0].gpuType (one of " + quoted_list(get_args(GpuType)) + ") or a nodeSelector "
+            f"on {GPU_PRODUCT_LABEL} (the label NVIDIA GPU feature discovery sets); the controller runs in "
+            "the Ray head pod, which has no GPU to look at"
+        ),
+        holds=lambda spec: spec.placement != "auto" or not _pools_of_unknown_gpu(spec),
+        observed=lambda spec: "neither on pool " + quoted_list(_pools_of_unknown_gpu(spec)),
     ),
     CrossFieldRule[RLHFJobSpec](
         name="restarts-need-a-checkpoint-volume",

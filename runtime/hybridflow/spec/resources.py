@@ -31,6 +31,27 @@ RoleName = Literal["actor", "rollout", "reference", "critic", "reward", "cost"]
 
 DEFAULT_POOL_NAME = "default"
 
+GpuType = Literal[
+    "A100-40GB",
+    "A100-80GB",
+    "A100-PCIe-40GB",
+    "A100-PCIe-80GB",
+    "H100-80GB",
+    "H100-PCIe",
+    "H200",
+    "L40S",
+    "L4",
+    "A10G",
+    "A10",
+]
+"""``spec.resourcePools[].gpuType``: the GPUs the placement planner knows (``hybridflow.planner.gpus``
+holds each one's datasheet constants; a test keeps the two lists equal). Without a suffix the A100s,
+the H100 and the H200 are the SXM modules (NVLink in the node); the PCIe cards talk over PCIe."""
+
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The node label NVIDIA GPU feature discovery sets to the GPU's name with dashes for spaces
+(``NVIDIA-H100-80GB-HBM3``); a pool's ``nodeSelector`` on it tells the planner the GPU type."""
+
 
 class ResourcePoolSpec(SpecModel):
     """A set of identical GPU nodes, and how to schedule pods onto them."""
@@ -64,6 +85,16 @@ class ResourcePoolSpec(SpecModel):
         description=(
             "Host memory requested and limited per GPU in each pod, as a Kubernetes quantity such as "
             "'64Gi'. Unset: no memory request or limit. Cluster only."
+        ),
+    )
+    gpu_type: GpuType | None = Field(
+        default=None,
+        description=(
+            "The pool's GPU model, which spec.placement auto and `hybridflow plan` plan for "
+            f"(docs/placement.md). Unset: read from the nodeSelector label {GPU_PRODUCT_LABEL} that NVIDIA "
+            "GPU feature discovery sets (e.g. NVIDIA-H100-80GB-HBM3); a local `hybridflow run` reads its "
+            "CUDA device instead, whose name this field overrides. It schedules nothing: pair it with a "
+            "nodeSelector."
         ),
     )
     node_selector: dict[str, str] = Field(

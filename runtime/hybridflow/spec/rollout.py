@@ -7,8 +7,9 @@ generation sizes to divide the training sizes when the two are colocated.
 
 On a pool of its own the rollout can run ahead of the trainer: ``maxStaleness`` bounds how many
 policy updates old a sample may be when the trainer learns from it (docs/placement.md states the
-guarantees), and ``importanceSampling`` corrects for the gap between the policy that sampled a
-response (the behaviour policy) and the trainer's.
+guarantees). ``importanceSampling`` corrects for the gap between the policy that sampled a
+response (the behaviour policy: stale weights, or the engine's own numerics in every job) and the
+trainer's (:mod:`hybridflow.rlmath.rollout_correction` has the math and the sources).
 """
 
 from __future__ import annotations
@@ -21,18 +22,44 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
 ImportanceSamplingMode = Literal["auto", "on", "off"]
+RolloutCorrectionName = Literal["token-truncate", "token-mask", "sequence-mask"]
+
+# The kept ratio band of each mask correction when maskLower/maskUpper are unset. Per token, the
+# reciprocal pair around the truncation cap's default (veRL's default lower bound is 1/upper);
+# per sequence the geometric mean of the ratios, which averages the per-token noise out, so a
+# band of 1 +- 0.001 (the upper end of the thresholds veRL's rollout-correction guide suggests).
+DEFAULT_MASK_BANDS: dict[str, tuple[float, float]] = {
+    "token-mask": (0.5, 2.0),
+    "sequence-mask": (0.999, 1.001),
+}
 
 
 class ImportanceSamplingSpec(SpecModel):
-    """Truncated importance sampling between the rollout's and the trainer's log-probs."""
+    """The correction for the gap between the rollout's and the trainer's log-probs (train-inference mismatch)."""
 
     mode: ImportanceSamplingMode = Field(
         default="auto",
         description=(
-            "'auto' corrects when spec.rollout.maxStaleness > 0; 'on' always (also the small "
-            "engine-vs-trainer mismatch of a synchronous job); 'off' never. Each token's policy loss is "
-            "weighted by min(exp(trainer log-prob - rollout log-prob), maxWeight), the trainer's "
-            "log-prob taken before the update."
+            "'auto' corrects when spec.rollout.maxStaleness > 0, or when the rollout engine computes in "
+            "another dtype than the trainer's forward and temperature is 1 (both engines serve in the "
+            "training precision, so this needs an engine built in another dtype); 'on' always (also "
+            "the kernel-level mismatch of an engine in the trainer's dtype: vLLM in bf16 against an "
+            "FSDP bf16 forward, say); 'off' never. The gap is measured every step whatever "
+            "the mode (the off_policy/* metrics), from the trainer's log-probs before the update and "
+            "the rollout's own."
+        ),
+    )
+    correction: RolloutCorrectionName = Field(
+        default="token-truncate",
+        description=(
+            "How the per-token ratio r = exp(trainer log-prob - rollout log-prob) corrects the policy "
+            "loss. 'token-truncate': each token's loss weighted by min(r, maxWeight), truncated "
+            "importance sampling (TIS: Yao et al. 2025, 'Your efficient RL framework secretly brings "
+            "you off-policy RL training'). 'token-mask': tokens whose r lies outside [maskLower, "
+            "maskUpper] are dropped from the loss. 'sequence-mask': whole responses whose geometric-mean "
+            "ratio exp(mean log r) lies outside the band are dropped (masked importance sampling and "
+            "geometric rejection: Liu, Li et al. 2025, 'When speed kills stability', as in veRL's "
+            "rollout correction). Dropped tokens weigh 0 and still count in the loss's denominator."
         ),
     )
     max_weight: float = Field(
@@ -40,10 +67,38 @@ class ImportanceSamplingSpec(SpecModel):
         ge=1,
         le=100,
         description=(
-            "Truncation of the per-token importance weight (truncated IS): larger corrects more and "
-            "adds variance."
+            "Truncation of the per-token importance weight of 'token-truncate': larger corrects more "
+            "and adds variance."
         ),
     )
+    mask_lower: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=(
+            "Lower end of the ratio band the mask corrections keep. Unset: 0.5 for 'token-mask', 0.999 "
+            "for 'sequence-mask'."
+        ),
+    )
+    mask_upper: float | None = Field(
+        default=None,
+        gt=1,
+        le=100,
+        description=(
+            "Upper end of the ratio band the mask corrections keep. Unset: 2 for 'token-mask', 1.001 for "
+            "'sequence-mask' (a response's geometric-mean ratio stays near 1: its tokens' noise "
+            "averages out)."
+        ),
+    )
+
+    @property
+    def mask_band(self) -> tuple[float, float]:
+        """The kept ``[lower, upper]`` of a mask correction, defaults filled in (token-mask's for token-truncate)."""
+        lower, upper = DEFAULT_MASK_BANDS.get(self.correction, DEFAULT_MASK_BANDS["token-mask"])
+        return (
+            lower if self.mask_lower is None else self.mask_lower,
+            upper if self.mask_upper is None else self.mask_upper,
+        )
 
 
 class RolloutSpec(SpecModel):
@@ -120,14 +175,35 @@ class RolloutSpec(SpecModel):
     )
     importance_sampling: ImportanceSamplingSpec = Field(
         default=ImportanceSamplingSpec(),
-        description="Off-policy correction between the rollout's and the trainer's log-probs.",
+        description=(
+            "Correction for the gap between the rollout's and the trainer's log-probs (staleness, and "
+            "the engine's numerics: the train-inference mismatch)."
+        ),
     )
 
     @property
     def importance_sampling_on(self) -> bool:
-        """Whether the actor weights its loss by the truncated importance ratio (see ``importanceSampling``)."""
+        """Whether the spec alone turns the correction on: ``mode`` 'on', or 'auto' with ``maxStaleness > 0``.
+
+        What the temperature rule checks; :meth:`corrects` adds the engine's dtype, which only a
+        worker on its device knows.
+        """
         mode = self.importance_sampling.mode
         return mode == "on" or (mode == "auto" and self.max_staleness > 0)
+
+    def corrects(self, *, dtypes_differ: bool) -> bool:
+        """Whether the actor applies ``importanceSampling.correction`` to its policy loss.
+
+        ``dtypes_differ``: the rollout engine computes its log-probs in another dtype than the
+        trainer's forward (:func:`hybridflow.workers.weight_push.dtypes_differ`). 'auto' then
+        corrects only at temperature 1: the engines report temperature-1 log-probs and the
+        trainer scores at the sampling temperature, so at any other temperature the two are not
+        comparable (and at 0 the behaviour policy is the argmax, not a distribution to correct
+        from). Jobs that sample at another temperature keep training as before, uncorrected.
+        """
+        if self.importance_sampling_on:
+            return True
+        return self.importance_sampling.mode == "auto" and dtypes_differ and self.temperature == 1.0
 
 
 ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
@@ -156,6 +232,30 @@ ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
         observed=lambda rollout: (
             f"{rollout.importance_sampling.mode!r} with maxStaleness {rollout.max_staleness} and "
             f"temperature {rollout.temperature}"
+        ),
+    ),
+    CrossFieldRule[RolloutSpec](
+        name="mask-band-needs-a-mask-correction",
+        node_path="spec.rollout",
+        field_path=".importanceSampling.correction",
+        cel=(
+            "self.importanceSampling.correction != 'token-truncate' || "
+            "(!has(self.importanceSampling.maskLower) && !has(self.importanceSampling.maskUpper))"
+        ),
+        message=(
+            "maskLower and maskUpper bound the mask corrections; set correction to 'token-mask' or "
+            "'sequence-mask', or leave them unset ('token-truncate' is bounded by maxWeight)"
+        ),
+        holds=lambda rollout: (
+            rollout.importance_sampling.correction != "token-truncate"
+            or (
+                rollout.importance_sampling.mask_lower is None
+                and rollout.importance_sampling.mask_upper is None
+            )
+        ),
+        observed=lambda rollout: (
+            f"correction {rollout.importance_sampling.correction!r} with maskLower "
+            f"{rollout.importance_sampling.mask_lower} and maskUpper {rollout.importance_sampling.mask_upper}"
         ),
     ),
 )

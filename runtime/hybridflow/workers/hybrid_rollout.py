@@ -54,7 +54,6 @@ from hybridflow.resharding.meter import PeakMemory
 from hybridflow.resharding.transfer import GenerationShard, Resharder, SubgroupCache, TrainingShard
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
-from hybridflow.workers.weight_push import wants_rollout_log_probs
 
 __all__ = ["HybridRolloutWorker", "actor_tokenizer", "eos_token_ids"]
 
@@ -163,9 +162,7 @@ class HybridRolloutWorker(Worker):
             self.sync_weights()
         assert self.engine is not None
         # One sampling stream per replica: only its output rank samples, the others follow.
-        params = sampling_params(
-            self.spec, prompts, stream=self.ctx.coord.dp, return_logprobs=wants_rollout_log_probs(self.spec)
-        )
+        params = sampling_params(self.spec, prompts, stream=self.ctx.coord.dp)
         prompt_ids = prompt_token_ids(prompts)
         actor = self.ctx.colocated("actor")
         with actor_offloaded(self.spec, self.ctx, self._stats):

@@ -22,15 +22,16 @@ import torch.distributed as dist
 
 from hybridflow.controller import Batch, WorkerContext
 from hybridflow.rlmath.aggregation import LossNormalizer, local_counts
+from hybridflow.rlmath.rollout_correction import RolloutCorrection
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = [
     "DPSum",
     "dp_sum_over",
     "global_normalizers",
-    "importance_weight_cap",
     "kl_exceeded",
     "local_mini_batches",
+    "rollout_correction",
     "token_budget_micro_batches",
     "trim_padding",
     "update_micro_batches",
@@ -52,14 +53,18 @@ def dp_sum_over(group: dist.ProcessGroup | None, device: torch.device) -> DPSum:
     return dp_sum
 
 
-def importance_weight_cap(spec: RLHFJobSpec) -> float | None:
-    """The truncation of the per-token importance weights when the correction is on, else None.
+def rollout_correction(spec: RLHFJobSpec, *, dtypes_differ: bool) -> RolloutCorrection | None:
+    """The correction the actor applies to its policy loss, or None (:meth:`RolloutSpec.corrects`).
 
-    On: ``spec.rollout.importanceSampling`` (by default whenever ``maxStaleness > 0``); the
-    batch must then carry the rollout's log-probs, which the rollout returns in that case.
+    ``dtypes_differ``: :func:`hybridflow.workers.weight_push.dtypes_differ` on the actor's rank.
+    When it is on, the batch must carry the rollout's log-probs, which every rollout returns.
     """
     rollout = spec.rollout
-    return rollout.importance_sampling.max_weight if rollout.importance_sampling_on else None
+    if not rollout.corrects(dtypes_differ=dtypes_differ):
+        return None
+    choice = rollout.importance_sampling
+    lower, upper = choice.mask_band
+    return RolloutCorrection(choice.correction, max_weight=choice.max_weight, lower=lower, upper=upper)
 
 
 def local_mini_batches(

@@ -24,10 +24,14 @@ pushes the buckets with ``push_weights`` (``workers/weight_push.py``). Its ``pol
 the number of updates it has made (the LR schedule's step count, so a checkpoint restores it):
 what the rollout stamps on every sample.
 
-With ``rollout_log_probs`` in the batch the update reports the rollout-vs-trainer gap, and with
-``spec.rollout.importanceSampling`` on it weights each token's loss by the truncated ratio of
-the trainer's log-prob before the update (the proximal policy: ``old_log_probs``, or on-policy
-the update's own first forward, the same weights) to the rollout's (the behaviour policy).
+Every rollout returns its engine's log-probs (``rollout_log_probs``); the update reports the
+rollout-vs-trainer gap from them every step (``off_policy/*``, when the two are at the same
+temperature), and with ``spec.rollout.importanceSampling`` on (by default: stale samples, or an
+engine computing in another dtype than the trainer) it weights or masks each token's loss by the
+ratio of the trainer's log-prob before the update (the proximal policy: ``old_log_probs``, or
+on-policy the update's own first forward, the same weights) to the rollout's (the behaviour
+policy): :mod:`hybridflow.rlmath.rollout_correction`. Without a correction the loss is bit for
+bit what it would be without the rollout's log-probs.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from torch import nn
 from hybridflow.backends.api import TrainingBackend, training_backend
 from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.metrics.catalogue import combine_values
 from hybridflow.metrics.device import device_metrics
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
@@ -54,12 +59,17 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.mini_batches import (
     dp_sum_over,
     global_normalizers,
-    importance_weight_cap,
     kl_exceeded,
     local_mini_batches,
+    rollout_correction,
     update_micro_batches,
 )
-from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, send_pushed_weights
+from hybridflow.workers.weight_push import (
+    WEIGHT_BUCKET_BYTES,
+    dtypes_differ,
+    engine_dtype,
+    send_pushed_weights,
+)
 
 __all__ = ["ActorWorker", "ReferenceWorker", "seed_everything"]
 
@@ -111,6 +121,8 @@ class ActorWorker(_PolicyModel):
         super().__init__(ctx, spec, spec.models.actor.path, learning_rate=spec.training.learning_rate)
         self.local_mini_batch = spec.training.mini_batch_size // ctx.mesh.dp_size
         self.offload = DeviceOffload("the actor's training state")
+        # The same on every rank (spec and device type): every DP rank weights its tokens alike.
+        self.correction = rollout_correction(spec, dtypes_differ=dtypes_differ(spec, ctx))
 
     def offload_for_generation(self) -> OffloadStats | None:
         """Move what ``spec.training.offloadDuringGeneration`` names to host memory (None: nothing).
@@ -149,12 +161,14 @@ class ActorWorker(_PolicyModel):
         algo = self.spec.algorithm
         use_kl_loss = algo.kl.mode == "loss" and "ref_log_probs" in batch.tensors
         on_policy = "old_log_probs" not in batch.tensors
-        with_behaviour = "rollout_log_probs" in batch.tensors
-        max_weight = importance_weight_cap(self.spec)
+        # The engines' log-probs are at temperature 1, the trainer's at the sampling temperature (1
+        # also for greedy decoding): at any other temperature they are not comparable, and the
+        # spec corrects only at temperature 1.
+        with_rollout = "rollout_log_probs" in batch.tensors and self.temperature == 1.0
         fields = ["response_mask", "advantages"]
         fields += [] if on_policy else ["old_log_probs"]
         fields += ["ref_log_probs"] if use_kl_loss else []
-        fields += ["rollout_log_probs"] if with_behaviour else []
+        fields += ["rollout_log_probs"] if with_rollout else []
         dp_size = self.ctx.mesh.dp_size
         dp_sum = dp_sum_over(self.backend.dp_group(), self.ctx.torch_device)
         minis = local_mini_batches(batch, self.local_mini_batch, on_policy=on_policy, epochs=algo.ppo_epochs)
@@ -179,8 +193,8 @@ class ActorWorker(_PolicyModel):
                         response_mask=micro["response_mask"],
                         ref_log_probs=micro["ref_log_probs"] if use_kl_loss else None,
                         normalizer=normalizer,
-                        behaviour_log_probs=micro["rollout_log_probs"] if with_behaviour else None,
-                        max_importance_weight=max_weight,
+                        rollout_log_probs=micro["rollout_log_probs"] if with_rollout else None,
+                        correction=self.correction,
                     )
 
                 micro_batches = update_micro_batches(self.spec, self.ctx, mini, dp_sum)
@@ -199,7 +213,7 @@ class ActorWorker(_PolicyModel):
             totals.setdefault("actor/epochs", [0.0])[0] += 1
             if kl_exceeded(algo.target_kl, epoch_k3, dp_size=dp_size, dp_sum=dp_sum):
                 break
-        metrics = {name: float(np.mean(values)) for name, values in totals.items()}
+        metrics = {name: combine_values(name, values) for name, values in totals.items()}
         metrics["actor/lr"] = self.backend.learning_rate
         metrics.update(device_metrics("actor"))
         self.backend.step_lr_schedule()

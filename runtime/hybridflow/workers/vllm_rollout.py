@@ -63,7 +63,7 @@ from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCach
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.hybrid_rollout import actor_tokenizer
 from hybridflow.workers.rollout import actor_offloaded, pack_responses, prompt_token_ids, sampling_params
-from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, wants_rollout_log_probs
+from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype
 
 __all__ = ["ShardedVLLMRolloutWorker", "vllm_tensor_parallel_groups"]
 
@@ -210,9 +210,7 @@ class ShardedVLLMRolloutWorker(Worker):
         """As :meth:`RolloutWorker.generate_sequences`, decoded by this rank's TP group."""
         if not self._synced:
             self.sync_weights()
-        params = sampling_params(
-            self.spec, prompts, stream=self.ctx.coord.dp, return_logprobs=wants_rollout_log_probs(self.spec)
-        )
+        params = sampling_params(self.spec, prompts, stream=self.ctx.coord.dp)
         prompt_ids = prompt_token_ids(prompts)
         actor = self.ctx.colocated("actor")
         with actor_offloaded(self.spec, self.ctx, self._stats):

@@ -14,6 +14,11 @@ With ``t_g = 1`` (the only generation layout a rollout on its own pool has) this
 3D-HybridEngine's transition with a generation group of the whole model per rank: the
 training shards are all-gathered inside the actor's pool and the result broadcast to the
 generation ranks.
+
+The dtypes live here because the push is where they meet: :func:`engine_dtype` is what the
+weights travel and serve in, :func:`trainer_dtype` what the trainer's forward computes in, and
+:func:`dtypes_differ` compares the dtype the rollout's log-probs come from with the trainer's,
+which turns ``spec.rollout.importanceSampling: auto`` on (``RolloutSpec.corrects``).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from hybridflow.spec import RLHFJobSpec
 __all__ = [
     "WEIGHTS_BRIDGE",
     "WEIGHT_BUCKET_BYTES",
+    "dtypes_differ",
     "engine_dtype",
+    "generation_dtype",
     "receive_pushed_weights",
     "send_pushed_weights",
-    "wants_rollout_log_probs",
+    "trainer_dtype",
 ]
 
 WEIGHTS_BRIDGE = "weights"
@@ -44,22 +51,50 @@ _ROOT = 0  # the actor's rank 0 is bridge rank 0 (bridge_members)
 def engine_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
     """The dtype the engine serves in, and so the dtype weights travel in.
 
-    float32 for the torch engine and on CPU (as the torch engine generates there); bf16 for vLLM
-    on GPUs when training in bf16.
+    bf16 on GPUs when training in bf16, for vLLM and the torch engine alike (a replica of its
+    own, generating in the job's precision: half the bytes to sync and to hold, tensor-core
+    matmuls); float32 on CPU, where both generate in fp32.
     """
-    on_cuda = ctx.torch_device.type == "cuda"
-    if spec.rollout.engine == "vllm" and on_cuda and spec.training.precision == "bf16":
+    if ctx.torch_device.type == "cuda" and spec.training.precision == "bf16":
         return torch.bfloat16
     return torch.float32
 
 
-def wants_rollout_log_probs(spec: RLHFJobSpec) -> bool:
-    """Whether the rollout returns the engine's log-probs (``rollout_log_probs``).
+def trainer_dtype(spec: RLHFJobSpec, device: torch.device) -> torch.dtype:
+    """The dtype of the trainer's forward passes, and so of its log-probs' logits.
 
-    For the importance-sampling correction, and whenever the rollout has its own pool, where
-    the gap between the rollout's and the trainer's log-probs is a metric worth watching.
+    bf16 on CUDA when ``spec.training.precision`` is bf16 (FSDP2's mixed-precision parameter
+    dtype, megatron's parameters: ``backends/*/training.py`` decide alike), else fp32 (also for a
+    bf16 job on CPU, which computes in fp32).
     """
-    return spec.rollout.importance_sampling_on or spec.rollout_has_own_pool
+    return torch.bfloat16 if spec.training.precision == "bf16" and device.type == "cuda" else torch.float32
+
+
+def generation_dtype(spec: RLHFJobSpec, ctx: WorkerContext) -> torch.dtype:
+    """The dtype the rollout computes its log-probs in, as a worker of the actor's pool sees it.
+
+    :func:`engine_dtype` for an engine with weights of its own; the trainer's dtype when a
+    colocated torch engine generates from the trainer's own weights: the actor's module itself
+    (one FSDP rank, ``workers/rollout.py``'s ``shares_actor_module``) or the 3D-HybridEngine's
+    views of megatron's shards (``t*p > 1``, ``workers/hybrid_rollout.py``).
+    """
+    training = spec.training
+    colocated_torch = spec.rollout.engine == "torch" and not spec.rollout_has_own_pool
+    model_parallel = training.tensor_parallel_size * training.pipeline_parallel_size > 1
+    in_place = colocated_torch and (
+        (training.backend == "megatron" and model_parallel)
+        or (training.backend == "fsdp" and ctx.world_size == 1)
+    )
+    return trainer_dtype(spec, ctx.torch_device) if in_place else engine_dtype(spec, ctx)
+
+
+def dtypes_differ(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
+    """Whether the rollout's log-probs come from another dtype than the trainer's (``importanceSampling: auto``).
+
+    Every rank of the actor's pool decides alike (same spec, same device type), so the correction
+    is the same across the DP group.
+    """
+    return generation_dtype(spec, ctx) != trainer_dtype(spec, ctx.torch_device)
 
 
 def send_pushed_weights(

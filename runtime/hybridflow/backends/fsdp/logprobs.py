@@ -32,11 +32,16 @@ padded ``[B, R]`` shapes (0 at padding) so callers do not change.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
 
+from hybridflow.backends.fsdp.parallelize import decoder_layers
 from hybridflow.rlmath.logits import token_logprobs_and_entropy_from_logits
 
 __all__ = [
@@ -104,9 +109,8 @@ def token_logprobs_and_entropy(
     With ``shared_prompt_min_tokens`` set, rows that share a prompt (the ``n`` samples of one
     prompt) run it once (:func:`find_shared_prompts`, :func:`shared_prompt_logits`) when that
     saves at least that many prompt tokens (``spec.training.sharedPromptMinTokens``); the
-    results equal the unshared ones up to floating-point summation order. The model must keep
-    a KV cache in this mode, so callers leave it unset while HF gradient checkpointing is active
-    (it drops the cache in train mode).
+    results equal the unshared ones up to floating-point summation order, with or without
+    activation checkpointing.
     """
     _check_layout(input_ids, response_len)
     if not temperature > 0:
@@ -184,6 +188,63 @@ def find_shared_prompts(
     return SharedPrompts(first_rows=first_rows, inverse=inverse)
 
 
+class _PromptPassLayer(DynamicLayer):
+    """One layer's cache in the prompt pass: the keys and values are *assigned*, never appended.
+
+    Assignment makes the layer's cache write idempotent: when activation checkpointing
+    recomputes the layer in backward, it stores the same (recomputed) states again instead of
+    appending a second copy.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _ResponsePassLayer(DynamicLayer):
+    """One layer's cache in the response pass: the prompts' states per row, read and never written.
+
+    ``update`` returns the prompt's states followed by the response's without storing anything,
+    so the layer is a pure function of its inputs and a checkpoint recompute sees exactly what
+    the forward saw.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@contextmanager
+def _cache_kept_under_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Let checkpointed decoder layers take our caches during the forward passes that start here.
+
+    transformers (``GradientCheckpointingLayer.__call__``) drops ``past_key_values`` in a
+    checkpointed layer in train mode, unless the layer declares ``_can_checkpoint_with_cache``
+    (a layer whose cache use is safe to replay). The two cache layers above are safe (the write
+    is an idempotent assignment, the read is pure), so the flag is set on the decoder layers
+    for these calls only; the backward replay runs the call recorded then and needs no flag.
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for layer in layers:
+        setattr(layer, "_can_checkpoint_with_cache", True)  # noqa: B010 - an instance flag transformers reads
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # back to the class's False
+
+
 def shared_prompt_logits(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -197,38 +258,51 @@ def shared_prompt_logits(
 
     Two forward passes, as decoding does: the distinct prompts fill a KV cache (``U`` rows of
     ``T - R`` columns) and give the logits of their last column, which score the first
-    response token; the cache is then indexed out to the ``B`` rows (``batch_select_indices``,
-    differentiable: a prompt's gradient sums over its rows), and the responses (``B`` rows of
-    ``R`` columns) attend to it. A prompt token never attends to a response token, so its keys
-    and values are the same in every row that carries it: each response token sees what it
-    sees in one full pass, and the prompt costs ``U`` rows instead of ``B``. Under FSDP2 the
-    model runs forward twice before backward, which FSDP2 supports (each pass unshards,
-    reshards and, in backward, reduce-scatters its own gradient contribution).
+    response token; the cache is then indexed out to the ``B`` rows (differentiable: a prompt's
+    gradient sums over its rows), and the responses (``B`` rows of ``R`` columns) attend to it.
+    A prompt token never attends to a response token, so its keys and values are the same in
+    every row that carries it: each response token sees what it sees in one full pass, and the
+    prompt costs ``U`` rows instead of ``B``. Under FSDP2 the model runs forward twice before
+    backward, which FSDP2 supports (each pass unshards, reshards and, in backward,
+    reduce-scatters its own gradient contribution).
+
+    Works under activation checkpointing: the caches are :class:`_PromptPassLayer` (written by
+    assignment) and :class:`_ResponsePassLayer` (read only), whose replay in backward gives the
+    forward's results, and :func:`_cache_kept_under_checkpointing` keeps transformers from
+    dropping them (``tests/unit/test_training_backend.py`` compares the gradients).
     """
     prompt_width = int(input_ids.shape[1]) - response_len
     rows = shared.first_rows
-    prompt_out = model(
-        input_ids=input_ids[rows, :prompt_width],
-        attention_mask=attention_mask[rows, :prompt_width],
-        position_ids=position_ids[rows, :prompt_width],
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = prompt_out.past_key_values
-    if cache is None:
-        raise RuntimeError(
-            f"{type(model).__name__} returned no KV cache for the prompt pass; prompt sharing needs one "
-            "(HF gradient checkpointing drops it in train mode)"
+    prompt_layers = [_PromptPassLayer() for _ in decoder_layers(model)]
+    prompt_cache = Cache(layers=list(prompt_layers))
+    with _cache_kept_under_checkpointing(model):
+        prompt_out = model(
+            input_ids=input_ids[rows, :prompt_width],
+            attention_mask=attention_mask[rows, :prompt_width],
+            position_ids=position_ids[rows, :prompt_width],
+            past_key_values=prompt_cache,
+            use_cache=True,
+            logits_to_keep=1,
         )
-    cache.batch_select_indices(shared.inverse)
-    response_out = model(
-        input_ids=input_ids[:, prompt_width:],
-        attention_mask=attention_mask,
-        position_ids=position_ids[:, prompt_width:],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=response_len,
-    )
+        states = [(layer.keys, layer.values) for layer in prompt_layers]
+        filled = [(keys, values) for keys, values in states if keys is not None and values is not None]
+        if len(filled) != len(states):
+            raise RuntimeError(
+                f"{type(model).__name__} did not fill the KV cache of the prompt pass; prompt sharing needs one"
+            )
+        response_cache = Cache(
+            layers=[
+                _ResponsePassLayer(keys[shared.inverse], values[shared.inverse]) for keys, values in filled
+            ]
+        )
+        response_out = model(
+            input_ids=input_ids[:, prompt_width:],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, prompt_width:],
+            past_key_values=response_cache,
+            use_cache=True,
+            logits_to_keep=response_len,
+        )
     # Column T-R-1 (the prompt's last) scores response token 0; response columns 0..R-2 the rest.
     return torch.cat([prompt_out.logits[shared.inverse], response_out.logits[:, :-1, :]], dim=1)
 

@@ -39,6 +39,12 @@ from hybridflow.backends.fsdp.optim import (
     offload_tensors,
 )
 from hybridflow.backends.fsdp.parallelize import shard_model
+from hybridflow.backends.fsdp.sharded_load import (
+    ShardedLoadReport,
+    build_on_meta,
+    materialize_and_load,
+    sharded_load_supported,
+)
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
@@ -78,17 +84,23 @@ class FSDPTrainingBackend:
         self.kind: ModelKind = "causal-lm"
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.load_report: ShardedLoadReport | None = None  # None: loaded by the plain path
 
     # ------------------------------------------------------------------ loading
 
     def load(self, model_path: str, *, kind: ModelKind, learning_rate: float | None) -> None:
         trained = learning_rate is not None
         attention = attention_implementation(self.device, packed=self.packed, bf16=self.mixed_precision)
-        loaded = (
-            load_causal_lm(model_path, dtype=torch.float32, attn_implementation=attention)
-            if kind == "causal-lm"
-            else load_value_model(model_path, attn_implementation=attention)
-        )
+        # Each rank reads only its shard (sharded_load.py) unless the model needs the plain path,
+        # where every rank builds the whole model on the host first.
+        sharded = sharded_load_supported(model_path)
+        self.load_report = None
+        if sharded:
+            loaded = build_on_meta(model_path, kind=kind, dtype=torch.float32, attn_implementation=attention)
+        elif kind == "causal-lm":
+            loaded = load_causal_lm(model_path, dtype=torch.float32, attn_implementation=attention)
+        else:
+            loaded = load_value_model(model_path, attn_implementation=attention)
         self.kind = kind
         self.activation_checkpointing = trained and self.spec.training.activation_checkpointing
         self._model = shard_model(
@@ -98,6 +110,8 @@ class FSDPTrainingBackend:
             activation_checkpointing=self.activation_checkpointing,
             unit_min_parameters=self.spec.training.fsdp_unit_min_parameters,
         )
+        if sharded:
+            self.load_report = materialize_and_load(self._model, model_path, kind=kind, device=self.device)
         if learning_rate is None:
             self._model.requires_grad_(False)
             return
@@ -144,8 +158,7 @@ class FSDPTrainingBackend:
         change no valid token's result (positions come from the mask) but cost a full pass.
         Log-prob passes run each distinct prompt once when that saves at least
         ``training.sharedPromptMinTokens`` prompt tokens (the ``n`` samples of a prompt share its
-        keys and values), except in a training pass under activation checkpointing, which drops
-        the KV cache that sharing needs.
+        keys and values), under activation checkpointing too.
         """
         device = self.device
         response_len = int(micro["responses"].shape[1])
@@ -180,11 +193,7 @@ class FSDPTrainingBackend:
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
-            shared_prompt_min_tokens=(
-                None
-                if self.model.training and self.activation_checkpointing
-                else self.spec.training.shared_prompt_min_tokens
-            ),
+            shared_prompt_min_tokens=self.spec.training.shared_prompt_min_tokens,
         )
 
     def log_probs(
