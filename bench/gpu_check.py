@@ -21,6 +21,10 @@ of :data:`hybridflow.models.shapes.SHAPES`; default ``qwen2.5-1.5b``: Qwen2.5-1.
 * ``decode_*``: the torch engine's generation in bf16 against HF ``generate`` (its default
   dynamic cache, greedy) on the same module, prompts and lengths: tokens per second each, and
   ``decode_vs_hf_generate`` (target >= 2).
+* ``colocated_*``: the trainer's parameter and optimizer bytes next to the engine's weights,
+  the CUDA peak of a generation with the trainer resident and with it offloaded
+  (``DeviceOffload``, the mechanism of ``training.offloadDuringGeneration``), and the seconds
+  the offload and reload take: what offloading frees and costs per step on this GPU.
 * ``sync_*``: CUDA peak memory around one weight sync as the rollout runs it between steps:
   the torch engine's bf16 replica released (``sleep(level=2)``) and woken empty, then the FSDP
   actor's buckets streamed in (``load_weight_buckets``): the peak above what was allocated
@@ -336,6 +340,37 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # generate refuses while any parameter the level-2 sleep released has not been loaded.
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0))
         result["sync_complete"] = True
+
+        # ---------------------------------------------------------------- colocated generation memory
+        # The trainer's resident bytes next to the engine's while it generates, with the trainer
+        # left in place and with spec.training.offloadDuringGeneration's mechanism (DeviceOffload):
+        # what offloading frees and what it costs per step, the figures its default rests on.
+        from hybridflow.backends.offload import DeviceOffload
+
+        def storage_bytes(tensors: list[torch.Tensor]) -> int:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+            return sum(storages.values())
+
+        params, optimizer_state = backend.offload_tensors()
+        result["colocated_trainer_parameter_bytes"] = storage_bytes(params)
+        result["colocated_trainer_optimizer_bytes"] = storage_bytes(optimizer_state)
+        result["colocated_engine_weight_bytes"] = storage_bytes(list(engine.model.parameters()))
+        for offloaded in (False, True):
+            offload = DeviceOffload("the trainer")
+            moved = offload.offload([*params, *optimizer_state]) if offloaded else None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0))
+            key = "offloaded" if offloaded else "resident"
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                result[f"colocated_generate_peak_bytes_{key}"] = torch.cuda.max_memory_allocated()
+            if moved is not None:
+                back = offload.reload()
+                result["colocated_offload_bytes"] = moved.bytes
+                result["colocated_offload_seconds"] = moved.seconds
+                result["colocated_reload_seconds"] = back.seconds
     finally:
         dist.destroy_process_group()
     return result

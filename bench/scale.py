@@ -37,8 +37,12 @@ with a separate LM head: 630M parameters; resharding supports untied heads only)
 * ``vllm_sync_seconds_over_copy_seconds``: the sync against ``copy_`` of the same tensors into
   preallocated ones in the same process (target <= 2).
 
-Not measured here yet: Megatron's loading (it reads whole HF tensors per conversion unit and
-slices them; ``docs/gpu.md``).
+**Megatron** (``megatron_causal-lm``, ``megatron_value``; through ``tests/megatron_shim.py`` on
+this CPU), t 2 and DP 2 on the 4 ranks, on ``qwen2-0.5b-untied`` (the backend refuses tied
+heads): ``sharded`` is the backend (each TP rank reads its rows, or its columns from row
+chunks); ``full`` is the loader before it, which read each HF tensor of a conversion unit whole
+and sliced it. The stage's parameters are built (randomly initialised by megatron) inside the
+measured window both ways.
 
 ``HYBRIDFLOW_BENCH_QUICK=1``: the tiny shape on 2 ranks, for CI (same keys). The last line
 printed is one JSON object.
@@ -60,6 +64,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 QUICK = os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"
 SHAPE = "tiny" if QUICK else "qwen2-0.5b"
 SYNC_SHAPE = "tiny" if QUICK else "qwen2-0.5b-untied"  # resharding into vLLM needs an untied LM head
+MEGATRON_TP = 2  # Qwen2-0.5B's 2 key/value heads allow t <= 2: t 2, DP 2 on 4 ranks
 BUCKET_BYTES = 64 << 20 if not QUICK else 64 << 10  # the job's WEIGHT_BUCKET_BYTES; small in quick mode
 RANKS = 2 if QUICK else 4
 KINDS = ("causal-lm", "value")
@@ -103,6 +108,83 @@ def load_rank(rank: int, port: int, work: str, model_dir: str, kind: str, path: 
     (Path(work) / f"rank{rank}.json").write_text(json.dumps({"load": result}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def megatron_load_rank(rank: int, port: int, work: str, model_dir: str, kind: str, path: str) -> None:
+    """One rank of megatron at t 2 (DP 2 on 4 ranks): load ``model_dir`` as ``kind`` through ``path``.
+
+    ``sharded`` is the backend as it is (each TP rank reads its rows, or columns from row chunks);
+    ``full`` is the loader before it, which read every HF tensor of a conversion unit whole and
+    sliced it: the same code with a reader whose row and column reads read the whole tensor.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import megatron_shim  # tests/: megatron-core on a CPU torch
+
+    megatron_shim.install()
+    from hybridflow.backends.megatron import load as megatron_load
+    from hybridflow.backends.megatron.parallelize import initialize_parallel_state
+    from hybridflow.models.safetensors_rows import SafetensorsRows
+    from hybridflow.resharding.meter import PeakMemory
+
+    class WholeTensorReads(SafetensorsRows):
+        def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+            shape = self.shape(name)
+            whole = super().read_rows(name, 0, shape[0] if shape else 1)
+            return whole if not shape else whole[start:stop]
+
+        def read_columns(self, name: str, start: int, stop: int) -> torch.Tensor:
+            return self.read(name)[:, start:stop]
+
+    if path == "full":
+        megatron_load.SafetensorsRows = WholeTensorReads  # type: ignore[misc]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    initialize_parallel_state(tp_size=MEGATRON_TP, pp_size=1)
+    dist.barrier()
+    with PeakMemory(torch.device("cpu")) as peak:
+        started = time.perf_counter()
+        loader = megatron_load.load_causal_lm if kind == "causal-lm" else megatron_load.load_value_model
+        model = loader(model_dir)
+        seconds = time.perf_counter() - started
+    shard = sum(p.numel() * p.element_size() for p in model.parameters())
+    result = {"peak_bytes": peak.bytes, "shard_bytes": shard, "seconds": seconds}
+    (Path(work) / f"rank{rank}.json").write_text(json.dumps({"load": result}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_megatron(model_dir: Path, kind: str, path: str) -> dict[int, dict[str, Any]]:
+    from spawned_ranks import run_spawned_ranks
+
+    work = Path(tempfile.mkdtemp(prefix=f"scale-megatron-{kind}-{path}-"))
+    return run_spawned_ranks(
+        megatron_load_rank,
+        (str(work), str(model_dir), kind, path),
+        world_size=RANKS,
+        work_dir=work,
+        deadline_seconds=1800,
+        what=f"megatron loading {kind} via {path}",
+    )["load"]
+
+
+def load_figures(measured: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    sharded, full = measured["sharded"].values(), measured["full"].values()
+    peak = max(r["peak_bytes"] for r in sharded)
+    full_peak = max(r["peak_bytes"] for r in full)
+    shard = max(r["shard_bytes"] for r in sharded)
+    return {
+        "load_host_peak_per_rank_bytes": peak,
+        "load_shard_bytes": shard,
+        "load_host_peak_over_shard": peak / shard,
+        "full_load_host_peak_per_rank_bytes": full_peak,
+        "load_host_peak_vs_full_load": peak / full_peak,
+        "load_seconds": max(r["seconds"] for r in sharded),
+        "full_load_seconds": max(r["seconds"] for r in full),
+    }
 
 
 def sync_rank(rank: int, port: int, work: str, model_dir: str, t_g: int) -> None:
@@ -261,19 +343,12 @@ def main() -> None:
                     f"shard {result['shard_bytes'] / 2**20:8.1f} MiB, {result['seconds']:.1f} s",
                     file=sys.stderr,
                 )
-        sharded, full = measured["sharded"].values(), measured["full"].values()
-        peak = max(r["peak_bytes"] for r in sharded)
-        full_peak = max(r["peak_bytes"] for r in full)
-        shard = max(r["shard_bytes"] for r in sharded)
-        figures[kind] = {
-            "load_host_peak_per_rank_bytes": peak,
-            "load_shard_bytes": shard,
-            "load_host_peak_over_shard": peak / shard,
-            "full_load_host_peak_per_rank_bytes": full_peak,
-            "load_host_peak_vs_full_load": peak / full_peak,
-            "load_seconds": max(r["seconds"] for r in sharded),
-            "full_load_seconds": max(r["seconds"] for r in full),
-        }
+        figures[kind] = load_figures(measured)
+    if importlib.util.find_spec("megatron.core") is not None:
+        untied = write_shaped_model(cache / SYNC_SHAPE, SYNC_SHAPE)  # megatron refuses tied heads
+        for kind in KINDS:
+            measured = {path: run_megatron(untied, kind, path) for path in PATHS}
+            figures[f"megatron_{kind}"] = load_figures(measured)
     if importlib.util.find_spec("vllm") is not None:
         sync_dir = write_shaped_model(cache / SYNC_SHAPE, SYNC_SHAPE)
         for t_g in (1, 2):

@@ -51,10 +51,10 @@ def ranks(rank: int, port: int, work: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hybridflow.backends.fsdp import sharded_load
     from hybridflow.backends.fsdp.load import load_causal_lm, load_value_model
     from hybridflow.backends.fsdp.parallelize import shard_model
     from hybridflow.backends.fsdp.sharded_load import build_on_meta, checkpoint_bytes, materialize_and_load
+    from hybridflow.models import safetensors_rows
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2"})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -71,7 +71,7 @@ def ranks(rank: int, port: int, work: str) -> None:
     ]
     for directory, kind in cases:
         # "chunked": the untied model read at most 4 KiB at a time (several reads per tensor).
-        sharded_load.READ_CHUNK_BYTES = 4096 if directory == "chunked" else 64 << 20
+        safetensors_rows.READ_CHUNK_BYTES = 4096 if directory == "chunked" else 64 << 20
         path = Path(work) / ("untied" if directory == "chunked" else directory)
         plain_model = load_causal_lm(path) if kind == "causal-lm" else load_value_model(path)
         plain = shard_model(plain_model, device=cpu)

@@ -10,6 +10,7 @@ model, gathers, log-probs, training, checkpoints) live in
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -194,6 +195,46 @@ def test_round_trip_is_bit_exact_and_shards_are_even_hf_slices(kind: str, kv_hea
                 if shard.dim is not None:
                     width = hf[name].shape[shard.dim] // tp
                     assert (shard.start, shard.stop) == (rank * width, (rank + 1) * width), name
+
+
+@pytest.mark.parametrize(("kind", "kv_heads", "tp"), [("qwen2", 2, 2), ("llama", 4, 4), ("qwen2", 2, 1)])
+def test_each_rank_reads_only_its_pieces_from_the_files_and_gets_the_same_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, kv_heads: int, tp: int
+) -> None:
+    """The loader's source (safetensors rows and row-chunked columns) gives what full tensors give."""
+    from safetensors.torch import save_file
+
+    from hybridflow.models import safetensors_rows
+    from hybridflow.models.safetensors_rows import SafetensorsRows
+
+    monkeypatch.setattr(safetensors_rows, "READ_CHUNK_BYTES", 1024)  # several chunks per tensor
+    arch = arch_of(kind, kv_heads=kv_heads, vocab=390)  # 390: padded vocab rows too
+    all_units = units(arch, value_head=False)
+    tensors = {}
+    for index, unit in enumerate(all_units):
+        tensors.update({name: t.to(torch.bfloat16) for name, t in random_hf(arch, unit, seed=index).items()})
+    save_file(tensors, tmp_path / "model.safetensors")
+    reader = SafetensorsRows(tmp_path)
+    largest_read = 0
+    original = reader.read_rows
+
+    def counted(name: str, start: int, stop: int) -> torch.Tensor:
+        nonlocal largest_read
+        piece = original(name, start, stop)
+        largest_read = max(largest_read, piece.nbytes)
+        return piece
+
+    reader.read_rows = counted  # type: ignore[method-assign]
+    for unit in all_units:
+        for rank in range(tp):
+            expected = hf_to_megatron(arch, unit, tensors, tp_rank=rank, tp_size=tp, vocab_multiple=128)
+            got = hf_to_megatron(arch, unit, reader, tp_rank=rank, tp_size=tp, vocab_multiple=128)
+            assert got.keys() == expected.keys()
+            assert all(torch.equal(got[k], expected[k]) for k in got), (unit, rank)
+    embedding = tensors["model.embed_tokens.weight"]
+    if tp > 1:  # no read holds a whole split tensor: the embedding is read by the rank's rows
+        per_rank_rows = padded_vocab_size(arch.vocab_size, tp, 128) // tp
+        assert largest_read <= per_rank_rows * embedding[0].nbytes < embedding.nbytes
 
 
 def test_vocab_padding_rows_are_zero_and_never_exported() -> None:

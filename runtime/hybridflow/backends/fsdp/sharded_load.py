@@ -16,7 +16,8 @@ Protocol (every rank of the worker group, collectively, in this order):
    device, then each parameter's local rows (its global offset from the DTensor's placement) are
    read from the checkpoint and copied in place (``copy_`` casts without a full temporary).
    Rows of a row-major tensor are contiguous in a safetensors file, so they are read with plain
-   positioned reads (:class:`SafetensorsRows`), at most :data:`READ_CHUNK_BYTES` at a time.
+   positioned reads (:class:`~hybridflow.models.safetensors_rows.SafetensorsRows`), at most
+   ``safetensors_rows.READ_CHUNK_BYTES`` at a time.
    Not through ``safe_open``'s memory map: every page it touches stays resident in the process
    while the file is open, which would double the host peak (the shard, plus its file pages).
    Non-persistent buffers (the rotary embedding's ``inv_freq``) are not in checkpoints: they
@@ -43,10 +44,10 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 
 from hybridflow.backends.fsdp.load import SCORE_HEAD_KEY, ValueModel, _model_dir
 from hybridflow.backends.fsdp.weights import hf_name
+from hybridflow.models import safetensors_rows
+from hybridflow.models.safetensors_rows import SafetensorsRows
 
 __all__ = [
-    "READ_CHUNK_BYTES",
-    "SafetensorsRows",
     "ShardedLoadReport",
     "build_on_meta",
     "checkpoint_bytes",
@@ -160,80 +161,6 @@ def build_on_meta(path: str | Path, *, kind: str, dtype: torch.dtype, attn_imple
     return model.eval()
 
 
-READ_CHUNK_BYTES = 64 << 20
-"""The most checkpoint bytes held on the host at once while loading (one read's buffer)."""
-
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class SafetensorsRows:
-    """Reads rows of the tensors of one directory's safetensors files with positioned reads.
-
-    The format (safetensors' ``README``): an 8-byte little-endian header length, a JSON header
-    mapping each name to ``dtype``, ``shape`` and ``data_offsets`` (relative to the end of the
-    header), then the row-major data. Rows ``[start, stop)`` of dim 0 are therefore one
-    contiguous byte range, read into a fresh buffer with ``readinto``: nothing is mapped, and
-    nothing stays resident after the caller drops the tensor.
-    """
-
-    def __init__(self, directory: Path) -> None:
-        self._entries: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
-        for shard in _checkpoint_files(directory):
-            with shard.open("rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(length))
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    raise ValueError(
-                        f"{shard}: {name} has dtype {entry['dtype']}, which the loader does not read"
-                    )
-                begin = 8 + length + int(entry["data_offsets"][0])
-                self._entries[name] = (shard, begin, dtype, tuple(int(d) for d in entry["shape"]))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][3]
-
-    def element_size(self, name: str) -> int:
-        return torch.empty((), dtype=self._entries[name][2]).element_size()
-
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of tensor ``name`` (the whole tensor when it has no dim 0)."""
-        shard, begin, dtype, shape = self._entries[name]
-        row_elements = 1
-        for size in shape[1:]:
-            row_elements *= size
-        element_bytes = self.element_size(name)
-        if not shape:
-            start, stop, row_elements = 0, 1, 1
-        count = (stop - start) * row_elements * element_bytes
-        buffer = torch.empty(count, dtype=torch.uint8)
-        with shard.open("rb", buffering=0) as f:
-            f.seek(begin + start * row_elements * element_bytes)
-            view = memoryview(buffer.numpy().data)
-            done = 0
-            while done < count:
-                got = f.readinto(view[done:])
-                if not got:
-                    raise ValueError(f"{shard}: {name} ends before its data_offsets say")
-                done += got
-        tensor = buffer.view(dtype)
-        return tensor.reshape(shape) if not shape else tensor.reshape(stop - start, *shape[1:])
-
-
 def _local_rows(tensor: torch.Tensor) -> tuple[int, int]:
     """This rank's rows ``[start, stop)`` of dim 0 of the global tensor ``tensor`` stands for."""
     if not isinstance(tensor, DTensor):
@@ -287,7 +214,7 @@ def materialize_and_load(
                 )
                 continue
             row_bytes = max(1, math.prod(tensor.shape[1:]) * rows.element_size(source))
-            step = max(1, READ_CHUNK_BYTES // row_bytes)
+            step = max(1, safetensors_rows.READ_CHUNK_BYTES // row_bytes)
             for first in range(start, stop, step):
                 last = min(stop, first + step)
                 piece = rows.read_rows(source, first, last)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -45,7 +45,9 @@ from hybridflow.backends.megatron.config import DecoderArch, padded_vocab_size
 
 __all__ = [
     "VALUE_HEAD_NAMES",
+    "FullTensors",
     "HFShard",
+    "HFSource",
     "Unit",
     "UnitKind",
     "hf_shapes",
@@ -193,51 +195,96 @@ def _qkv_fuse(
     return fused.reshape(groups * (per + 2) * d, *rest)
 
 
+class HFSource(Protocol):
+    """Where :func:`hf_to_megatron` reads a unit's HF tensors from, piece by piece.
+
+    Every piece a TP rank needs is a row range (``rows``) or, for the row-parallel weights
+    (``o_proj``, ``down_proj``), a column range (``columns``) of one HF tensor, or a whole small
+    tensor (``whole``: norms, biases of replicated layers). A loader passes a reader of the
+    checkpoint's files (:class:`hybridflow.models.safetensors_rows.SafetensorsRows`), so a rank
+    reads only its pieces; tests and the weight export pass full tensors
+    (:class:`FullTensors`).
+    """
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def read_columns(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+class FullTensors:
+    """An :class:`HFSource` over full HF tensors already in memory (views, never copies)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][start:stop]
+
+    def read_columns(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][:, start:stop]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
 def hf_to_megatron(
     arch: DecoderArch,
     unit: Unit,
-    hf: Mapping[str, torch.Tensor],
+    hf: Mapping[str, torch.Tensor] | HFSource,
     *,
     tp_rank: int,
     tp_size: int,
     vocab_multiple: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """TP rank ``tp_rank``'s megatron tensors of ``unit`` (by megatron suffix) from the full HF tensors.
+    """TP rank ``tp_rank``'s megatron tensors of ``unit`` (by megatron suffix) from its HF tensors.
 
-    Results are fresh contiguous tensors in the HF tensors' dtype and device; the caller copies
-    them into the model's parameters.
+    ``hf`` holds the full HF tensors, or is an :class:`HFSource` that reads only the pieces this
+    rank needs. Results are fresh contiguous tensors in the HF tensors' dtype and device; the
+    caller copies them into the model's parameters.
     """
+    source: HFSource = FullTensors(hf) if isinstance(hf, Mapping) else hf
     out: dict[str, torch.Tensor] = {}
     names = unit.hf_names
     if unit.kind in ("embedding", "output"):
-        full = hf[names[0]]
+        shape = source.shape(names[0])
         start, real_start, real_stop = _vocab_rows(arch, tp_rank, tp_size, vocab_multiple)
         per_rank = padded_vocab_size(arch.vocab_size, tp_size, vocab_multiple) // tp_size
-        local = full.new_zeros((per_rank, *full.shape[1:]))
-        local[real_start - start : real_stop - start] = full[real_start:real_stop]
+        real = source.read_rows(names[0], real_start, real_stop)
+        local = real.new_zeros((per_rank, *shape[1:]))
+        local[real_start - start : real_stop - start] = real
         out[unit.megatron_suffixes[0]] = local
     elif unit.kind == "qkv":
         kinds = ("weight", "bias") if arch.qkv_bias else ("weight",)
         for suffix, kind in zip(unit.megatron_suffixes, kinds, strict=True):
-            q, k, v = (hf[next(n for n in names if n.endswith(f"{p}_proj.{kind}"))] for p in "qkv")
-            out[suffix] = _qkv_fuse(
-                arch,
-                q[_rows(q.shape[0], tp_rank, tp_size)],
-                k[_rows(k.shape[0], tp_rank, tp_size)],
-                v[_rows(v.shape[0], tp_rank, tp_size)],
-                tp_size,
-            ).contiguous()
+            q, k, v = (
+                _rows_of(source, next(n for n in names if n.endswith(f"{p}_proj.{kind}")), tp_rank, tp_size)
+                for p in "qkv"
+            )
+            out[suffix] = _qkv_fuse(arch, q, k, v, tp_size).contiguous()
     elif unit.kind == "fc1":
-        gate, up = hf[names[0]], hf[names[1]]
-        rows = _rows(gate.shape[0], tp_rank, tp_size)
-        out[unit.megatron_suffixes[0]] = torch.cat([gate[rows], up[rows]])
+        gate, up = (_rows_of(source, name, tp_rank, tp_size) for name in names[:2])
+        out[unit.megatron_suffixes[0]] = torch.cat([gate, up])
     elif unit.kind in ("proj", "fc2"):
-        full = hf[names[0]]
-        out[unit.megatron_suffixes[0]] = full[:, _rows(full.shape[1], tp_rank, tp_size)].contiguous()
+        columns = _rows(source.shape(names[0])[1], tp_rank, tp_size)
+        out[unit.megatron_suffixes[0]] = source.read_columns(
+            names[0], columns.start, columns.stop
+        ).contiguous()
     else:  # norms and the value head: replicated on every TP rank
         for suffix, name in zip(unit.megatron_suffixes, names, strict=True):
-            out[suffix] = hf[name].clone()
+            out[suffix] = source.read(name).clone()
     return out
+
+
+def _rows_of(source: HFSource, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    rows = _rows(source.shape(name)[0], tp_rank, tp_size)
+    return source.read_rows(name, rows.start, rows.stop)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Protocol: after :func:`~hybridflow.backends.megatron.parallelize.initialize_para
 every rank calls :func:`load_causal_lm` (actor, reference) or :func:`load_value_model` (critic)
 on the same local directory. Each rank builds only its pipeline stage (the embedding on the first
 stage, its ``L/p`` decoder layers, the final norm and head on the last) with its TP slice of
-every tensor, and fills it by reading from the checkpoint's safetensors exactly the HF tensors
-its stage needs, one conversion unit at a time, and slicing its own part
+every tensor, and fills it by reading from the checkpoint's safetensors only its own part of
+the HF tensors its stage needs, one conversion unit at a time
 (:func:`~hybridflow.backends.megatron.convert.hf_to_megatron`). There is no communication:
 every rank reads the files itself, so they must be visible to every rank (a shared volume).
 
@@ -22,7 +22,6 @@ so those functions take the model alone, like their FSDP counterparts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from torch import nn
 
 from hybridflow.backends.megatron.config import DecoderArch, padded_vocab_size
 from hybridflow.backends.megatron.convert import Unit, hf_to_megatron, units
+from hybridflow.models.safetensors_rows import SafetensorsRows
 
 __all__ = [
     "SCORE_HEAD_KEY",
@@ -188,39 +188,14 @@ def owned_units(model: nn.Module) -> list[Unit]:
     return owned
 
 
-class _Checkpoint:
-    """Lazy access to the tensors of an HF directory's safetensors files, by HF name."""
-
-    def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.files: dict[str, Path] = {}
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        else:
-            for file in sorted(directory.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as f:
-                    self.files.update(dict.fromkeys(f.keys(), file))
-        if not self.files:
-            raise FileNotFoundError(f"{directory} holds no safetensors weights")
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def get(self, name: str) -> torch.Tensor:
-        with self._open(str(self.files[name]), framework="pt") as f:
-            tensor: torch.Tensor = f.get_tensor(name)
-            return tensor
-
-
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Overwrite every parameter of this rank's stage from the HF checkpoint in ``path``.
 
-    Reads, one conversion unit at a time, the full HF tensors of the units the stage owns and
-    copies this TP rank's slices into the parameters (casting to their dtype). A critic's value
+    Reads, one conversion unit at a time, only this TP rank's pieces of the HF tensors of the
+    units the stage owns (rows, or for the row-parallel weights columns cut from row chunks:
+    :class:`~hybridflow.models.safetensors_rows.SafetensorsRows`, no memory map) and copies them
+    into the parameters (casting to their dtype). The host holds the stage plus one unit's pieces,
+    never a whole HF tensor that is split (the embedding, say). A critic's value
     head is set from ``score.weight`` when the directory is a reward model, else left as it is
     (zero). Raises ``ValueError`` naming the tensors when the checkpoint lacks any the model
     needs, or when a shape disagrees, and ``RuntimeError`` if a parameter was left unwritten.
@@ -228,7 +203,9 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     directory = Path(path)
     info = model_info(model)
     gpt = unwrap(model)
-    checkpoint = _Checkpoint(directory)
+    checkpoint = SafetensorsRows(directory)
+    if not checkpoint.names():
+        raise FileNotFoundError(f"{directory} holds no safetensors weights")
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     parameters = dict(gpt.named_parameters())
@@ -238,7 +215,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         names = unit.megatron_names(start)
         if unit.kind == "value_head":
             if SCORE_HEAD_KEY in checkpoint:
-                score = checkpoint.get(SCORE_HEAD_KEY)
+                score = checkpoint.read(SCORE_HEAD_KEY)
                 if tuple(score.shape) != (1, info.arch.hidden_size):
                     raise ValueError(
                         f"{directory}: {SCORE_HEAD_KEY} has shape {tuple(score.shape)}; a reward model needs "
@@ -251,9 +228,8 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         missing = [name for name in unit.hf_names if name not in checkpoint]
         if missing:
             raise ValueError(f"{directory} lacks {missing}; refusing to train a partly uninitialised model")
-        hf = {name: checkpoint.get(name) for name in unit.hf_names}
         local = hf_to_megatron(
-            info.arch, unit, hf, tp_rank=tp_rank, tp_size=tp_size, vocab_multiple=info.vocab_multiple
+            info.arch, unit, checkpoint, tp_rank=tp_rank, tp_size=tp_size, vocab_multiple=info.vocab_multiple
         )
         for name, suffix in zip(names, unit.megatron_suffixes, strict=True):
             parameter = parameters[name]
