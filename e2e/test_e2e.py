@@ -197,21 +197,24 @@ def test_a_killed_run_is_retried_and_resumes_from_its_checkpoint(
     e2e: E2E, tiny: Path, figures: dict[str, object]
 ) -> None:
     name, claim = "killed", "killed-ckpt"
-    apply(e2e, manifest(FAULTS_EXAMPLE, tiny, name, steps=4, claim=claim))
-    wait_for(
-        "a checkpoint at step 2",
-        lambda: (status(e2e, name).get("progress") or {}).get("lastCheckpointStep") == 2 or None,
-    )
+    # Enough steps that the kill lands mid-run however fast a step is, and the checkpoint watched
+    # on the volume itself (the status is pushed every few seconds, and lags a fast run).
+    apply(e2e, manifest(FAULTS_EXAMPLE, tiny, name, steps=STOP_STEPS, claim=claim))
+    wait_for("a checkpoint at step 2", lambda: 2 in checkpointed_steps(e2e, claim) or None)
     first = status(e2e, name)["rayJobName"]
     e2e.kuberay.kill_entrypoint(first, signal.SIGKILL)  # the head pod's node is lost
+    wait_for("the killed driver's exit", lambda: first in e2e.kuberay.finished or None)
+    latest = e2e.root / "volumes" / claim / "checkpoints" / "latest"
+    resumed_from = int(latest.read_text().strip().removeprefix("step_"))  # what the retry must resume
     done = wait_for("Succeeded after a retry", lambda: phase_is(e2e, name, "Succeeded"))
     assert done["attempts"] == 2 and done["rayJobName"] != first
     assert e2e.kuberay.finished[first] == -signal.SIGKILL
+    assert 2 <= resumed_from < STOP_STEPS  # killed mid-run
     steps = metrics_steps(e2e, claim)
-    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, 4)
-    assert steps == [1, 2, 3, 4], steps  # nothing lost, nothing repeated
+    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, STOP_STEPS)
+    assert steps == list(range(1, STOP_STEPS + 1)), steps  # nothing lost, nothing repeated
     log = (e2e.root / "pods" / done["rayJobName"] / "entrypoint.log").read_text()
-    assert "resumed from" in log and "(step 2)" in log, log[-2000:]
+    assert "resumed from" in log and f"(step {resumed_from})" in log, log[-2000:]
     owned = children(e2e, name)
     figures["duplicate_children"] = duplicate_children(owned, 2)
     assert duplicate_children(owned, attempts=2) == 0, owned
@@ -311,9 +314,11 @@ def test_a_deadline_stop_of_a_queued_job_saves_its_last_step_and_stays_stopped(
 ) -> None:
     """Kueue unsuspends an admitted RayJob whoever suspended it: the stop goes through the Workload."""
     name, claim = "deadline", "deadline-ckpt"
-    doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=500, claim=claim)
+    # Far more steps than 90 s can run (500 took 81 s on an idle 2-core machine): the deadline
+    # always lands mid-run, and only the stop's own checkpoint saves anything.
+    doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=100_000, claim=claim)
     doc["spec"]["queueName"] = "research"
-    doc["spec"]["checkpoint"]["intervalSteps"] = 1000
+    doc["spec"]["checkpoint"]["intervalSteps"] = 100_000
     doc["spec"]["activeDeadlineSeconds"] = 90  # from KubeRay starting the cluster: mid-run here
     apply(e2e, doc)
     failed = wait_for("DeadlineExceeded", lambda: phase_is(e2e, name, "Failed"), timeout_seconds=900)
