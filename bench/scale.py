@@ -157,20 +157,6 @@ def megatron_load_rank(rank: int, port: int, work: str, model_dir: str, kind: st
     dist.destroy_process_group()
 
 
-def run_megatron(model_dir: Path, kind: str, path: str) -> dict[int, dict[str, Any]]:
-    from spawned_ranks import run_spawned_ranks
-
-    work = Path(tempfile.mkdtemp(prefix=f"scale-megatron-{kind}-{path}-"))
-    return run_spawned_ranks(
-        megatron_load_rank,
-        (str(work), str(model_dir), kind, path),
-        world_size=RANKS,
-        work_dir=work,
-        deadline_seconds=1800,
-        what=f"megatron loading {kind} via {path}",
-    )["load"]
-
-
 def load_figures(measured: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     sharded, full = measured["sharded"].values(), measured["full"].values()
     peak = max(r["peak_bytes"] for r in sharded)
@@ -312,17 +298,18 @@ def run_sync(model_dir: Path, t_g: int) -> dict[int, dict[str, Any]]:
     )["sync"]
 
 
-def run(model_dir: Path, kind: str, path: str) -> dict[int, dict[str, Any]]:
+def run(rank_main: Any, model_dir: Path, kind: str, path: str, what: str) -> dict[int, dict[str, Any]]:
+    """``rank_main`` (:func:`load_rank` or :func:`megatron_load_rank`) on :data:`RANKS` spawned ranks."""
     from spawned_ranks import run_spawned_ranks
 
-    work = Path(tempfile.mkdtemp(prefix=f"scale-{kind}-{path}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"scale-{what}-{kind}-{path}-"))
     return run_spawned_ranks(
-        load_rank,
+        rank_main,
         (str(work), str(model_dir), kind, path),
         world_size=RANKS,
         work_dir=work,
         deadline_seconds=1800,
-        what=f"loading {kind} via {path}",
+        what=f"{what} loading {kind} via {path}",
     )["load"]
 
 
@@ -335,7 +322,7 @@ def main() -> None:
     model_dir = write_shaped_model(cache / SHAPE, SHAPE)
     figures: dict[str, Any] = {"shape": SHAPE, "ranks": RANKS, "parameters_shape": SHAPES[SHAPE].__dict__}
     for kind in KINDS:
-        measured = {path: run(model_dir, kind, path) for path in PATHS}
+        measured = {path: run(load_rank, model_dir, kind, path, "fsdp") for path in PATHS}
         for path, ranks in measured.items():
             for rank, result in sorted(ranks.items()):
                 print(
@@ -347,7 +334,7 @@ def main() -> None:
     if importlib.util.find_spec("megatron.core") is not None:
         untied = write_shaped_model(cache / SYNC_SHAPE, SYNC_SHAPE)  # megatron refuses tied heads
         for kind in KINDS:
-            measured = {path: run_megatron(untied, kind, path) for path in PATHS}
+            measured = {path: run(megatron_load_rank, untied, kind, path, "megatron") for path in PATHS}
             figures[f"megatron_{kind}"] = load_figures(measured)
     if importlib.util.find_spec("vllm") is not None:
         sync_dir = write_shaped_model(cache / SYNC_SHAPE, SYNC_SHAPE)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,17 +69,6 @@ def _checkpoint_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def _checkpoint_keys(directory: Path) -> dict[str, Path]:
-    """Every tensor name of the directory's safetensors files, with the file that holds it."""
-    from safetensors import safe_open
-
-    keys: dict[str, Path] = {}
-    for shard in _checkpoint_files(directory):
-        with safe_open(str(shard), framework="pt") as f:
-            keys.update(dict.fromkeys(f.keys(), shard))
-    return keys
-
-
 def _non_persistent_buffer_owners(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m._non_persistent_buffers_set]
 
@@ -96,7 +85,7 @@ def sharded_load_supported(path: str | Path) -> bool:
     return all("RotaryEmbedding" in type(m).__name__ and hasattr(m, "config") for m in owners)
 
 
-def _checkpoint_name(model_key: str, kind: str, keys: Mapping[str, Path]) -> str | None:
+def _checkpoint_name(model_key: str, kind: str, keys: Container[str]) -> str | None:
     """The checkpoint tensor that fills model parameter/buffer ``model_key`` (``None``: no source).
 
     A causal LM's names are the checkpoint's. A value model's backbone is the checkpoint's base
@@ -141,7 +130,7 @@ def build_on_meta(path: str | Path, *, kind: str, dtype: torch.dtype, attn_imple
     )
     if inner_config is not None:
         inner_config.use_cache = False  # training forwards never decode (as load.py does)
-    keys = _checkpoint_keys(directory)
+    keys = set(SafetensorsRows(directory).names())
     state = model.state_dict()
     missing = sorted(
         k
@@ -186,9 +175,9 @@ def materialize_and_load(
     tensor.
     """
     directory = _model_dir(path)
-    keys = _checkpoint_keys(directory)
     model.to_empty(device=device)
     rows = SafetensorsRows(directory)
+    keys = set(rows.names())
     bytes_read = largest = tensors = 0
     with torch.no_grad():
         for model_key, tensor in [*model.named_parameters(), *model.named_buffers()]:
