@@ -36,13 +36,14 @@ demo: setup
 	$(VENV)/bin/hybridflow make-tiny --model-dir outputs/tiny-model --data-dir outputs/tiny-data
 	RAY_AUTH_MODE=disabled $(VENV)/bin/hybridflow run examples/grpo-tiny.yaml
 
+# --durations: CI shows the slowest tests of every run (the suite's budget is 15 minutes here).
 test: setup
-	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # From an applied manifest to a trained checkpoint on this machine, then broken on purpose
 # (e2e/: the API-server double, the operator, a KubeRay stand-in, real tiny training runs).
 e2e: setup
-	RAY_AUTH_MODE=disabled $(PY) -m pytest e2e $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest e2e --durations=25 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check runtime operator tests bench e2e images

@@ -21,6 +21,11 @@ of :data:`hybridflow.models.shapes.SHAPES`; default ``qwen2.5-1.5b``: Qwen2.5-1.
 * ``decode_*``: the torch engine's generation in bf16 against HF ``generate`` (its default
   dynamic cache, greedy) on the same module, prompts and lengths: tokens per second each, and
   ``decode_vs_hf_generate`` (target >= 2).
+* ``compiled_*`` (unless ``--no-compile``): the same decode with ``rollout.compile`` (the engine's
+  decode step through ``torch.compile``, CUDA graphs on the GPU) and the same training step with
+  ``training.compile``, each against its eager figure above, with its first call (the compile,
+  cold) apart: whether the compiled hot paths pay on a GPU, which is what their default should
+  follow (off, from the CPU measurements).
 * ``colocated_*``: the trainer's parameter and optimizer bytes next to the engine's weights,
   the CUDA peak of a generation with the trainer resident and with it offloaded
   (``DeviceOffload``, the mechanism of ``training.offloadDuringGeneration``), and the seconds
@@ -312,6 +317,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         result["decode_vs_hf_generate"] = (
             result["decode_tokens_per_second"] / result["hf_generate_tokens_per_second"]
         )
+        if args.compile:
+            result.update(
+                compiled_figures(
+                    args, device, engine.model, prompts, params, model_dir, micro, loss_fn, result
+                )
+            )
 
         # ---------------------------------------------------------------- one weight sync
         # As the rollout does it between steps (workers/rollout.py): the replica released with
@@ -376,6 +387,57 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def compiled_figures(
+    args: argparse.Namespace,
+    device: Any,
+    model: Any,
+    prompts: list[list[int]],
+    params: Any,
+    model_dir: Path,
+    micro: list[dict[str, Any]],
+    loss_fn: Callable[..., Any],
+    eager: dict[str, Any],
+) -> dict[str, Any]:
+    """The decode and the training step again, compiled (``rollout.compile``, ``training.compile``)."""
+    from hybridflow.backends.fsdp.training import FSDPTrainingBackend
+    from hybridflow.engines.torch_engine import TorchRolloutEngine
+
+    figures: dict[str, Any] = {}
+    engine = TorchRolloutEngine(model, compile_decode=True, cache_width=args.prompt_tokens + args.new_tokens)
+    produced: list[int] = []
+
+    def decode() -> None:
+        produced[:] = [len(r) for r in engine.generate(prompts, params).response_token_ids]
+
+    started = time.perf_counter()
+    decode()
+    figures["compiled_decode_first_call_seconds"] = time.perf_counter() - started
+    seconds = timed(decode, device, args.repeats)
+    figures["compiled_decode_tokens_per_second"] = sum(produced) / seconds
+    figures["compiled_decode_vs_eager"] = (
+        figures["compiled_decode_tokens_per_second"] / eager["decode_tokens_per_second"]
+    )
+    engine.close()
+
+    spec = job_spec(model_dir, "bf16")
+    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": True})})
+    backend = FSDPTrainingBackend(spec, device)
+    backend.load(str(model_dir), kind="causal-lm", learning_rate=1e-5)
+
+    def train_step() -> None:
+        backend.forward_backward(micro, loss_fn, fields=["response_mask"], entropy_grad=False)
+        backend.clip_and_step(max_grad_norm=1.0)
+
+    started = time.perf_counter()
+    train_step()
+    figures["compiled_train_first_call_seconds"] = time.perf_counter() - started
+    figures["compiled_train_step_seconds"] = timed(train_step, device, args.repeats)
+    figures["compiled_train_vs_eager"] = eager["train_step_seconds"] / figures["compiled_train_step_seconds"]
+    if eager.get("train_mfu") is not None:
+        figures["compiled_train_mfu"] = eager["train_mfu"] * figures["compiled_train_vs_eager"]
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="every phase on the CPU, tiny model, no pytest")
@@ -387,6 +449,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="skip the compiled decode and training step",
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", tempfile.gettempdir())))
     args = parser.parse_args()
     args.smoke = args.smoke or os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1"  # make bench-smoke

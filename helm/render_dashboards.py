@@ -147,6 +147,16 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 width=8,
             ),
             Panel(
+                "Controller overhead",
+                "What the single controller adds to each step (dispatch, batch transport, collect, "
+                "bookkeeping), as a fraction of the step and in seconds.",
+                (
+                    series("hybridflow_controller_overhead_ratio", "{{rlhfjob}} fraction"),
+                    series("hybridflow_controller_overhead_seconds", "{{rlhfjob}} seconds"),
+                ),
+                width=8,
+            ),
+            Panel(
                 "Idle fraction per pool",
                 "Fraction of each step each pool's workers spent outside worker calls (an overlapped "
                 "job's pools idle less).",

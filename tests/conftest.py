@@ -31,8 +31,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HYBRIDFLOW_GPU_CONTRACT", "emulate")
 
 SIMULATED_GPUS = 8
-# Pools the integration tests place: "left"/"right" split the 8 GPUs, "all" spans them.
-TEST_POOL_CAPACITY = {"left": 4, "right": 4, "all": 8}
+# Pools the integration tests place: "left"/"right" split the 8 GPUs, "all" spans them, and
+# "default", "train" and "generate" are the example manifests' pools (jobs that run_training in
+# the test process).
+TEST_POOL_CAPACITY = {"left": 4, "right": 4, "all": 8, "default": 8, "train": 8, "generate": 8}
 
 
 @pytest.fixture(scope="session")

@@ -138,11 +138,22 @@ def test_on_kuberay_1_5_the_operator_stops_an_attempt_that_does_not_start_in_tim
             jobDeploymentStatus="Initializing",
             startTime=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
-        wait_until(lambda: status(cluster, "slow").get("reason") == "StartupTimeout", timeout_seconds=30)
+        # The job's status says StartupTimeout only until the retry starts, which can be sooner than
+        # a poll sees it: wait for what lasts, the stopped attempt's mark and the next attempt.
+        wait_until(
+            lambda: (
+                ((rayjob(cluster, "slow-1") or {}).get("metadata") or {})
+                .get("annotations", {})
+                .get("hybridflow.io/stopped")
+                == "StartupTimeout"
+            ),
+            message="the first attempt stopped for its startup timeout",
+            timeout_seconds=30,
+        )
         stopped = rayjob(cluster, "slow-1") or {}
         assert stopped["spec"]["suspend"] is True
-        assert stopped["metadata"]["annotations"]["hybridflow.io/stopped"] == "StartupTimeout"
         wait_until(lambda: rayjob(cluster, "slow-2"), message="the retry", timeout_seconds=30)
+        assert status(cluster, "slow")["attempts"] == 2
 
 
 @needs_kuberay_crds

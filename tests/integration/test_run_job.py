@@ -1,8 +1,12 @@
 """``hybridflow run`` end to end on CPU: GRPO and PPO train, checkpoints resume exactly, bad input exits 2.
 
-Each run is a fresh ``hybridflow`` process with its own embedded Ray (as a user runs it), on a
-tiny model written once per session. Step counts are kept small: these tests check behaviour,
-the learning figures live in bench/learning.py.
+What is about the command (resuming in a new process, exit codes, messages) runs a fresh
+``hybridflow`` process with its own embedded Ray, as a user runs it. What is about the job (each
+algorithm, the reward and cost models, compiled hot paths) runs ``run_training`` in this process
+on the suite's shared Ray (``tests/conftest.py``): the same code from the manifest on, without
+the seconds of a new interpreter and a new Ray per run. All on a tiny model written once per
+session. Step counts are kept small: these tests check behaviour, the learning figures live in
+bench/learning.py.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from hybridflow.models.tiny import write_tiny_model
+from hybridflow.spec import load_job_manifest
+from hybridflow.trainer.runner import RunSummary, run_training
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +75,16 @@ def run(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def train_in_process(path: Path, stop_after_steps: int | None = None) -> RunSummary:
+    """``run_training`` of the manifest at ``path`` on the shared Ray (the ``ray_cluster`` fixture)."""
+    return run_training(
+        load_job_manifest(path).spec,
+        simulated=True,
+        on_step=lambda line: None,
+        stop_after_steps=stop_after_steps,
+    )
+
+
 def metrics(out: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -80,11 +98,12 @@ def actor_parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_grpo_resume_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path) -> None:
+    """An uninterrupted run (here, in this process) against ``hybridflow run --max-steps 2``, then
+    ``hybridflow run`` again, a new process resuming from the checkpoint: the same run."""
     straight = manifest(tiny, tmp_path / "straight", "grpo-tiny.yaml", totalSteps=4)
-    result = run(straight)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step 4/4" in result.stdout
+    assert train_in_process(straight).last_step == 4
 
     resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny.yaml", totalSteps=4)
     first = run(resumed, "--max-steps", "2")
@@ -112,17 +131,18 @@ def test_grpo_resume_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path) -> 
         assert torch.equal(tensor, resumed_params[name]), name
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, tmp_path: Path) -> None:
     """The rollout on its own pool (1 + 1 simulated GPUs), rollout.maxStaleness 1.
 
     Step k's samples come from the policy before step k-1's update (staleness 1 from step 2 on:
     they were generated while that update ran), the weights reach the rollout pool after every
     update (step 1's samples, made by the same weights the trainer scores them with, have no
-    log-prob gap), and a run stopped after step 2 and resumed equals the uninterrupted one.
+    log-prob gap), and a run stopped after step 2 and resumed by a new ``hybridflow run`` process
+    equals the uninterrupted one (the first two runs in this process).
     """
     straight = manifest(tiny, tmp_path / "straight", "grpo-tiny-overlap.yaml", totalSteps=4)
-    result = run(straight)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(straight)
     records = metrics(tmp_path / "straight")
     assert [r["staleness/samples/0"] for r in records] == [64.0, 0.0, 0.0, 0.0]
     assert [r["staleness/samples/1"] for r in records] == [0.0, 64.0, 64.0, 64.0]
@@ -139,8 +159,7 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
     assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rollout_ahead.pt").is_file()
 
     resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny-overlap.yaml", totalSteps=4)
-    first = run(resumed, "--max-steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert train_in_process(resumed, stop_after_steps=2).last_step == 2
     second = run(resumed)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 3/4" in second.stdout
@@ -156,10 +175,10 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
         assert torch.equal(tensor, resumed_params[name]), name
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
     path = manifest(tiny, tmp_path / "ppo", "ppo-tiny.yaml", totalSteps=2)
-    result = run(path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(path)
     records = metrics(tmp_path / "ppo")
     assert len(records) == 2
     for key in ("critic/value_loss", "actor/policy_loss", "kl/coef", "reward/mean"):
@@ -167,6 +186,7 @@ def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
     assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "critic").is_dir()
 
 
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("algorithm", ["rloo", "reinforce++", "remax"])
 def test_critic_free_algorithms_take_a_step(tiny: Path, tmp_path: Path, algorithm: str) -> None:
     path = manifest(tiny, tmp_path / "job", "grpo-tiny.yaml", totalSteps=1)
@@ -175,8 +195,7 @@ def test_critic_free_algorithms_take_a_step(tiny: Path, tmp_path: Path, algorith
     if algorithm == "reinforce++":
         doc["spec"]["algorithm"]["kl"]["mode"] = "reward"
     path.write_text(yaml.safe_dump(doc))
-    result = run(path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(path)
     (record,) = metrics(tmp_path / "job")
     assert "actor/policy_loss" in record
     if algorithm == "remax":
@@ -185,14 +204,14 @@ def test_critic_free_algorithms_take_a_step(tiny: Path, tmp_path: Path, algorith
         assert record["kl/coef"] > 0
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_safe_rlhf_constrains_with_the_cost_model(tiny: Path, tmp_path: Path) -> None:
     path = manifest(tiny, tmp_path / "safe", "ppo-tiny.yaml", totalSteps=2)
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["algorithm"].update(name="safe-rlhf", costLimit=-10.0)
     doc["spec"]["models"]["cost"] = {"path": str(tiny / "reward-model")}
     path.write_text(yaml.safe_dump(doc))
-    result = run(path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(path)
     first, second = metrics(tmp_path / "safe")
     # the cost always exceeds a limit of -10, so the multiplier (updated before each policy step) grows
     assert second["cost/lambda"] > first["cost/lambda"] > 1.0
@@ -200,14 +219,14 @@ def test_safe_rlhf_constrains_with_the_cost_model(tiny: Path, tmp_path: Path) ->
     assert (tmp_path / "safe" / "checkpoints" / "step_000002" / "cost_critic").is_dir()
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_reward_model_worker_scores_the_rollouts(tiny: Path, tmp_path: Path) -> None:
     path = manifest(tiny, tmp_path / "rm", "grpo-tiny.yaml", totalSteps=1)
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["models"]["reward"] = {"path": str(tiny / "reward-model")}
     doc["spec"]["rewards"] = []
     path.write_text(yaml.safe_dump(doc))
-    result = run(path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(path)
     (record,) = metrics(tmp_path / "rm")
     assert record["reward/model"] == record["reward/mean"]
     assert record["reward/std"] > 0  # a real scorer: different responses, different scores
@@ -244,11 +263,12 @@ def test_user_errors_exit_2_without_a_traceback(tiny: Path, tmp_path: Path) -> N
     assert "spec.models.actor: the tokenizer at" in result.stderr and "128 embedding rows" in result.stderr
 
 
-def test_the_readme_plugin_algorithm_runs_without_reference_or_old_log_prob_pass(
+def test_the_documented_plugin_algorithm_runs_without_reference_or_old_log_prob_pass(
     tiny: Path, tmp_path: Path
 ) -> None:
     plugin = (ROOT / "examples" / "plugins" / "my_reinforce.py").read_text()
-    assert f"```python\n{plugin}```" in (ROOT / "README.md").read_text(), "README shows the plugin as it is"
+    documented = (ROOT / "docs" / "algorithms.md").read_text()
+    assert f"```python\n{plugin}```" in documented, "docs/algorithms.md shows the plugin as it is"
     assert len(plugin.strip().splitlines()) <= 20
     path = manifest(tiny, tmp_path / "plugin", "reinforce-plugin-tiny.yaml", totalSteps=2)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT / "examples" / "plugins")}
@@ -263,6 +283,7 @@ def test_the_readme_plugin_algorithm_runs_without_reference_or_old_log_prob_pass
     assert records[-1]["actor/approx_kl_k3"] == 0.0  # on-policy: the ratio is exactly 1
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_packing_checkpointing_and_offload_change_no_result(tiny: Path, tmp_path: Path) -> None:
     """The memory and padding options through the real job (2 ranks, own engine copies)."""
     runs = {}
@@ -278,8 +299,7 @@ def test_packing_checkpointing_and_offload_change_no_result(tiny: Path, tmp_path
         doc = yaml.safe_load(path.read_text())
         doc["spec"]["training"].update(options)
         path.write_text(yaml.safe_dump(doc))
-        result = run(path)
-        assert result.returncode == 0, result.stderr[-3000:]
+        train_in_process(path)
         runs[name] = metrics(tmp_path / name)
     plain, options = runs["plain"], runs["options"]
     # Same initial weights, same seeds: the first rollout is the same; the update agrees to
@@ -288,3 +308,40 @@ def test_packing_checkpointing_and_offload_change_no_result(tiny: Path, tmp_path
     assert options[0]["actor/policy_loss"] == pytest.approx(plain[0]["actor/policy_loss"], rel=1e-4, abs=1e-6)
     assert options[0]["actor/grad_norm"] == pytest.approx(plain[0]["actor/grad_norm"], rel=1e-4)
     assert all(m["offload/bytes_per_rank"] > 0 for m in options) and "offload/seconds" not in plain[0]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_compiled_job_reports_its_compile_and_a_resumed_attempt_reuses_the_cache(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """rollout.compile and training.compile in the real job (one simulated GPU: the engine decodes
+    with the actor's own FSDP module), stopped after step 1 and resumed: the second attempt finds
+    every graph in the compile cache beside the checkpoints and writes no new one."""
+    path = manifest(tiny, tmp_path / "compiled", "grpo-tiny.yaml", totalSteps=2)
+    doc = yaml.safe_load(path.read_text())
+    spec = doc["spec"]
+    # One decoder layer: compiling is a C++ build per fused kernel on CPU, and a layer adds a
+    # dozen kernels that prove nothing more here (each compiled region is one graph).
+    one_layer = write_tiny_model(tmp_path / "one-layer", "qwen2", seed=0, layers=1)
+    spec["models"] = {"actor": {"path": str(one_layer)}}
+    spec["resourcePools"] = [{"name": "default", "nodes": 1, "gpusPerNode": 1}]
+    spec["algorithm"]["kl"]["coef"] = 0.0  # no reference model: one trained model to compile
+    spec["training"].update(
+        {"compile": True, "miniBatchSize": 64, "microBatchSizePerGpu": 64, "promptsPerStep": 8}
+    )
+    spec["checkpoint"]["intervalSteps"] = 1
+    spec["rollout"]["compile"] = True
+    path.write_text(yaml.safe_dump(doc))
+    assert train_in_process(path, stop_after_steps=1).last_step == 1
+    cache = tmp_path / "compiled" / "checkpoints" / "compile-cache"
+    graphs = {p.relative_to(cache) for p in (cache / "fxgraph").rglob("*") if p.is_file()}
+    assert graphs, "the first attempt compiled into the job's cache"
+    # The next attempt's workers are new processes (a new deployment), as after a restart.
+    assert train_in_process(path).resumed_from == "step_000001"
+    assert {p.relative_to(cache) for p in (cache / "fxgraph").rglob("*") if p.is_file()} == graphs
+    step_one, step_two = metrics(tmp_path / "compiled")
+    assert step_one["timing/compile"] > 0 and step_two["timing/compile"] >= 0
+    for record in (step_one, step_two):
+        phases = sum(v for k, v in record.items() if k.startswith("timing/") and k != "timing/checkpoint")
+        assert phases == pytest.approx(record["perf/step_seconds"])
+        assert 0 <= record["controller/overhead_fraction"] < 1

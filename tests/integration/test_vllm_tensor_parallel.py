@@ -4,11 +4,12 @@
   ``torch.distributed`` world, each rank loading only its shard (no tensor of a full
   vocab-parallel weight is built while loading), greedy output equal to HF.
 * One scenario process (``vllm_tp_scenario.py``, its own Ray with 4 simulated GPUs) deploys the
-  job's roles for FSDP2 and megatron (``t = 2``) actors with ``t_g`` in {1, 2}, FSDP2 over 4 GPUs
-  at ``t_g = 2`` (strided groups ``[0, 2], [1, 3]``), megatron at
+  job's roles for an FSDP2 actor at ``t_g = 1``, a megatron (``t = 2``) actor with ``t_g`` in
+  {1, 2}, FSDP2 over 4 GPUs at ``t_g = 2`` (strided groups ``[0, 2], [1, 3]``) and at
+  ``t_g = 4``, megatron at
   ``p = 2`` with ``t_g = 1``, and megatron at ``t = 4`` with ``t_g = 2`` on 4 GPUs (vLLM's TP
   groups built from the strided ranks ``[0, 2], [1, 3]``), and compares
-  greedy generation with HF after the first sync and after each of two GRPO steps.
+  greedy generation with HF after the first sync and after a GRPO step.
 * ``hybridflow run`` of the vLLM demo manifest with ``rollout.tensorParallelSize: 2`` learns.
 """
 
@@ -39,8 +40,10 @@ pytestmark = [
 HERE = Path(__file__).resolve().parent
 TESTS_DIR = HERE.parent
 ROOT = TESTS_DIR.parent
+# FSDP over 2 ranks at t_g 2 (the demo's layout) is not a case of its own: fsdp4-tg2 runs the same
+# engine and resharding code with strided groups and micro-DP pairs on top, and the learning job
+# below runs that layout end to end.
 CASES = (
-    "fsdp-tg2",
     "fsdp-tg1",
     "fsdp4-tg2",
     "fsdp4h4-tg4",
@@ -208,7 +211,7 @@ def test_greedy_tokens_equal_hf_after_every_sync(scenario: dict[str, Any], case:
     views = scenario[case]["device_views"]
     assert views and all(v["enforced"] and len(v["visible"]) == 1 and v["index"] == 0 for v in views)
     assert len({v["visible"][0] for v in views}) == len(views)
-    assert len(checks) == 3  # after the first sync and after each GRPO step
+    assert len(checks) == 2  # after the first sync and after the GRPO step
     for check in checks:
         assert check["engine"] == check["hf"]
     # Training moved the weights: the same prompts would not all give the first check's tokens.
@@ -217,12 +220,12 @@ def test_greedy_tokens_equal_hf_after_every_sync(scenario: dict[str, Any], case:
 
 
 def test_fsdp_ranks_receive_a_part_of_their_shard_never_the_model(scenario: dict[str, Any]) -> None:
-    for transition in scenario["fsdp-tg2"]["checks"][-1]["transition"]:
+    for transition in scenario["fsdp4-tg2"]["checks"][-1]["transition"]:
         model_bytes = 2 * transition["loaded_bytes"]  # each rank wrote half the model
         assert 0 < transition["bytes_received"] < transition["loaded_bytes"] < model_bytes
         assert transition["peak_memory_bytes"] > 0
-    for step in scenario["fsdp-tg2"]["steps"]:
-        for rank in (0, 1):
+    for step in scenario["fsdp4-tg2"]["steps"]:
+        for rank in range(4):
             assert step[f"reshard/rank{rank}/bytes_received"] > 0
             assert step[f"reshard/rank{rank}/seconds"] > 0
 

@@ -9,7 +9,8 @@ if a case needs them; one pool; worker processes apply the megatron CPU shim at 
 directory must be on ``PYTHONPATH``), and for each case deploys actor + rollout (+ reference)
 through :func:`hybridflow.trainer.roles.job_roles` with ``rollout.engine: vllm``. It compares
 greedy generation with HF ``generate`` on the actor's current full weights after the first sync
-and after each of two GRPO steps (each step syncs first), and records each step's reshard
+and after a GRPO step (which syncs first; a second step would repeat the same sleep, reload and
+generate path), and records the step's reshard
 metrics and each sync's transition figures. Writes ``WORK_DIR/result.json``.
 """
 
@@ -27,7 +28,7 @@ import yaml
 from hybrid_engine_scenario import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 2
+STEPS = 1
 
 
 def manifest(work: Path, backend: str, t_g: int) -> dict[str, Any]:

@@ -121,6 +121,7 @@ RUNTIME_LAYERS: tuple[tuple[str, ...], ...] = (
         "hybridflow.data",
         "hybridflow.metrics",
         "hybridflow.checkpoint",
+        "hybridflow.compilation",
     ),
     # torch-only SPMD code a worker process calls; no Ray
     ("hybridflow.backends", "hybridflow.engines", "hybridflow.resharding"),

@@ -25,7 +25,7 @@ from hybridflow.resharding.bucket_broadcast import (
     send_buckets,
     split_flat,
 )
-from hybridflow.trainer.overlap import generation_steps, load_in_flight, pool_idle_fractions, save_in_flight
+from hybridflow.trainer.overlap import generation_steps, load_in_flight, save_in_flight
 
 pytestmark = pytest.mark.unit
 
@@ -77,18 +77,6 @@ def test_prefetched_rollout_serves_the_steps_batch_and_syncs_nothing() -> None:
     assert view.sync_weights() == 0
     assert view.generate_sequences(prompts) is generated
     assert view.staleness_metrics()["staleness/samples/1"] == 2.0
-
-
-def test_idle_fraction_is_the_mean_over_a_pools_ranks() -> None:
-    reports = {"train": [(0.9, 1.0), (0.7, 1.0)], "generate": [(0.25, 1.0)], "empty": [(0.0, 0.0)]}
-    fractions = pool_idle_fractions(reports)
-    assert fractions == pytest.approx(
-        {
-            "pool/train/idle_fraction": 0.2,
-            "pool/generate/idle_fraction": 0.75,
-            "pool/empty/idle_fraction": 0.0,
-        }
-    )
 
 
 def test_in_flight_generations_round_trip_through_the_checkpoint_file(tmp_path: Any) -> None:

@@ -292,7 +292,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
         "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, packSequences, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
-        "maxGradNorm, precision, activationCheckpointing, sharedPromptMinTokens, fsdpUnitMinParameters, offloadDuringGeneration, tensorParallelSize, "
+        "maxGradNorm, precision, activationCheckpointing, sharedPromptMinTokens, compile, fsdpUnitMinParameters, offloadDuringGeneration, tensorParallelSize, "
         "pipelineParallelSize, seed)",
     ]
 
@@ -412,6 +412,24 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "packing-needs-fsdp": (
         _all(_set("training.backend", "megatron"), _set("training.packSequences", True)),
         "true with backend 'megatron'",
+    ),
+    "compile-needs-fsdp": (
+        _all(_set("training.backend", "megatron"), _set("training.compile", True)),
+        "true with backend 'megatron'",
+    ),
+    "compile-needs-the-torch-engine": (
+        _all(_set("rollout.engine", "vllm"), _set("rollout.compile", True)),
+        "true with engine 'vllm'",
+    ),
+    "rollout-compile-needs-a-whole-model-engine": (
+        _all(
+            _set("rollout.engine", "torch"),
+            _set("rollout.compile", True),
+            _set("training.backend", "megatron"),
+            _set("training.tensorParallelSize", 2),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "true with backend 'megatron' at 2 * 1",
     ),
     "tensor-parallel-needs-megatron": (
         _all(_set("training.tensorParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),

@@ -19,6 +19,13 @@ generation and scoring) adds up.
 
 Names are the catalogue's :data:`~hybridflow.metrics.catalogue.STEP_PHASES`, which Prometheus,
 the docs and the dashboards read; any other name raises, so no phase goes unlisted.
+
+Every timer also records the wall-clock intervals of the phases in which the controller itself
+computes (:data:`CONTROLLER_WORK_PHASES`: scoring, advantages) into the list that the trainer
+opened around the step with :func:`recording_controller_work` (step functions, plugins
+included, need not pass anything back): with the workers' busy intervals they tell the
+algorithm's work apart from what the controller adds around it
+(:mod:`hybridflow.trainer.step_accounting`).
 """
 
 from __future__ import annotations
@@ -26,14 +33,39 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from hybridflow.controller.worker_group import GroupFuture, MethodCaller
 from hybridflow.metrics.catalogue import OTHER_PHASE, STEP_PHASES
 
-__all__ = ["StepTimer", "TimedFuture", "unmeasured_seconds"]
+__all__ = [
+    "CONTROLLER_WORK_PHASES",
+    "StepTimer",
+    "TimedFuture",
+    "recording_controller_work",
+    "unmeasured_seconds",
+]
 
 _NAMES = tuple(phase.name for phase in STEP_PHASES)
+
+CONTROLLER_WORK_PHASES = frozenset({"reward", "cost", "advantages"})
+"""Phases whose work is the algorithm's, done in the controller's process (rule rewards in its
+pool, advantage math), or waits on a reward or cost model: not overhead the controller adds."""
+
+_controller_work: ContextVar[list[tuple[float, float]] | None] = ContextVar("controller_work", default=None)
+
+
+@contextmanager
+def recording_controller_work() -> Iterator[list[tuple[float, float]]]:
+    """A list that every :class:`StepTimer` phase of :data:`CONTROLLER_WORK_PHASES` in the block appends
+    its wall-clock (start, end) to; the trainer opens one per step."""
+    intervals: list[tuple[float, float]] = []
+    token = _controller_work.set(intervals)
+    try:
+        yield intervals
+    finally:
+        _controller_work.reset(token)
 
 
 class TimedFuture:
@@ -61,11 +93,14 @@ class StepTimer:
         if self._current is not None:
             raise RuntimeError(f"timing phase {name!r} started inside {self._current!r}: phases do not nest")
         self._current = name
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         try:
             yield
         finally:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.monotonic() - started
+            recorded = _controller_work.get()
+            if recorded is not None and name in CONTROLLER_WORK_PHASES:
+                recorded.append((started_wall, time.time()))
             self._current = None
 
     def submit(self, name: str, method: MethodCaller, *args: Any, **kwargs: Any) -> TimedFuture:

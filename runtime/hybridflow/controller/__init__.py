@@ -31,7 +31,7 @@ from hybridflow.controller.protocols import (
     split_by_dp,
 )
 from hybridflow.controller.resource_pool import PlacementError, ResourcePool, node_pool_resource
-from hybridflow.controller.worker import Worker, WorkerContext
+from hybridflow.controller.worker import BusyReport, Worker, WorkerContext
 from hybridflow.controller.worker_group import GroupFuture, WorkerGroup
 from hybridflow.mesh import DeviceMesh, MeshCoord, MeshError
 
@@ -45,6 +45,7 @@ __all__ = [
     "BatchError",
     "Bridge",
     "BridgeSpec",
+    "BusyReport",
     "CallArgs",
     "CallTimeoutError",
     "ControllerError",

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridflow.controller.bridge import BridgeSpec, bridge_members
 from hybridflow.controller.errors import RoleMappingError
 from hybridflow.controller.resource_pool import PoolPlacement, ResourcePool, place_pool
-from hybridflow.controller.worker import Worker, WorkerHost
+from hybridflow.controller.worker import BusyReport, Worker, WorkerHost
 from hybridflow.controller.worker_group import RankPlacement, WorkerGroup, wait_for_ranks
 from hybridflow.devices import DeviceView, check_one_process_per_device
 from hybridflow.mesh import DeviceMesh, MeshError
@@ -72,18 +72,14 @@ class Deployment:
     def colocated(self, role_a: str, role_b: str) -> bool:
         return self[role_a].pool == self[role_b].pool
 
-    def busy_reports(self) -> dict[str, list[tuple[float, float]]]:
-        """Per pool, each rank's (busy seconds, wall seconds) since the previous call (``WorkerHost.busy_report``).
+    def busy_reports(self) -> dict[str, list[BusyReport]]:
+        """Per pool, each rank's :class:`BusyReport` since the previous call (``WorkerHost.busy_report``).
 
         Queued behind the calls already submitted to each host, so the interval of a host ends
         after its pending work: call it where the pools meet (the end of a step).
         """
         refs = {pool: [host.busy_report.remote() for host in hosts] for pool, hosts in self._hosts.items()}
-        reports: dict[str, list[tuple[float, float]]] = {}
-        for pool, pool_refs in refs.items():
-            answers: list[tuple[float, float]] = ray.get(pool_refs)
-            reports[pool] = [(float(busy), float(wall)) for busy, wall in answers]
-        return reports
+        return {pool: list(ray.get(pool_refs)) for pool, pool_refs in refs.items()}
 
     def shutdown(self) -> None:
         for hosts in self._hosts.values():

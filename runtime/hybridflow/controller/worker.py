@@ -17,15 +17,18 @@ Protocol between the controller (``worker_group.py``) and a host, in call order:
 6. Optionally, bridges to another pool (``bridge.py``): ``open_bridge`` on the source pool's
    rank 0, then ``join_bridge`` on every member; roles find them in ``ctx.bridges``.
 
-Every host counts the seconds it spends inside ``execute`` (its pool's work, whichever role);
-``busy_report`` returns them with the wall time since the previous report, from which the
-trainer derives each pool's idle fraction per step.
+Every host counts the seconds it spends inside ``execute`` (its pool's work, whichever role),
+and of those the seconds ``torch.compile`` took, by ``role.method``; ``busy_report`` returns
+them with the wall time since the previous report (a :class:`BusyReport`), from which the
+trainer derives each pool's idle fraction, the controller's overhead and the compile phase per
+step.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +43,35 @@ from hybridflow.controller.bridge import Bridge, new_process_group
 from hybridflow.devices import DeviceView, device_environment, view_of_process
 from hybridflow.mesh import DeviceMesh, MeshCoord
 
-__all__ = ["Worker", "WorkerContext", "WorkerHost"]
+__all__ = ["BusyReport", "Worker", "WorkerContext", "WorkerHost"]
+
+
+@dataclass(frozen=True)
+class BusyReport:
+    """One host's work since its previous report (:meth:`WorkerHost.busy_report`).
+
+    ``busy_seconds``: inside ``execute``; ``wall_seconds``: the whole interval;
+    ``compile_seconds``: of the busy seconds, those ``torch.compile`` spent, by the
+    ``"role.method"`` call that triggered them (empty when nothing compiled); ``calls``: each
+    ``execute``'s (start, end) and ``window`` the interval's (start, end), in wall-clock seconds
+    (``time.time()``, comparable with the controller's on one machine and within the clock
+    skew across nodes), from which the trainer computes what the controller adds to a step.
+    """
+
+    busy_seconds: float
+    wall_seconds: float
+    compile_seconds: Mapping[str, float] = field(default_factory=dict)
+    calls: tuple[tuple[float, float], ...] = ()
+    window: tuple[float, float] = (0.0, 0.0)
+
+
+def _compile_seconds_so_far() -> float:
+    """``torch.compile``'s seconds in this process; 0 (and nothing imported) before anything compiled."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0.0
+    from hybridflow.compilation import compile_seconds_so_far
+
+    return compile_seconds_so_far()
 
 
 @dataclass(frozen=True)
@@ -118,7 +149,10 @@ class WorkerHost:
         self._store: dist.TCPStore | None = None
         self._bridge_stores: dict[str, dist.TCPStore] = {}
         self._busy_seconds = 0.0
+        self._compile_seconds: dict[str, float] = {}
+        self._calls: list[tuple[float, float]] = []
         self._reported_at = time.monotonic()
+        self._reported_at_wall = time.time()
         torch.set_num_threads(max(1, cpu_threads))
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
 
@@ -226,21 +260,33 @@ class WorkerHost:
         self.roles[role] = worker_cls(ctx, **kwargs)
 
     def execute(self, role: str, method: str, keep_result: bool, *args: Any, **kwargs: Any) -> Any:
-        started = time.monotonic()
+        started, started_wall, compiled_before = time.monotonic(), time.time(), _compile_seconds_so_far()
         try:
             result = getattr(self.roles[role], method)(*args, **kwargs)
         finally:
             self._busy_seconds += time.monotonic() - started
+            self._calls.append((started_wall, time.time()))
+            compiled = _compile_seconds_so_far() - compiled_before
+            if compiled > 0:
+                call = f"{role}.{method}"
+                self._compile_seconds[call] = self._compile_seconds.get(call, 0.0) + compiled
         if not keep_result:
             return None
         # Only the controller reads a result, so it may arrive there without a copy.
         return result.single_reader() if isinstance(result, Batch) else result
 
-    def busy_report(self) -> tuple[float, float]:
-        """(seconds inside ``execute``, wall seconds) since the previous report; starts a new interval."""
-        now = time.monotonic()
-        report = (self._busy_seconds, now - self._reported_at)
-        self._busy_seconds, self._reported_at = 0.0, now
+    def busy_report(self) -> BusyReport:
+        """This host's work since the previous report (:class:`BusyReport`); starts a new interval."""
+        now, now_wall = time.monotonic(), time.time()
+        report = BusyReport(
+            self._busy_seconds,
+            now - self._reported_at,
+            dict(self._compile_seconds),
+            tuple(self._calls),
+            (self._reported_at_wall, now_wall),
+        )
+        self._busy_seconds, self._compile_seconds, self._calls = 0.0, {}, []
+        self._reported_at, self._reported_at_wall = now, now_wall
         return report
 
     def shutdown(self) -> None:

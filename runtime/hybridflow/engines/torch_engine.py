@@ -25,6 +25,18 @@ Decoding, for ``B = len(prompts) * n`` rows:
 
 With ``temperature == 0`` the tokens equal ``model.generate(do_sample=False)`` with the same
 eos ids, token for token (the tests check it).
+
+Compiled decoding (``compile_decode=True``, ``spec.rollout.compile``): the decode step, the one
+forward pass that runs ``max_new_tokens`` times per call, goes through ``torch.compile`` with
+static shapes, and on CUDA through CUDA graphs (``mode="reduce-overhead"``). Its inputs keep one
+shape for the whole job: the cache is ``cache_width`` columns wide (the worker passes
+``data.maxPromptTokens + rollout.maxResponseTokens``) and reused from call to call, and every
+step passes the whole attention mask, whose columns past the current one are still 0 (causality
+masks them anyway). A new batch size compiles once more. The prefill, whose width follows the
+batch's longest prompt, stays eager. Tokens equal the eager engine's up to floating-point
+reassociation inside the fused kernels (a test bounds the log-prob difference).
+:attr:`compile_seconds` is the time ``torch.compile`` has spent in this process, which the
+rollout reports as its own step phase.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, StaticCache
 
+from hybridflow.compilation import compile_seconds_so_far, compiled_module
 from hybridflow.engines.base import (
     EngineStateError,
     FinishReason,
@@ -131,6 +144,10 @@ class TorchRolloutEngine(RolloutEngine):
 
     ``eos_token_ids`` defaults to the model's generation config (what HF ``generate`` stops
     on), ``pad_token_id`` to its pad id; the pad id only fills masked positions.
+
+    ``compile_decode`` compiles the decode step (module docstring); ``cache_width`` is then the
+    fixed width of the cache, the longest prompt plus ``max_new_tokens`` the caller will ask
+    for (unset: rounded up to a multiple of 64 per call, a compile per distinct width).
     """
 
     def __init__(
@@ -140,6 +157,9 @@ class TorchRolloutEngine(RolloutEngine):
         dtype: torch.dtype | None = None,
         eos_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
+        *,
+        compile_decode: bool = False,
+        cache_width: int | None = None,
     ) -> None:
         module: nn.Module
         if isinstance(model, nn.Module):
@@ -176,6 +196,14 @@ class TorchRolloutEngine(RolloutEngine):
         self._state: EngineState = "awake"
         self._parameter_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         self._discarded: set[str] = set()  # parameters sleep(level=2) released and no load has restored
+        if cache_width is not None and cache_width < 2:
+            raise ValueError(f"cache_width={cache_width}: a prompt token and a new token need 2 columns")
+        self._cache_width = cache_width
+        # The decode step's callable: the module itself, or its compiled wrapper (same parameters).
+        self._decode_forward: Any = compiled_module(module, self._device) if compile_decode else module
+        self._compiled = compile_decode
+        self._cache: StaticCache | None = None  # reused between calls of one shape (compiled decoding)
+        self._cache_shape: tuple[int, int] = (0, 0)
 
     # ------------------------------------------------------------------ introspection
 
@@ -193,6 +221,11 @@ class TorchRolloutEngine(RolloutEngine):
     def eos_token_ids(self) -> list[int]:
         """Token ids that end a response."""
         return list(self._eos_token_ids)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds ``torch.compile`` has spent in this process (0 without ``compile_decode``)."""
+        return compile_seconds_so_far() if self._compiled else 0.0
 
     @property
     def state(self) -> EngineState:
@@ -322,8 +355,8 @@ class TorchRolloutEngine(RolloutEngine):
 
         # The cache and the attention mask are allocated once for prompt + max_new_tokens columns
         # and filled in place (a static cache): no per-step concatenation or reallocation.
-        total_width = prompt_width + params.max_new_tokens
-        cache = StaticCache(config=cast(Any, model).config, max_cache_len=total_width)
+        total_width = self._total_width(prompt_width + params.max_new_tokens)
+        cache = self._static_cache(model, batch, total_width)
         full_mask = torch.zeros((batch, total_width), dtype=attention_mask.dtype, device=device)
         full_mask[:, :prompt_width] = attention_mask.repeat_interleave(samples, dim=0)
         last_logits = self._prefill(model, input_ids, attention_mask, position_ids, cache, samples)
@@ -342,15 +375,20 @@ class TorchRolloutEngine(RolloutEngine):
                 break
             column = prompt_width + step
             full_mask[:, column] = 1
-            outputs = model(
+            if self._compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read already
+            outputs = self._decode_forward(
                 input_ids=chosen[:, None],
-                attention_mask=full_mask[:, : column + 1],
+                # Compiled: the whole mask, one shape every step (later columns are still 0).
+                attention_mask=full_mask if self._compiled else full_mask[:, : column + 1],
                 position_ids=next_positions,
                 past_key_values=cache,
                 cache_position=torch.tensor([column], device=device),
                 use_cache=True,
             )
             last_logits = outputs.logits[:, -1, :]
+            if self._compiled:
+                last_logits = last_logits.clone()  # CUDA graphs reuse their output buffer
             next_positions = next_positions + 1
 
         token_rows = tokens.cpu().tolist()
@@ -368,6 +406,36 @@ class TorchRolloutEngine(RolloutEngine):
                 else None
             ),
         )
+
+    def _total_width(self, needed: int) -> int:
+        """The cache's columns for a call that needs ``needed``: exact when eager, fixed when compiled."""
+        if not self._compiled:
+            return needed
+        if self._cache_width is not None:
+            if needed > self._cache_width:
+                raise ValueError(
+                    f"generate: the longest prompt plus max_new_tokens is {needed} tokens, more than the "
+                    f"engine's cache_width={self._cache_width} (data.maxPromptTokens + "
+                    "rollout.maxResponseTokens in a job)"
+                )
+            return self._cache_width
+        return -(-needed // 64) * 64
+
+    def _static_cache(self, model: nn.Module, batch: int, width: int) -> StaticCache:
+        """A cache of ``batch`` rows and ``width`` columns: the previous call's, emptied, when compiled.
+
+        A compiled decode step is specialised to its cache's tensors (static addresses, and the
+        CUDA graph's buffers), so a compiled engine keeps one cache per shape; eager decoding
+        allocates a fresh one per call and keeps nothing between calls.
+        """
+        if not self._compiled:
+            return StaticCache(config=cast(Any, model).config, max_cache_len=width)
+        if self._cache is None or self._cache_shape != (batch, width):
+            self._cache = StaticCache(config=cast(Any, model).config, max_cache_len=width)
+            self._cache_shape = (batch, width)
+        else:
+            self._cache.reset()
+        return self._cache
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -401,7 +469,8 @@ class TorchRolloutEngine(RolloutEngine):
         host and device, and the device holds no replica while the trainer runs. Until every
         parameter has been loaded again, :meth:`generate` refuses, on CPU too (where nothing
         is released: the weights already live in host memory), so the contract is the same
-        everywhere. The KV cache lives only inside a ``generate`` call: there is none to free.
+        everywhere. Both levels drop the KV cache a compiled engine keeps between calls (an
+        eager engine's lives only inside a ``generate`` call).
 
         Do not sleep an engine whose module a trainer is using at the same time (a shared
         module): it moves or empties that module.
@@ -411,6 +480,7 @@ class TorchRolloutEngine(RolloutEngine):
         model = self._live_model("sleep")
         if self._state == "asleep":
             return
+        self._cache, self._cache_shape = None, (0, 0)  # the KV cache: rebuilt by the next generate
         if level == 2:
             self._discarded = {name for name, _ in model.named_parameters()}
             if self._device.type != "cpu":
@@ -443,4 +513,6 @@ class TorchRolloutEngine(RolloutEngine):
     def close(self) -> None:
         """Drop the engine's reference to the model; a shared module stays usable by its owner."""
         self._model = None
+        self._decode_forward = None
+        self._cache = None
         self._state = "closed"

@@ -162,6 +162,12 @@ STEP_PHASES: tuple[StepPhase, ...] = (
     StepPhase("critic_update", "The critic's value update (PPO, Safe-RLHF)."),
     StepPhase("cost_critic_update", "The cost critic's value update (Safe-RLHF)."),
     StepPhase("actor_update", "The actor's policy update."),
+    StepPhase(
+        "compile",
+        "torch.compile's tracing and code generation in the workers (rollout.compile, training.compile), "
+        "moved out of the phase whose call triggered it; the first steps of an attempt, and again for a "
+        "new shape.",
+    ),
 )
 # What the trainer adds: the rest of the step, so the phases add up to hybridflow_step_seconds.
 OTHER_PHASE = StepPhase(
@@ -236,6 +242,24 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "the step's time outside the measured phases.",
         "throughput",
         "phase",
+    ),
+    _gauge(
+        "hybridflow_controller_overhead_seconds",
+        "seconds",
+        "controller/overhead_seconds",
+        "What the single controller adds to the step: time in which the busiest rank ran no worker method "
+        "and the controller did none of the algorithm's own work (scoring, advantages): dispatch, batch "
+        "transport, collect, metrics and bookkeeping. Exact when every role shares one pool, an upper "
+        "bound otherwise.",
+        "throughput",
+    ),
+    _gauge(
+        "hybridflow_controller_overhead_ratio",
+        "ratio",
+        "controller/overhead_fraction",
+        "hybridflow_controller_overhead_seconds over the wall time it was measured in (the step, the "
+        "metrics writes and the checkpoint before it).",
+        "throughput",
     ),
     _gauge(
         "hybridflow_mfu",

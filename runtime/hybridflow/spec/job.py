@@ -676,6 +676,26 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         ),
     ),
     CrossFieldRule[RLHFJobSpec](
+        name="rollout-compile-needs-a-whole-model-engine",
+        node_path="spec",
+        field_path=".rollout.compile",
+        cel=f"!self.rollout.compile || self.training.backend != 'megatron' || {_TRAIN_MODEL_PARALLEL} == 1",
+        message=(
+            "compiles the torch engine of a rollout that holds the whole model; with backend 'megatron' "
+            "and tensorParallelSize * pipelineParallelSize > 1 the rollout generates from the actor's "
+            "model-parallel shards (the 3D-HybridEngine), which does not compile: set compile false"
+        ),
+        holds=lambda spec: (
+            not spec.rollout.compile
+            or spec.training.backend != "megatron"
+            or _train_model_parallel(spec) == 1
+        ),
+        observed=lambda spec: (
+            f"true with backend 'megatron' at {spec.training.tensor_parallel_size} * "
+            f"{spec.training.pipeline_parallel_size}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
         name="staleness-needs-own-rollout-pool",
         node_path="spec",
         field_path=".rollout.maxStaleness",

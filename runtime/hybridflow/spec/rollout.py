@@ -173,6 +173,17 @@ class RolloutSpec(SpecModel):
             "update, and the new weights are pushed to the rollout pool after every update."
         ),
     )
+    compile: bool = Field(
+        default=False,
+        description=(
+            "engine 'torch': compile the decode step with torch.compile (static shapes, CUDA graphs on "
+            "GPUs; the prefill stays eager). The first step pays the compile (tens of seconds on a CPU), "
+            "kept in the compile cache beside the checkpoints so that a resumed attempt does not pay it "
+            "again; reported as the step phase 'compile'. Tokens equal the eager engine's up to "
+            "floating-point reassociation. Off by default: on the tiny CPU demo it does not pay back its "
+            "compile (docs/benchmarks.md). vLLM compiles on its own."
+        ),
+    )
     importance_sampling: ImportanceSamplingSpec = Field(
         default=ImportanceSamplingSpec(),
         description=(
@@ -207,6 +218,15 @@ class RolloutSpec(SpecModel):
 
 
 ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
+    CrossFieldRule[RolloutSpec](
+        name="compile-needs-the-torch-engine",
+        node_path="spec.rollout",
+        field_path=".compile",
+        cel="!self.compile || self.engine == 'torch'",
+        message="compiles the torch engine's decode step: set engine 'torch', or compile false (vLLM compiles on its own)",
+        holds=lambda rollout: not rollout.compile or rollout.engine == "torch",
+        observed=lambda rollout: f"true with engine {rollout.engine!r}",
+    ),
     CrossFieldRule[RolloutSpec](
         name="top-k-not-zero",
         node_path="spec.rollout",

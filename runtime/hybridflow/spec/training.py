@@ -184,6 +184,18 @@ class TrainingSpec(SpecModel):
             "used in the update with activationCheckpointing, which keeps no KV cache."
         ),
     )
+    compile: bool = Field(
+        default=False,
+        description=(
+            "backend 'fsdp': compile the trained and scoring models' forward passes (and so their "
+            "backward) with torch.compile, in regions FSDP leaves whole: the whole decoder body when "
+            "its layers share the root FSDP unit (small models), else each decoder layer. The first "
+            "passes pay the compile (one per mode and shape, tens of seconds each on a CPU), kept in the "
+            "compile cache beside the checkpoints for a resumed attempt; reported as the step phase "
+            "'compile'. Results equal eager up to floating-point reassociation. Off by default: on the "
+            "tiny CPU demo it does not pay back its compile (docs/benchmarks.md)."
+        ),
+    )
     fsdp_unit_min_parameters: int = Field(
         default=DEFAULT_FSDP_UNIT_MIN_PARAMETERS,
         ge=0,
@@ -230,6 +242,15 @@ TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
         message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
         holds=lambda training: training.backend == "fsdp" or training.max_tokens_per_micro_batch is None,
         observed=lambda training: f"{training.max_tokens_per_micro_batch} with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="compile-needs-fsdp",
+        node_path="spec.training",
+        field_path=".compile",
+        cel="self.backend == 'fsdp' || !self.compile",
+        message="is supported with backend 'fsdp' only (megatron-core fuses its own kernels)",
+        holds=lambda training: training.backend == "fsdp" or not training.compile,
+        observed=lambda training: f"true with backend {training.backend!r}",
     ),
     CrossFieldRule[TrainingSpec](
         name="packing-needs-fsdp",

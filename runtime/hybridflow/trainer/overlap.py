@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -46,7 +46,6 @@ __all__ = [
     "RolloutPipeline",
     "generation_steps",
     "load_in_flight",
-    "pool_idle_fractions",
     "save_in_flight",
 ]
 
@@ -60,21 +59,6 @@ def generation_steps(step: int, max_staleness: int, total_steps: int) -> range:
     ([1, 2], [4], [2])
     """
     return range(step, min(step + max_staleness, total_steps) + 1)
-
-
-def pool_idle_fractions(reports: Mapping[str, Sequence[tuple[float, float]]]) -> dict[str, float]:
-    """``pool/<pool>/idle_fraction``: per pool, the mean over its ranks of ``1 - busy / wall``.
-
-    ``reports`` are the hosts' (busy seconds, wall seconds) over one step
-    (:meth:`~hybridflow.controller.Deployment.busy_reports`); a rank with no wall time counts
-    as not idle.
-    """
-    fractions = {}
-    for pool, ranks in reports.items():
-        idle = [min(1.0, max(0.0, 1.0 - busy / wall)) if wall > 0 else 0.0 for busy, wall in ranks]
-        if idle:
-            fractions[f"pool/{pool}/idle_fraction"] = sum(idle) / len(idle)
-    return fractions
 
 
 def save_in_flight(path: Path, batches: Mapping[int, tuple[Batch, Batch]]) -> None:

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
 from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
 from hybridflow.algorithms.state import AlgorithmState
-from hybridflow.algorithms.timing import unmeasured_seconds
+from hybridflow.algorithms.timing import recording_controller_work, unmeasured_seconds
 from hybridflow.checkpoint import CheckpointManager
 from hybridflow.controller import Batch, deploy
 from hybridflow.data import PromptDataset, PromptSampler
@@ -38,14 +38,9 @@ from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.trainer.overlap import (
-    IN_FLIGHT_FILE,
-    RolloutPipeline,
-    load_in_flight,
-    pool_idle_fractions,
-    save_in_flight,
-)
+from hybridflow.trainer.overlap import IN_FLIGHT_FILE, RolloutPipeline, load_in_flight, save_in_flight
 from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
+from hybridflow.trainer.step_accounting import controller_overhead, move_compile_time, pool_idle_fractions
 
 __all__ = [
     "ALGORITHM_STEPS",
@@ -179,22 +174,28 @@ def run_training(
                 pipeline.push(version=start - 1)
             last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
             deployment.busy_reports()  # the first step's idle fractions start here
-            began = time.monotonic()
+            began = bookkeeping_started = time.monotonic()
             for step in range(start, last + 1):
-                step_started = time.monotonic()
-                if pipeline is None:
-                    metrics = step_fn(workers, prompts_for(step), scorer, state)
-                else:
-                    pipeline.fill(step, prompts_for)
-                    metrics = step_fn(pipeline.workers, pipeline.serve(step), scorer, state)
-                    metrics.update(pipeline.view.staleness_metrics())
-                    # The push after the update: part of the step, and of its weight sync phase.
-                    metrics["timing/weight_sync"] = metrics.get("timing/weight_sync", 0.0) + pipeline.push(
-                        version=step
-                    )
+                # A step's seconds start where the previous step's checkpoint ended: the metrics
+                # writes and the report between steps are the controller's, and count.
+                step_started = bookkeeping_started
+                with recording_controller_work() as controller_work:
+                    if pipeline is None:
+                        metrics = step_fn(workers, prompts_for(step), scorer, state)
+                    else:
+                        pipeline.fill(step, prompts_for)
+                        metrics = step_fn(pipeline.workers, pipeline.serve(step), scorer, state)
+                        metrics.update(pipeline.view.staleness_metrics())
+                        # The push after the update: part of the step, and of its weight sync phase.
+                        metrics["timing/weight_sync"] = metrics.get(
+                            "timing/weight_sync", 0.0
+                        ) + pipeline.push(version=step)
                 # Asked together with the busy reports: one round trip on the step's path, not two.
                 transition = deployment.groups["rollout"].submit("transition_stats")
-                metrics.update(pool_idle_fractions(deployment.busy_reports()))
+                busy = deployment.busy_reports()
+                metrics.update(pool_idle_fractions(busy))
+                metrics.update(controller_overhead(busy, controller_work))
+                move_compile_time(metrics, busy)
                 metrics.update(reshard_metrics(transition.result()))
                 seconds = time.monotonic() - step_started
                 metrics["perf/step_seconds"] = seconds
@@ -202,12 +203,13 @@ def run_training(
                 metrics["timing/other"] = unmeasured_seconds(metrics, seconds)
                 metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
                 metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
+                bookkeeping_started = time.monotonic()
                 if step % spec.checkpoint.interval_steps == 0 or step == total:
-                    saving = time.monotonic()
                     _save(checkpoints, workers, step, sampler, state, pipeline)
                     last_checkpoint = step
                     # After the step proper: not part of perf/step_seconds or tokens/s.
-                    metrics["timing/checkpoint"] = time.monotonic() - saving
+                    metrics["timing/checkpoint"] = time.monotonic() - bookkeeping_started
+                    bookkeeping_started = time.monotonic()
                 preempted = should_stop is not None and should_stop()
                 if preempted and last_checkpoint != step:
                     _save(checkpoints, workers, step, sampler, state, pipeline)

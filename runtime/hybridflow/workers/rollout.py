@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from hybridflow.compilation import use_compile_cache
 from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, Worker, WorkerContext, register
 from hybridflow.engines.base import RolloutEngine, RolloutOutput, SamplingParams
 from hybridflow.engines.layout import response_tensors
@@ -103,10 +104,22 @@ def actor_offloaded(spec: RLHFJobSpec, ctx: WorkerContext, stats: dict[str, floa
             stats["reload_seconds"] = reloaded.seconds
 
 
+def torch_engine_options(spec: RLHFJobSpec) -> dict[str, Any]:
+    """The torch engine's compile choice (``spec.rollout.compile``) and the cache width that keeps
+    its decode step one shape for the whole job (the longest prompt plus the longest response)."""
+    return {
+        "compile_decode": spec.rollout.compile,
+        "cache_width": spec.data.max_prompt_tokens + spec.rollout.max_response_tokens,
+    }
+
+
 def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
     if spec.rollout.engine == "torch":
         return TorchRolloutEngine(
-            spec.models.actor.path, device=ctx.torch_device, dtype=engine_dtype(spec, ctx)
+            spec.models.actor.path,
+            device=ctx.torch_device,
+            dtype=engine_dtype(spec, ctx),
+            **torch_engine_options(spec),
         )
 
     rollout, device = spec.rollout, ctx.torch_device
@@ -132,6 +145,8 @@ class RolloutWorker(Worker):
         )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        if spec.rollout.compile:
+            use_compile_cache(spec.checkpoint_dir)  # before the engine's first compile
         self.shared = shares_actor_module(spec, ctx)
         self.standalone = spec.rollout_has_own_pool
         self.policy_version = 0  # of a standalone rollout: the version last pushed (0: the initial weights)
@@ -145,7 +160,9 @@ class RolloutWorker(Worker):
     @property
     def engine(self) -> RolloutEngine:
         if self._engine is None:
-            self._engine = TorchRolloutEngine(self.ctx.colocated("actor").model)
+            self._engine = TorchRolloutEngine(
+                self.ctx.colocated("actor").model, **torch_engine_options(self.spec)
+            )
         return self._engine
 
     @register(BROADCAST)

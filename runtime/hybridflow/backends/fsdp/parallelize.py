@@ -31,9 +31,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from hybridflow.compilation import compiled_module
 from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS, fsdp_units
 
-__all__ = ["decoder_layers", "enable_activation_checkpointing", "fsdp_units", "shard_model"]
+__all__ = [
+    "compile_regions",
+    "decoder_layers",
+    "enable_activation_checkpointing",
+    "fsdp_units",
+    "shard_model",
+]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -85,6 +92,42 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def _decoder_body(model: nn.Module) -> nn.Module | None:
+    """The module that runs the embeddings, every decoder layer and the final norm: ``model.model``
+    of a causal LM, ``backbone`` of a value model; None when neither is there."""
+    for name in ("model", "backbone"):
+        body = getattr(model, name, None)
+        if isinstance(body, nn.Module):
+            return body
+    return None
+
+
+def compile_regions(model: nn.Module, *, device: torch.device, layers_are_units: bool) -> list[str]:
+    """Compile ``model``'s forward (and with it, through AOTAutograd, its backward) in regions FSDP leaves whole.
+
+    ``spec.training.compile``. FSDP2 unshards and reshards in module hooks, which a compiled
+    graph must not contain; so a region is a module's ``forward`` (hooks run in ``__call__``,
+    outside it) with no FSDP unit inside:
+
+    * ``layers_are_units`` false (the decoder layers joined the root unit, as in a small model):
+      the decoder body, embeddings to final norm, one graph;
+    * otherwise each decoder layer (the layers repeat one code object, so the first compile
+      serves the rest when their shapes match).
+
+    The LM or value head and the loss stay eager. Parameters and their names are untouched (the
+    forward method is replaced, not the module), so weights, checkpoints and the rollout's sync
+    are the same with and without it. Shapes are dynamic (micro-batch widths vary), so after a
+    first recompile dynamo generalises the sequence dimension. Returns what was compiled, by
+    module path, for the worker's log.
+    """
+    body = _decoder_body(model)
+    regions: list[nn.Module] = [body] if body is not None and not layers_are_units else decoder_layers(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    for region in regions:
+        region.forward = compiled_module(region.forward, device, static=False)
+    return [names.get(id(region), type(region).__name__) for region in regions]
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -92,6 +135,7 @@ def shard_model(
     mixed_precision: bool = False,
     activation_checkpointing: bool = False,
     unit_min_parameters: int = DEFAULT_FSDP_UNIT_MIN_PARAMETERS,
+    compile_forward: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 across every rank of the default process group; returns it.
 
@@ -115,6 +159,8 @@ def shard_model(
 
     ``activation_checkpointing``: :func:`enable_activation_checkpointing` first
     (``spec.training.activationCheckpointing``).
+
+    ``compile_forward``: :func:`compile_regions` after sharding (``spec.training.compile``).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -132,8 +178,11 @@ def shard_model(
     # the whole model first would need a device copy of every full weight at once.
     layers = decoder_layers(model)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    for unit in fsdp_units(sizes, unit_min_parameters):
+    units = fsdp_units(sizes, unit_min_parameters)
+    for unit in units:
         members = [layers[index] for index in unit]
         fully_shard(members[0] if len(members) == 1 else members, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile_forward:
+        compile_regions(model, device=device, layers_are_units=bool(units))
     return model

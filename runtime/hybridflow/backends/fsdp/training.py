@@ -46,6 +46,7 @@ from hybridflow.backends.fsdp.sharded_load import (
     sharded_load_supported,
 )
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
+from hybridflow.compilation import use_compile_cache
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
 from hybridflow.resharding.transfer import TrainingShard
@@ -74,6 +75,8 @@ class FSDPTrainingBackend:
     name = "fsdp"
 
     def __init__(self, spec: RLHFJobSpec, device: torch.device) -> None:
+        if spec.training.compile:
+            use_compile_cache(spec.checkpoint_dir)  # before this process's first compile
         self.spec = spec
         self.device = device
         self.packed = spec.training.pack_sequences
@@ -109,6 +112,7 @@ class FSDPTrainingBackend:
             mixed_precision=self.mixed_precision,
             activation_checkpointing=self.activation_checkpointing,
             unit_min_parameters=self.spec.training.fsdp_unit_min_parameters,
+            compile_forward=self.spec.training.compile,
         )
         if sharded:
             self.load_report = materialize_and_load(self._model, model_path, kind=kind, device=self.device)
