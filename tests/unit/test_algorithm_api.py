@@ -399,3 +399,33 @@ def test_other_is_the_step_less_its_phases() -> None:
     metrics = {"timing/generate": 1.5, "timing/actor_update": 0.25, "timing/other": 9.0, "reward/mean": 4.0}
     assert unmeasured_seconds(metrics, 2.0) == 0.25
     assert unmeasured_seconds({"timing/generate": 3.0}, 2.0) == 0.0  # overlapping figures of its own
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+@pytest.mark.parametrize("own_pool", [False, True])
+def test_the_controller_skips_the_sync_exactly_where_the_rollout_shares_the_actors_module(
+    gpus: int, engine: str, own_pool: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from hybridflow.algorithms.api import needs_weight_sync
+    from hybridflow.workers.rollout import shares_actor_module
+
+    pools = [{"name": "train", "nodes": 1, "gpusPerNode": gpus}]
+    roles = {"actor": "train"}
+    if own_pool:
+        pools.append({"name": "generate", "nodes": 1, "gpusPerNode": 1})
+        roles["rollout"] = "generate"
+    spec = RLHFJobSpec.model_validate(
+        {
+            **_spec().model_dump(by_alias=True, exclude_none=True),
+            "rollout": {"engine": engine, "maxStaleness": 1 if own_pool else 0},
+            "resourcePools": pools,
+            "roles": roles,
+        }
+    )
+    rollout_rank = SimpleNamespace(world_size=1 if own_pool else gpus)  # the rollout pool's size
+    shared = shares_actor_module(spec, rollout_rank)  # type: ignore[arg-type]
+    assert needs_weight_sync(spec) is not shared
+    assert shared == (gpus == 1 and engine == "torch" and not own_pool)

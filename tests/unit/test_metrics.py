@@ -281,7 +281,7 @@ def test_a_tensorboard_failure_is_raised_not_lost(tmp_path: Path) -> None:
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    writer._tensorboard.add_scalar = full_disk  # type: ignore[method-assign]
+    writer._tensorboard.flush = full_disk  # type: ignore[method-assign]
     writer.write(1, {"reward/mean": 0.1})
     with pytest.raises(RuntimeError, match=r"TensorBoard events under .*tensorboard failed: .*No space left"):
         writer.close()

@@ -19,6 +19,9 @@ deploys only the roles that will be called and the shared rollout skips passes n
   a later mini-batch) or the KL is a reward penalty (computed before the update). On-policy,
   the actor takes the detached log-probs of its own forward instead: the ratio is exactly 1
   and the gradient is the same.
+* :func:`needs_weight_sync`: the rollout's engine is loaded with the actor's weights before
+  each generation, except where the torch engine generates from the actor's own module (one
+  GPU, FSDP, colocated): there is nothing to load, and the call would only cost a round trip.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "load_step_function",
     "needs_old_log_probs",
     "needs_reference",
+    "needs_weight_sync",
 ]
 
 
@@ -91,6 +95,22 @@ def needs_old_log_probs(spec: RLHFJobSpec) -> bool:
     """Whether the rollout must run the actor's separate log-prob pass (see the module docstring)."""
     kl_in_reward = spec.algorithm.kl.mode == "reward" and needs_reference(spec)
     return kl_in_reward or not is_on_policy(spec)
+
+
+def needs_weight_sync(spec: RLHFJobSpec) -> bool:
+    """Whether a colocated rollout must load the actor's weights before generating.
+
+    Not when its torch engine runs the actor's own module: the FSDP backend on a one-GPU actor
+    pool shared with the rollout (``workers/rollout.py``, ``shares_actor_module``, decides the
+    same from the deployed pool).
+    """
+    actor_pool = spec.pool("actor")
+    return not (
+        not spec.rollout_has_own_pool
+        and actor_pool.nodes * actor_pool.gpus_per_node == 1
+        and spec.training.backend == "fsdp"
+        and spec.rollout.engine == "torch"
+    )
 
 
 def load_step_function(name: str) -> StepFunction:

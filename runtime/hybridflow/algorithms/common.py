@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms.api import JobWorkers, RewardScorer, needs_old_log_probs
+from hybridflow.algorithms.api import JobWorkers, RewardScorer, needs_old_log_probs, needs_weight_sync
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import StepTimer
 from hybridflow.controller import Batch
@@ -32,12 +32,14 @@ def rollout_and_score(
     actor's update takes its own), ``ref_log_probs`` only when the job has a reference (a KL
     term). The actor and reference passes are submitted before scoring, so the reward
     functions run in the controller's process pool while the workers compute. ``timer``
-    records ``weight_sync``, ``generate``, ``reward`` and, when they run, ``old_log_probs`` and
+    records ``weight_sync`` (when :func:`~hybridflow.algorithms.api.needs_weight_sync`),
+    ``generate``, ``reward`` and, when they run, ``old_log_probs`` and
     ``ref_log_probs`` (only the wait they add after scoring: see
     :mod:`~hybridflow.algorithms.timing`); the caller returns ``timer.metrics()``.
     """
-    with timer.phase("weight_sync"):
-        workers.rollout.sync_weights()
+    if needs_weight_sync(spec):
+        with timer.phase("weight_sync"):
+            workers.rollout.sync_weights()
     with timer.phase("generate"):
         batch = workers.rollout.generate_sequences(prompts)
     old = ref = None

@@ -260,10 +260,14 @@ class WorkerGroup:
             if not _shareable(value):
                 return value
             key = id(value)
+            if readers[key] == 1:
+                # One reader: passed by value, which Ray sends inline with the call when small
+                # and puts into the object store itself when not; a ray.put first would cost
+                # a round trip to the store on every call (1.6 ms of 2.4 for a small batch on
+                # 2 cores). A batch only one rank reads may arrive as zero-copy views (batch.py).
+                return value.single_reader() if isinstance(value, Batch) else value
             if key not in object_refs:
-                # A batch only one rank reads may arrive as zero-copy views (batch.py explains).
-                single = isinstance(value, Batch) and readers[key] == 1
-                object_refs[key] = ray.put(value.single_reader() if single else value)
+                object_refs[key] = ray.put(value)  # one copy in the store, read by every rank
             return object_refs[key]
 
         refs: dict[int, ray.ObjectRef] = {}

@@ -6,6 +6,13 @@ slow function (a verifier, a math checker) uses the node's cores instead of one 
 The reward model, when the job has one, is a worker group; its scores are requested before
 the functions run, so both proceed at once. A function that raises is reported with its name
 and the sample it failed on, not as a bare traceback.
+
+The pool starts when the scorer is made, each process with a no-op task to run, so the trainer
+makes the scorer before it deploys the workers and the processes start while the workers do,
+not inside the first step. (A spawned child imports the parent's main script again: a few
+milliseconds for ``hybridflow run``, seconds for a script that imports the ML stack at its top.)
+The reward model's group, known only once the workers are deployed, is handed over with
+:meth:`RewardScorer.use_reward_model`.
 """
 
 from __future__ import annotations
@@ -45,6 +52,14 @@ class RewardScorer:
         self.reward_model = reward_model
         self.processes = reward_processes() if processes is None else processes
         self._pool: Executor | None = None
+        if self.functions:
+            pool = self._executor()
+            for _ in range(self.processes):
+                pool.submit(int)  # each spawns a process now; nothing waits for them here
+
+    def use_reward_model(self, reward_model: WorkerGroup | None) -> None:
+        """The reward model's worker group (None: the job has none), once deployed."""
+        self.reward_model = reward_model
 
     def __enter__(self) -> RewardScorer:
         return self

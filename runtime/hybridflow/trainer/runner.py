@@ -120,13 +120,17 @@ def run_training(
     history: list[dict[str, float]] = []
     job_gpus = sum(pool.nodes * pool.gpus_per_node for pool in spec.resource_pools)
     actor_parameters = model_parameter_count(spec.models.actor.path)
-    with deploy(
-        pools,
-        job_roles(spec),
-        placement_timeout_seconds=60 if simulated else 900,
-        stall_timeout_seconds=spec.stall_timeout_seconds,
-        bridges=job_bridges(spec),
-    ) as deployment:
+    # The scorer's process pool starts while the workers deploy, not in the first step.
+    with (
+        RewardScorer(spec, None) as scorer,
+        deploy(
+            pools,
+            job_roles(spec),
+            placement_timeout_seconds=60 if simulated else 900,
+            stall_timeout_seconds=spec.stall_timeout_seconds,
+            bridges=job_bridges(spec),
+        ) as deployment,
+    ):
         workers = JobWorkers.of(deployment)
         total = spec.training.total_steps
         pipeline = (
@@ -149,86 +153,84 @@ def run_training(
                 },
             )
 
-        with RewardScorer(spec, workers.reward) as scorer:
-            start, resumed, last_checkpoint = 1, None, None
-            found = checkpoints.latest()
-            if found is not None:
-                directory, saved = found
-                workers.actor.load_checkpoint(str(directory / "actor"))
-                if workers.critic is not None:
-                    workers.critic.load_checkpoint(str(directory / "critic"))
-                if workers.cost_critic is not None:
-                    workers.cost_critic.load_checkpoint(str(directory / "cost_critic"))
-                sampler.load_state_dict(saved["sampler"])
-                state.load_state_dict(saved["algorithm"])
-                start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
-                writer.truncate_after(int(saved["step"]))
-                in_flight = load_in_flight(directory / IN_FLIGHT_FILE)
-                if pipeline is not None:
-                    pipeline.restore(in_flight)
-                else:  # saved by an overlapped run: its prompts are drawn already; generate them now
-                    saved_prompts.update({step: prompts for step, (prompts, _) in in_flight.items()})
-                on_step(f"resumed from {directory} (step {saved['step']})")
+        scorer.use_reward_model(workers.reward)
+        start, resumed, last_checkpoint = 1, None, None
+        found = checkpoints.latest()
+        if found is not None:
+            directory, saved = found
+            workers.actor.load_checkpoint(str(directory / "actor"))
+            if workers.critic is not None:
+                workers.critic.load_checkpoint(str(directory / "critic"))
+            if workers.cost_critic is not None:
+                workers.cost_critic.load_checkpoint(str(directory / "cost_critic"))
+            sampler.load_state_dict(saved["sampler"])
+            state.load_state_dict(saved["algorithm"])
+            start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
+            writer.truncate_after(int(saved["step"]))
+            in_flight = load_in_flight(directory / IN_FLIGHT_FILE)
             if pipeline is not None:
-                # The rollout starts from the actor's weights (the checkpoint's when resuming).
-                pipeline.push(version=start - 1)
-            last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
-            deployment.busy_reports()  # the first step's idle fractions start here
-            began = bookkeeping_started = time.monotonic()
-            for step in range(start, last + 1):
-                # A step's seconds start where the previous step's checkpoint ended: the metrics
-                # writes and the report between steps are the controller's, and count.
-                step_started = bookkeeping_started
-                with recording_controller_work() as controller_work:
-                    if pipeline is None:
-                        metrics = step_fn(workers, prompts_for(step), scorer, state)
-                    else:
-                        pipeline.fill(step, prompts_for)
-                        metrics = step_fn(pipeline.workers, pipeline.serve(step), scorer, state)
-                        metrics.update(pipeline.view.staleness_metrics())
-                        # The push after the update: part of the step, and of its weight sync phase.
-                        metrics["timing/weight_sync"] = metrics.get(
-                            "timing/weight_sync", 0.0
-                        ) + pipeline.push(version=step)
-                # Asked together with the busy reports: one round trip on the step's path, not two.
-                transition = deployment.groups["rollout"].submit("transition_stats")
-                busy = deployment.busy_reports()
-                metrics.update(pool_idle_fractions(busy))
-                metrics.update(controller_overhead(busy, controller_work))
-                move_compile_time(metrics, busy)
-                metrics.update(reshard_metrics(transition.result()))
-                seconds = time.monotonic() - step_started
-                metrics["perf/step_seconds"] = seconds
-                # The step's time outside the phases step_fn timed (hybridflow.algorithms.timing).
-                metrics["timing/other"] = unmeasured_seconds(metrics, seconds)
-                metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
-                metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
-                bookkeeping_started = time.monotonic()
-                if step % spec.checkpoint.interval_steps == 0 or step == total:
-                    _save(checkpoints, workers, step, sampler, state, pipeline)
-                    last_checkpoint = step
-                    # After the step proper: not part of perf/step_seconds or tokens/s.
-                    metrics["timing/checkpoint"] = time.monotonic() - bookkeeping_started
-                    bookkeeping_started = time.monotonic()
-                preempted = should_stop is not None and should_stop()
-                if preempted and last_checkpoint != step:
-                    _save(checkpoints, workers, step, sampler, state, pipeline)
-                    last_checkpoint = step
-                history.append({"step": float(step), **metrics})
-                writer.write(step, metrics)
-                done = step - start + 1
-                eta = (time.monotonic() - began) / done * (total - step)
-                report = StepReport(step, total, metrics, eta, last_checkpoint)
-                if on_report is not None:
-                    on_report(report)
+                pipeline.restore(in_flight)
+            else:  # saved by an overlapped run: its prompts are drawn already; generate them now
+                saved_prompts.update({step: prompts for step, (prompts, _) in in_flight.items()})
+            on_step(f"resumed from {directory} (step {saved['step']})")
+        if pipeline is not None:
+            # The rollout starts from the actor's weights (the checkpoint's when resuming).
+            pipeline.push(version=start - 1)
+        last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
+        deployment.busy_reports()  # the first step's idle fractions start here
+        began = bookkeeping_started = time.monotonic()
+        for step in range(start, last + 1):
+            # A step's seconds start where the previous step's checkpoint ended: the metrics
+            # writes and the report between steps are the controller's, and count.
+            step_started = bookkeeping_started
+            with recording_controller_work() as controller_work:
+                if pipeline is None:
+                    metrics = step_fn(workers, prompts_for(step), scorer, state)
                 else:
-                    on_step(progress_line(report))
-                if preempted:
-                    on_step(
-                        f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written"
+                    pipeline.fill(step, prompts_for)
+                    metrics = step_fn(pipeline.workers, pipeline.serve(step), scorer, state)
+                    metrics.update(pipeline.view.staleness_metrics())
+                    # The push after the update: part of the step, and of its weight sync phase.
+                    metrics["timing/weight_sync"] = metrics.get("timing/weight_sync", 0.0) + pipeline.push(
+                        version=step
                     )
-                    writer.close()
-                    return RunSummary(start, step, resumed, history, preempted=True)
+            # Asked together with the busy reports: one round trip on the step's path, not two.
+            transition = deployment.groups["rollout"].submit("transition_stats")
+            busy = deployment.busy_reports()
+            metrics.update(pool_idle_fractions(busy))
+            metrics.update(controller_overhead(busy, controller_work))
+            move_compile_time(metrics, busy)
+            metrics.update(reshard_metrics(transition.result()))
+            seconds = time.monotonic() - step_started
+            metrics["perf/step_seconds"] = seconds
+            # The step's time outside the phases step_fn timed (hybridflow.algorithms.timing).
+            metrics["timing/other"] = unmeasured_seconds(metrics, seconds)
+            metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
+            metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
+            bookkeeping_started = time.monotonic()
+            if step % spec.checkpoint.interval_steps == 0 or step == total:
+                _save(checkpoints, workers, step, sampler, state, pipeline)
+                last_checkpoint = step
+                # After the step proper: not part of perf/step_seconds or tokens/s.
+                metrics["timing/checkpoint"] = time.monotonic() - bookkeeping_started
+                bookkeeping_started = time.monotonic()
+            preempted = should_stop is not None and should_stop()
+            if preempted and last_checkpoint != step:
+                _save(checkpoints, workers, step, sampler, state, pipeline)
+                last_checkpoint = step
+            history.append({"step": float(step), **metrics})
+            writer.write(step, metrics)
+            done = step - start + 1
+            eta = (time.monotonic() - began) / done * (total - step)
+            report = StepReport(step, total, metrics, eta, last_checkpoint)
+            if on_report is not None:
+                on_report(report)
+            else:
+                on_step(progress_line(report))
+            if preempted:
+                on_step(f"preempted: stopped after step {step}, checkpoint {checkpoints.name(step)} written")
+                writer.close()
+                return RunSummary(start, step, resumed, history, preempted=True)
     writer.close()
     return RunSummary(start, last, resumed, history)
 
