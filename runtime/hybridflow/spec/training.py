@@ -180,8 +180,8 @@ class TrainingSpec(SpecModel):
             "prompt (the samplesPerPrompt responses of one prompt) run it once, with its keys and values "
             "shared, when that saves at least this many prompt tokens in the micro-batch; below it the "
             "second forward pass this takes costs more than it saves (measured on CPU: even at about "
-            "500 tokens). Results equal the unshared ones up to floating-point summation order. Not "
-            "used in the update with activationCheckpointing, which keeps no KV cache."
+            "500 tokens). Results equal the unshared ones up to floating-point summation order, with "
+            "activationCheckpointing too."
         ),
     )
     compile: bool = Field(

@@ -116,9 +116,10 @@ def compile_regions(model: nn.Module, *, device: torch.device, layers_are_units:
 
     The LM or value head and the loss stay eager. Parameters and their names are untouched (the
     forward method is replaced, not the module), so weights, checkpoints and the rollout's sync
-    are the same with and without it. Shapes are dynamic (micro-batch widths vary), so after a
-    first recompile dynamo generalises the sequence dimension. Returns what was compiled, by
-    module path, for the worker's log.
+    are the same with and without it. Every dimension is symbolic from the first compile
+    (micro-batch widths and row counts vary: :func:`~hybridflow.compilation.compiled_module`), so
+    a region compiles once per mode (training, and scoring under no_grad). Returns what was
+    compiled, by module path, for the worker's log.
     """
     body = _decoder_body(model)
     regions: list[nn.Module] = [body] if body is not None and not layers_are_units else decoder_layers(model)
