@@ -37,6 +37,19 @@ SIMULATED_GPUS = 8
 TEST_POOL_CAPACITY = {"left": 4, "right": 4, "all": 8, "default": 8, "train": 8, "generate": 8}
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the scenario processes that selected tests will read (``tests/background.py``)."""
+    started: set[str] = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        fixture = getattr(module, "BACKGROUND_FIXTURE", None)
+        if module is None or fixture is None or module.__name__ in started:
+            continue
+        if fixture in getattr(item, "fixturenames", ()):
+            started.add(module.__name__)
+            module.start_in_background()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     ray = pytest.importorskip("ray")

@@ -18,9 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybridflow.backends.fsdp import load_causal_lm, shard_model, token_logprobs_and_entropy
+from hybridflow.backends.fsdp.parallelize import compile_regions
 from hybridflow.compilation import compile_cache_counters, use_compile_cache
 from hybridflow.engines import SamplingParams
 from hybridflow.engines.torch_engine import TorchRolloutEngine
@@ -103,21 +105,14 @@ def _scores_and_gradients(model: torch.nn.Module) -> tuple[torch.Tensor, dict[st
 
 
 @pytest.mark.usefixtures("world_of_one")
-@pytest.mark.parametrize(
-    "unit_min_parameters",
-    [DEFAULT_FSDP_UNIT_MIN_PARAMETERS, 0],
-    ids=["decoder-body", "each-layer"],  # the tiny model's layers join the root unit / are units
-)
-def test_compiled_fsdp_training_equals_eager(tmp_path: Path, unit_min_parameters: int) -> None:
-    # The decoder body compiles as one graph: one layer keeps its C++ builds few. Layer by layer,
-    # the second layer reuses the first's graph (one compile), which two layers show.
-    layers = 1 if unit_min_parameters else 2
-    model_dir = write_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, layers=layers)
+def test_compiled_fsdp_training_equals_eager(tmp_path: Path) -> None:
+    """The tiny model's layers join the root FSDP unit: the decoder body compiles as one graph (one
+    layer keeps its C++ builds few); the per-layer regions run the same code on smaller graphs
+    (which regions each layout gets: the test below)."""
+    model_dir = write_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, layers=1)
     cpu = torch.device("cpu")
-    eager = shard_model(load_causal_lm(model_dir), device=cpu, unit_min_parameters=unit_min_parameters)
-    compiled = shard_model(
-        load_causal_lm(model_dir), device=cpu, unit_min_parameters=unit_min_parameters, compile_forward=True
-    )
+    eager = shard_model(load_causal_lm(model_dir), device=cpu)
+    compiled = shard_model(load_causal_lm(model_dir), device=cpu, compile_forward=True)
     # Compiling replaces forward methods only: the parameters and their names are the model's.
     assert [name for name, _ in compiled.named_parameters()] == [name for name, _ in eager.named_parameters()]
     misses_before = compile_cache_counters()["misses"]
@@ -127,3 +122,27 @@ def test_compiled_fsdp_training_equals_eager(tmp_path: Path, unit_min_parameters
     torch.testing.assert_close(scores, expected_scores, atol=LOG_PROB_TOLERANCE, rtol=0)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize(
+    ("unit_min_parameters", "regions"),
+    [(DEFAULT_FSDP_UNIT_MIN_PARAMETERS, ["model"]), (0, ["model.layers.0", "model.layers.1"])],
+    ids=["layers-in-the-root-unit", "a-unit-per-layer"],
+)
+def test_compiled_regions_leave_fsdp_units_whole(
+    tmp_path: Path, unit_min_parameters: int, regions: list[str]
+) -> None:
+    """Compiling replaces forwards of modules with no FSDP unit inside: the decoder body when the
+    layers share the root unit, each layer when they are units; nothing compiles until a forward."""
+    model_dir = write_tiny_model(tmp_path / "qwen2", "qwen2", seed=3)
+    cpu = torch.device("cpu")
+    model = shard_model(load_causal_lm(model_dir), device=cpu, unit_min_parameters=unit_min_parameters)
+    names = [name for name, _ in model.named_parameters()]
+    assert compile_regions(model, device=cpu, layers_are_units=unit_min_parameters == 0) == regions
+    modules = dict(model.named_modules())
+    for region in regions:
+        assert type(modules[region].__dict__["forward"]).__name__ == "function"  # torch.compile's wrapper
+        # A layer that is a unit keeps its FSDP hooks in __call__, outside the compiled forward.
+        assert isinstance(modules[region], FSDPModule) == (unit_min_parameters == 0)
+    assert [name for name, _ in model.named_parameters()] == names  # weights keep their names

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+import background
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
@@ -56,6 +58,7 @@ def remove_shm_leftovers() -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def clean_shm() -> Iterator[None]:
+    background.wait_all()  # a scenario's vLLM groups in the background (tests/background.py)
     remove_shm_leftovers()
     yield
     remove_shm_leftovers()

@@ -21,12 +21,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+import background
 from spawned_ranks import run_spawned_ranks
 
 pytestmark = [
@@ -67,6 +69,7 @@ def remove_shm_leftovers() -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def clean_shm() -> Any:
+    background.wait_all()  # the scenario's TP groups would collide with this module's own
     remove_shm_leftovers()
     yield
     remove_shm_leftovers()
@@ -187,20 +190,33 @@ def test_each_rank_loads_only_its_shard_and_generates_like_hf(tmp_path: Path) ->
 # --------------------------------------------------------------------------- in the job's workers
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pytest.importorskip("megatron.core")
-    work = tmp_path_factory.mktemp("vllm-tp")
-    done = subprocess.run(
-        [sys.executable, str(HERE / "vllm_tp_scenario.py"), str(work), *CASES],
+BACKGROUND_FIXTURE = "scenario"
+SCENARIO = "vllm-tensor-parallel"
+SCENARIO_WORK = Path(tempfile.gettempdir()) / f"hybridflow-vllm-tp-{os.getpid()}"
+
+
+def start_in_background() -> None:
+    """Start the scenario process (``tests/background.py``): collection calls this when a selected
+    test reads the scenario, so it runs while the unit tier does."""
+    if importlib.util.find_spec("megatron") is None:
+        return  # the fixture skips
+    remove_shm_leftovers()
+    background.start(
+        SCENARIO,
+        [sys.executable, str(HERE / "vllm_tp_scenario.py"), str(SCENARIO_WORK), *CASES],
         env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=540,
-        check=False,
+        work=SCENARIO_WORK,
+        timeout_seconds=540,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[str, Any] = json.loads((work / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def scenario() -> dict[str, Any]:
+    pytest.importorskip("megatron.core")
+    start_in_background()  # a no-op when collection started it
+    done = background.finished(SCENARIO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result: dict[str, Any] = json.loads((SCENARIO_WORK / "result.json").read_text())
     return result
 
 
