@@ -1,9 +1,14 @@
 """The step loop of a job: what ``hybridflow run`` executes in the single controller.
 
 Order of events: load the tokenizer and prompt data (fail fast on bad data before any worker
-starts), deploy the roles, resume from the newest complete checkpoint if there is one, then for
-each step: next prompts -> the algorithm's ``train_step`` -> metrics (JSONL, TensorBoard, the
-progress line) -> a checkpoint every ``checkpoint.intervalSteps`` and at the last step.
+starts), start the reward scorer's process pool and deploy the roles (the two start together),
+resume from the newest complete checkpoint if there is one, then for each step: next prompts
+-> the algorithm's ``train_step`` -> the step's accounting from the workers' busy reports
+(:mod:`~hybridflow.trainer.step_accounting`: idle pools, the controller's overhead, compile
+time) -> metrics (JSONL, TensorBoard, the progress line) -> a checkpoint every
+``checkpoint.intervalSteps`` and at the last step. A step's seconds run from the end of the
+previous step's checkpoint to the end of its accounting: the metrics writes between steps are
+in them, the checkpoint is not (``timing/checkpoint``).
 
 Resuming restores the actor/critic shards, the data position and the KL controller; rollout
 sampling is seeded by the step number, so a resumed run continues exactly where an
@@ -13,7 +18,7 @@ A job whose rollout has a pool of its own runs its steps through a
 :class:`~hybridflow.trainer.overlap.RolloutPipeline`: generations up to
 ``spec.rollout.maxStaleness`` steps ahead, the weights pushed to the rollout pool after each
 update, and the generations in flight saved with each checkpoint (``overlap.py`` has the
-protocol). Every step also reports each pool's idle fraction, measured in its processes.
+protocol).
 """
 
 from __future__ import annotations
