@@ -5,7 +5,8 @@ Protocol. A step function makes one :class:`StepTimer`, runs each piece of its w
 calls with ``timer.submit(name, workers.critic.compute_values, batch)``, whose submission and,
 later, ``result()`` both count toward ``name``; it returns ``timer.metrics()`` with its other
 metrics. The trainer then reports what the step's wall time holds beyond those phases (prompt
-sampling, bookkeeping between phases, the rollout's transition stats) as ``timing/other``
+sampling, bookkeeping between phases, the workers' step reports, the previous step's metrics
+writes) as ``timing/other``
 (:func:`unmeasured_seconds`), so the phases plus ``other`` are ``perf/step_seconds``.
 
 Phases are intervals of the controller's single thread and never nest, so they are disjoint

@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -63,6 +64,10 @@ class BusyReport:
     compile_seconds: Mapping[str, float] = field(default_factory=dict)
     calls: tuple[tuple[float, float], ...] = ()
     window: tuple[float, float] = (0.0, 0.0)
+
+
+MAX_REPORTED_CALLS = 4096
+"""The most ``execute`` intervals a host keeps between two reports (the newest)."""
 
 
 def _compile_seconds_so_far() -> float:
@@ -150,7 +155,8 @@ class WorkerHost:
         self._bridge_stores: dict[str, dist.TCPStore] = {}
         self._busy_seconds = 0.0
         self._compile_seconds: dict[str, float] = {}
-        self._calls: list[tuple[float, float]] = []
+        # The calls since the last report; bounded for a deployment nobody asks (a user's own loop).
+        self._calls: deque[tuple[float, float]] = deque(maxlen=MAX_REPORTED_CALLS)
         self._reported_at = time.monotonic()
         self._reported_at_wall = time.time()
         torch.set_num_threads(max(1, cpu_threads))
@@ -285,7 +291,8 @@ class WorkerHost:
             tuple(self._calls),
             (self._reported_at_wall, now_wall),
         )
-        self._busy_seconds, self._compile_seconds, self._calls = 0.0, {}, []
+        self._busy_seconds, self._compile_seconds = 0.0, {}
+        self._calls.clear()
         self._reported_at, self._reported_at_wall = now, now_wall
         return report
 

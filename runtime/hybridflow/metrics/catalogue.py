@@ -173,7 +173,7 @@ STEP_PHASES: tuple[StepPhase, ...] = (
 OTHER_PHASE = StepPhase(
     "other",
     "The step's wall time outside the phases above: prompt sampling, bookkeeping between phases, "
-    "the rollout's transition stats.",
+    "the workers' step reports, and the metrics writes after the previous step.",
 )
 # After the step proper, on checkpoint steps only; not part of hybridflow_step_seconds.
 CHECKPOINT_PHASE = StepPhase(
