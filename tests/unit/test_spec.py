@@ -549,6 +549,46 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "rollout 2 * 1, training 1 * 1 with roles.rollout 'generate'",
     ),
+    "server-mode-needs-the-torch-engine": (
+        _all(
+            _set("rollout.mode", "server"),
+            _set("rollout.engine", "vllm"),
+            _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
+            _set("roles.rollout", "generate"),
+        ),
+        "'server' with engine 'vllm'",
+    ),
+    "server-mode-decodes-eagerly": (
+        _all(
+            _set("rollout.mode", "server"),
+            _set("rollout.engine", "torch"),
+            _set("rollout.compile", True),
+            _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
+            _set("roles.rollout", "generate"),
+        ),
+        "true with mode 'server'",
+    ),
+    "dynamic-sampling-needs-server-mode": (
+        _set("rollout.dynamicSampling", {"enabled": True}),
+        "true with mode 'batch'",
+    ),
+    "server-mode-needs-own-rollout-pool": (
+        _all(_set("rollout.mode", "server"), _set("rollout.engine", "torch")),
+        "'server' with roles.rollout None and roles.actor 'default'",
+    ),
+    "dynamic-sampling-needs-groups": (
+        _all(
+            _set("rollout.mode", "server"),
+            _set("rollout.engine", "torch"),
+            _set("rollout.dynamicSampling", {"enabled": True}),
+            _set("algorithm.samplesPerPrompt", 1),
+            _set("algorithm.name", "ppo"),
+            _set("models.critic", {"path": "/models/critic"}),
+            _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
+            _set("roles.rollout", "generate"),
+        ),
+        "true with samplesPerPrompt 1",
+    ),
     "staleness-needs-own-rollout-pool": (
         _set("rollout.maxStaleness", 1),
         "1 with roles.rollout None and roles.actor 'default'",

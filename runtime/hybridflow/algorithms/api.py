@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hybridflow.algorithms.prefetch import PrefetchedRollout
 from hybridflow.algorithms.state import AlgorithmState
@@ -55,8 +56,9 @@ class JobWorkers:
     """The worker groups a step talks to; reference, critics, reward and cost models only when the job has them."""
 
     actor: WorkerGroup
-    rollout: WorkerGroup | PrefetchedRollout
-    """The rollout's group; in an overlapped job, its prefetching stand-in (``algorithms/prefetch.py``)."""
+    rollout: WorkerGroup | PrefetchedRollout | Any
+    """The rollout's group; in an overlapped job, its prefetching stand-in (``algorithms/prefetch.py``);
+    in server mode, the service's :class:`~hybridflow.rollout.service.ServedRollout`."""
     reference: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     reward: WorkerGroup | None = None
@@ -64,11 +66,12 @@ class JobWorkers:
     cost_critic: WorkerGroup | None = None
 
     @classmethod
-    def of(cls, deployment: Deployment) -> JobWorkers:
+    def of(cls, deployment: Deployment, rollout: Any = None) -> JobWorkers:
+        """The deployment's groups; ``rollout`` stands in for a rollout the deployment does not hold."""
         groups = deployment.groups
         return cls(
             actor=groups["actor"],
-            rollout=groups["rollout"],
+            rollout=rollout if rollout is not None else groups["rollout"],
             reference=groups.get("reference"),
             critic=groups.get("critic"),
             reward=groups.get("reward"),

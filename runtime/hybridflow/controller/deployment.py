@@ -69,6 +69,10 @@ class Deployment:
         except KeyError:
             raise KeyError(f"no role {role!r} in this deployment; roles: {sorted(self.groups)}") from None
 
+    def host(self, pool: str, rank: int) -> ActorHandle:
+        """The worker process of ``pool``'s rank ``rank`` (the rollout service opens its bridge there)."""
+        return self._hosts[pool][rank]
+
     def colocated(self, role_a: str, role_b: str) -> bool:
         return self[role_a].pool == self[role_b].pool
 

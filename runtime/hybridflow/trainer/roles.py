@@ -114,10 +114,9 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
             _pool_size(spec, "actor"), tp=spec.rollout.tensor_parallel_size
         )
     actor_pool = spec.pool("actor").name
-    roles = {
-        "actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs),
-        "rollout": RoleSpec(rollout_cls, spec.pool("rollout").name, mesh=rollout_mesh, kwargs=kwargs),
-    }
+    roles = {"actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs)}
+    if spec.rollout.mode == "batch":  # server mode: replicas of the rollout service (hybridflow.rollout)
+        roles["rollout"] = RoleSpec(rollout_cls, spec.pool("rollout").name, mesh=rollout_mesh, kwargs=kwargs)
     if needs_reference(spec):
         roles["reference"] = RoleSpec(
             ReferenceWorker, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs
@@ -136,7 +135,11 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
 
 
 def job_bridges(spec: RLHFJobSpec) -> tuple[BridgeSpec, ...]:
-    """The collective groups across pools the job needs: actor -> rollout when the rollout has its own pool."""
-    if not spec.rollout_has_own_pool:
+    """The collective groups across pools the job needs: actor -> rollout when the rollout has its own pool.
+
+    Not in server mode, whose service builds the bridge to its replicas itself (and again when
+    one is replaced: ``hybridflow.rollout.service``).
+    """
+    if not spec.rollout_has_own_pool or spec.rollout.mode == "server":
         return ()
     return (BridgeSpec(WEIGHTS_BRIDGE, "actor", "rollout"),)

@@ -18,17 +18,22 @@ A job whose rollout has a pool of its own runs its steps through a
 :class:`~hybridflow.trainer.overlap.RolloutPipeline`: generations up to
 ``spec.rollout.maxStaleness`` steps ahead, the weights pushed to the rollout pool after each
 update, and the generations in flight saved with each checkpoint (``overlap.py`` has the
-protocol).
+protocol). In server mode (``spec.rollout.mode: server``) a
+:class:`~hybridflow.rollout.service.RolloutService` takes its place: engine replicas on the
+rollout pool, fed continuously, each step's groups taken from its replay buffer, the buffer
+saved with each checkpoint (``rollout/service.py`` has the protocol).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
@@ -36,12 +41,14 @@ from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_functi
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import recording_controller_work, unmeasured_seconds
 from hybridflow.checkpoint import CheckpointManager
-from hybridflow.controller import Batch, deploy
+from hybridflow.controller import Batch, Deployment, deploy
+from hybridflow.controller.resource_pool import ResourcePool, place_pool
 from hybridflow.data import PromptDataset, PromptSampler
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
+from hybridflow.rollout.service import RolloutService, ServedRollout
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.overlap import IN_FLIGHT_FILE, RolloutPipeline, load_in_flight, save_in_flight
 from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
@@ -49,6 +56,7 @@ from hybridflow.trainer.step_accounting import controller_overhead, move_compile
 
 __all__ = [
     "ALGORITHM_STEPS",
+    "SERVICE_FILE",
     "RunSummary",
     "StepReport",
     "UnsupportedAlgorithmError",
@@ -64,6 +72,10 @@ ALGORITHM_STEPS: dict[str, StepFunction] = {
     "remax": remax.train_step,
     "safe-rlhf": safe_rlhf.train_step,
 }
+
+
+SERVICE_FILE = "rollout_service.pt"
+"""A server-mode checkpoint's replay buffer and counters (``RolloutService.checkpoint_state``)."""
 
 
 class UnsupportedAlgorithmError(ValueError):
@@ -135,12 +147,14 @@ def run_training(
             stall_timeout_seconds=spec.stall_timeout_seconds,
             bridges=job_bridges(spec),
         ) as deployment,
+        rollout_service(spec, deployment, pools, tokenizer, sampler, scorer, on_step, simulated) as service,
     ):
-        workers = JobWorkers.of(deployment)
+        served = ServedRollout(service) if service is not None else None
+        workers = JobWorkers.of(deployment, rollout=served)
         total = spec.training.total_steps
         pipeline = (
             RolloutPipeline(workers, max_staleness=spec.rollout.max_staleness, total_steps=total)
-            if spec.rollout_has_own_pool
+            if spec.rollout_has_own_pool and service is None
             else None
         )
         # Prompts drawn for later steps and saved with the checkpoint (an overlapped run's), by step.
@@ -173,6 +187,8 @@ def run_training(
             start, resumed, last_checkpoint = int(saved["step"]) + 1, directory.name, int(saved["step"])
             writer.truncate_after(int(saved["step"]))
             in_flight = load_in_flight(directory / IN_FLIGHT_FILE)
+            if service is not None and (directory / SERVICE_FILE).exists():
+                service.restore(torch.load(directory / SERVICE_FILE, weights_only=False))  # our own file
             if pipeline is not None:
                 pipeline.restore(in_flight)
             else:  # saved by an overlapped run: its prompts are drawn already; generate them now
@@ -181,6 +197,8 @@ def run_training(
         if pipeline is not None:
             # The rollout starts from the actor's weights (the checkpoint's when resuming).
             pipeline.push(version=start - 1)
+        if service is not None:
+            service.start(version=start - 1)
         last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
         deployment.busy_reports()  # the first step's idle fractions start here
         began = bookkeeping_started = time.monotonic()
@@ -189,7 +207,20 @@ def run_training(
             # writes and the report between steps are the controller's, and count.
             step_started = bookkeeping_started
             with recording_controller_work() as controller_work:
-                if pipeline is None:
+                if service is not None and served is not None:
+                    waited_from = time.time()
+                    prompts, responses = service.next_batch(trainer_version=step - 1)
+                    waited = time.time() - waited_from
+                    # The replicas' work, not the controller's: no overhead while it waits.
+                    controller_work.append((waited_from, waited_from + waited))
+                    served.serve(prompts, responses)
+                    metrics = step_fn(workers, prompts, scorer, state)
+                    metrics["timing/generate"] = metrics.get("timing/generate", 0.0) + waited
+                    metrics.update(service.step_metrics())
+                    metrics["timing/weight_sync"] = metrics.get("timing/weight_sync", 0.0) + service.push(
+                        version=step
+                    )
+                elif pipeline is None:
                     metrics = step_fn(workers, prompts_for(step), scorer, state)
                 else:
                     pipeline.fill(step, prompts_for)
@@ -200,12 +231,17 @@ def run_training(
                         version=step
                     )
             # Asked together with the busy reports: one round trip on the step's path, not two.
-            transition = deployment.groups["rollout"].submit("transition_stats")
+            transition = (
+                deployment.groups["rollout"].submit("transition_stats")
+                if "rollout" in deployment.groups
+                else None
+            )
             busy = deployment.busy_reports()
             metrics.update(pool_idle_fractions(busy))
             metrics.update(controller_overhead(busy, controller_work))
             move_compile_time(metrics, busy)
-            metrics.update(reshard_metrics(transition.result()))
+            if transition is not None:
+                metrics.update(reshard_metrics(transition.result()))
             seconds = time.monotonic() - step_started
             metrics["perf/step_seconds"] = seconds
             # The step's time outside the phases step_fn timed (hybridflow.algorithms.timing).
@@ -214,14 +250,15 @@ def run_training(
             metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
             bookkeeping_started = time.monotonic()
             if step % spec.checkpoint.interval_steps == 0 or step == total:
-                _save(checkpoints, workers, step, sampler, state, pipeline)
+                _save(checkpoints, workers, step, sampler, state, pipeline, service)
                 last_checkpoint = step
                 # After the step proper: not part of perf/step_seconds or tokens/s.
                 metrics["timing/checkpoint"] = time.monotonic() - bookkeeping_started
+                deployment.busy_reports()  # the next step's busy window starts with its seconds
                 bookkeeping_started = time.monotonic()
             preempted = should_stop is not None and should_stop()
             if preempted and last_checkpoint != step:
-                _save(checkpoints, workers, step, sampler, state, pipeline)
+                _save(checkpoints, workers, step, sampler, state, pipeline, service)
                 last_checkpoint = step
             history.append({"step": float(step), **metrics})
             writer.write(step, metrics)
@@ -278,10 +315,13 @@ def _save(
     sampler: PromptSampler,
     state: AlgorithmState,
     pipeline: RolloutPipeline | None,
+    service: RolloutService | None,
 ) -> None:
     staging = checkpoints.begin(step)
     if pipeline is not None:
         save_in_flight(staging / IN_FLIGHT_FILE, pipeline.in_flight())
+    if service is not None:
+        torch.save(service.checkpoint_state(trainer_version=step), staging / SERVICE_FILE)
     workers.actor.save_checkpoint(str(staging / "actor"))
     if workers.critic is not None:
         workers.critic.save_checkpoint(str(staging / "critic"))
@@ -289,3 +329,45 @@ def _save(
         workers.cost_critic.save_checkpoint(str(staging / "cost_critic"))
     controller: dict[str, Any] = {"sampler": dict(sampler.state_dict()), "algorithm": state.state_dict()}
     checkpoints.publish(staging, step, controller)
+
+
+@contextmanager
+def rollout_service(
+    spec: RLHFJobSpec,
+    deployment: Deployment,
+    pools: list[ResourcePool],
+    tokenizer: Any,
+    sampler: PromptSampler,
+    scorer: RewardScorer,
+    log: Callable[[str], None],
+    simulated: bool,
+) -> Iterator[RolloutService | None]:
+    """Server mode's service over the rollout pool (reserved here: no deployed role uses it); else None."""
+    if spec.rollout.mode != "server":
+        yield None
+        return
+    pool = next(p for p in pools if p.name == spec.pool("rollout").name)
+    placement = place_pool(pool, timeout_seconds=60 if simulated else 900)
+    pad = tokenizer.pad_token_id
+    samples = spec.algorithm.samples_per_prompt
+
+    def prompts_for(count: int) -> Batch:
+        return Batch.from_dict(sampler.next_batch(count).to_batch_fields(), meta={"samples": samples})
+
+    service = RolloutService(
+        spec,
+        placement=placement,
+        actor=deployment["actor"],
+        actor_host=deployment.host(spec.pool("actor").name, 0),
+        tokenizer=tokenizer,
+        pad_id=int(pad if pad is not None else tokenizer.eos_token_id),
+        prompts_for=prompts_for,
+        score=lambda batch: scorer.scores(batch)[0],
+        torch_threads=pool.threads_per_worker,
+        log=log,
+    )
+    try:
+        yield service
+    finally:
+        service.shutdown()
+        placement.release()

@@ -112,7 +112,16 @@ def send_pushed_weights(
             pass
         sent = 0
     else:
-        sent = send_buckets(bridge, buckets, root=_ROOT, device=ctx.torch_device)
+        walking = iter(buckets)
+        try:
+            sent = send_buckets(bridge, walking, root=_ROOT, device=ctx.torch_device)
+        except Exception:
+            # A receiver died mid-push (server mode replaces it and pushes again). The other
+            # actor ranks are still gathering: finish the walk with them before raising, so that
+            # no rank is left alone in a collective.
+            for _ in walking:
+                pass
+            raise
     return {"push_seconds": time.perf_counter() - started, "push_bytes_sent": float(sent)}
 
 

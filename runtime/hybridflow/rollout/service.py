@@ -1,0 +1,710 @@
+"""The controller's side of server mode: replicas, routing, the buffer, weight updates, replacement.
+
+A :class:`RolloutService` owns the rollout pool's replicas (``replica.py``) and everything the
+trainer needs from them. The trainer (``hybridflow.trainer.runner``) drives it, per step ``k``
+(the trainer's policy version before the step is ``k - 1``):
+
+1. :meth:`RolloutService.next_batch` keeps the replicas fed (every group the submission gate
+   allows, ``buffer.may_submit``, each routed to the least-loaded replica), collects what they
+   finished into the replay buffer (dropping all-equal groups with dynamic sampling), checks
+   the replicas' health, and returns once the buffer holds the step's ``B`` groups: the ``B``
+   oldest, as prompts and packed responses.
+2. The step function trains on them (through :class:`ServedRollout`, the rollout it sees).
+3. :meth:`RolloutService.push` updates every replica to version ``k``: each pauses (keeping or
+   aborting what it decodes, ``rollout.onWeightUpdate``), loads the buckets ``actor.push_weights``
+   broadcasts over the ``weights`` bridge, and resumes. Aborted samples continue on the
+   least-loaded replica with what they generated so far.
+
+Between two calls nothing waits on the replicas: they keep generating while the actor trains.
+
+**Replicas that fail alone.** A replica whose process died (a poll raises), or that has work and
+produced no token for ``rollout.replicaTimeoutSeconds`` (a poll that does not answer counts the
+same), leaves the routing; its open requests are routed again from their prompts (same seeds),
+and a new replica starts on the same bundle. The next :meth:`push` rebuilds the bridge with it
+(a collective group cannot take a new member) and loads the current weights into it; from then
+on it serves. :attr:`RolloutService.replacements` records each one, with the seconds from
+detection to serving.
+
+**Checkpoints.** :meth:`checkpoint_state` first drains: it submits everything the gate allows
+and waits until every open request has finished, so the saved state is the buffer alone, with
+no generation in flight. A resumed run restores the buffer and the counters
+(:meth:`restore`) and continues from exactly the state the uninterrupted run continued from:
+the steps the saved buffer covers train on the same samples in both (the test shows it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from hybridflow.controller import Batch, WorkerGroup
+from hybridflow.controller.resource_pool import PoolPlacement
+from hybridflow.engines.base import RolloutOutput, SamplingParams
+from hybridflow.engines.continuous import GenerationRequest, RequestResult, continuation_of
+from hybridflow.rollout.buffer import ReplayBuffer, informative, may_submit, staleness_histogram
+from hybridflow.rollout.routing import RequestRouter
+from hybridflow.spec import RLHFJobSpec
+from hybridflow.workers.rollout import pack_responses
+from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
+
+__all__ = ["ReplicaReplacement", "RolloutService", "ServedRollout", "replica_verdict"]
+
+PUSH_ATTEMPTS = 3
+"""Weight pushes tried before the step fails (each after replacing the replicas that died in the last)."""
+
+POLL_SECONDS = 0.02
+"""How long one poll waits for a finished request on a replica (the controller's loop period)."""
+
+
+def replica_verdict(
+    *,
+    now: float,
+    last_answer_at: float,
+    last_progress_at: float,
+    has_work: bool,
+    timeout_seconds: float,
+) -> str | None:
+    """Why a live replica must be replaced, or ``None``: the stall rule, pure.
+
+    ``last_answer_at``: when its last poll answered; ``last_progress_at``: when its token count
+    last grew, or it last had no work (a replica with nothing to do is never stalled).
+
+    >>> replica_verdict(now=100, last_answer_at=99, last_progress_at=50, has_work=True, timeout_seconds=30)
+    'produced no token for 50 s with work queued'
+    >>> replica_verdict(now=100, last_answer_at=99, last_progress_at=50, has_work=False, timeout_seconds=30)
+    """
+    if now - last_answer_at > timeout_seconds:
+        return f"answered no poll for {now - last_answer_at:.0f} s"
+    if has_work and now - last_progress_at > timeout_seconds:
+        return f"produced no token for {now - last_progress_at:.0f} s with work queued"
+    return None
+
+
+@dataclass(frozen=True)
+class ReplicaReplacement:
+    """One replaced replica: which, why, and how long until its successor served."""
+
+    index: int
+    reason: str
+    detected_at: float
+    serving_after_seconds: float | None = None
+
+
+@dataclass
+class _Replica:
+    index: int
+    handle: Any
+    ready: Any  # the ObjectRef of its ready() call: resolved once the model is loaded
+    started_at: float
+    serving: bool = False
+    poll: Any = None  # the outstanding poll's ObjectRef
+    last_answer_at: float = 0.0
+    last_progress_at: float = 0.0
+    tokens: int = 0
+    busy_seconds: float = 0.0
+    alive_seconds: float = 0.0
+    has_work: bool = False
+    replacing: ReplicaReplacement | None = None
+
+
+@dataclass
+class _Open:
+    """A request on its way: its prompt row and whether it is a trainer group or a direct call."""
+
+    prompt: Batch
+    request: GenerationRequest
+    for_buffer: bool
+
+
+@dataclass
+class _Counters:
+    submitted: int = 0
+    accepted: int = 0
+    consumed: int = 0
+    dropped_uninformative: int = 0
+    finished: int = 0
+    groups_drawn: int = 0
+    replaced: int = 0
+    token_versions: dict[int, int] = field(default_factory=dict)
+
+
+class RolloutService:
+    """The rollout in server mode, as the controller drives it (see the module docstring).
+
+    ``prompts_for(count)`` draws the next ``count`` prompts (the trainer's sampler) as a batch;
+    ``score`` gives a group's rewards (dynamic sampling only); ``tokenizer`` and ``pad_id`` pack
+    responses for training exactly as a batch-mode rollout does.
+    """
+
+    def __init__(
+        self,
+        spec: RLHFJobSpec,
+        *,
+        placement: PoolPlacement,
+        actor: WorkerGroup,
+        actor_host: Any,
+        tokenizer: Any,
+        pad_id: int,
+        prompts_for: Callable[[int], Batch],
+        score: Callable[[Batch], torch.Tensor] | None = None,
+        torch_threads: int = 1,
+        log: Callable[[str], None] = print,
+        setup_timeout_seconds: float = 600.0,
+    ) -> None:
+        self.spec = spec
+        self.placement = placement
+        self.actor = actor
+        self.actor_host = actor_host
+        self.tokenizer = tokenizer
+        self.pad_id = pad_id
+        self.prompts_for = prompts_for
+        self.score = score
+        self.torch_threads = torch_threads
+        self.log = log
+        self.setup_timeout_seconds = setup_timeout_seconds
+        rollout = spec.rollout
+        self.max_staleness = rollout.max_staleness
+        self.groups_per_step = spec.training.prompts_per_step
+        self.buffer: ReplayBuffer[tuple[Batch, RequestResult]] = ReplayBuffer(self.max_staleness)
+        self.counters = _Counters()
+        self.replicas: dict[int, _Replica] = {}
+        self.router = RequestRouter([])
+        self.replacements: list[ReplicaReplacement] = []
+        self.version = 0
+        self._open: dict[str, _Open] = {}
+        self._unrouted: list[str] = []  # open requests waiting for a serving replica
+        self._direct_done: dict[str, RequestResult] = {}
+        self._ids = itertools.count()
+        self._bridge_members: tuple[int, ...] = ()  # the replicas on the current bridge; () = rebuild
+        self._served_stalenesses: list[int] = []
+        self._served_spans: list[int] = []
+        self._poll_window_started = time.monotonic()
+        self._busy_at_window_start: dict[int, tuple[float, float]] = {}
+        self._tokens_at_window_start = 0
+        self._replacements_reported = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, version: int) -> None:
+        """Start one replica per bundle of the rollout pool and load version ``version`` into them."""
+        import ray
+
+        for index in range(len(self.placement.bundles)):
+            self.replicas[index] = self._launch(index)
+        ray.get([r.ready for r in self.replicas.values()], timeout=self.setup_timeout_seconds)
+        self.push(version)
+
+    def _launch(self, index: int) -> _Replica:
+        import ray
+
+        from hybridflow.rollout.replica import RolloutReplica, replica_options
+
+        group, bundle = self.placement.bundles[index]
+        handle: Any = (
+            ray.remote(RolloutReplica)
+            .options(**replica_options(group, bundle, self.placement.pool.cpus_per_gpu))
+            .remote(self.spec, index, self.torch_threads)
+        )
+        now = time.monotonic()
+        return _Replica(index, handle, handle.ready.remote(), now, last_answer_at=now, last_progress_at=now)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for replica in self.replicas.values():
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(replica.handle, no_restart=True)
+        self.replicas.clear()
+
+    # ------------------------------------------------------------------ weights
+
+    def _build_bridge(self, members: list[int]) -> None:
+        """Bridge rank 0 is the actor's rank 0, rank ``1 + j`` the ``j``-th replica (by index)."""
+        import ray
+
+        world = 1 + len(members)
+        timeout = self.setup_timeout_seconds
+        address, port = ray.get(
+            self.actor_host.open_bridge.remote(WEIGHTS_BRIDGE, world, timeout), timeout=timeout
+        )
+        cuda = str(ray.get(self.actor_host.device.remote(), timeout=timeout)).startswith("cuda")
+        backend = "nccl" if cuda else "gloo"
+        wait = self._bridge_timeout()
+        refs = [self.actor_host.join_bridge.remote(WEIGHTS_BRIDGE, address, port, 0, world, backend, wait)]
+        refs += [
+            self.replicas[index].handle.join_bridge.remote(address, port, 1 + j, world, backend, wait)
+            for j, index in enumerate(members)
+        ]
+        ray.get(refs, timeout=timeout)
+        self._bridge_members = tuple(members)
+
+    def push(self, version: int) -> float:
+        """Step 3 of the protocol: every replica to ``version`` (joining replicas included); seconds taken.
+
+        A replica that dies during the push is replaced and the push made again over a rebuilt
+        bridge (at most :data:`PUSH_ATTEMPTS` times): the actor walks all its buckets whatever
+        happens on the bridge (``weight_push.send_pushed_weights``), so a retry finds it ready.
+        """
+        started = time.monotonic()
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            failure = self._push_once(version)
+            if failure is None:
+                break
+            self.log(
+                f"weight push to the rollout replicas failed ({failure}); attempt {attempt} of {PUSH_ATTEMPTS}"
+            )
+            self._bridge_members = ()
+            if attempt == PUSH_ATTEMPTS:
+                raise RuntimeError(
+                    f"weight push to the rollout replicas failed {PUSH_ATTEMPTS} times: {failure}"
+                )
+        self.version = version
+        self._serve_joined()
+        self._route_unrouted()
+        return time.monotonic() - started
+
+    def _push_once(self, version: int) -> str | None:
+        """One push; the reason it failed, or ``None``."""
+        import ray
+
+        self._probe_liveness()
+        # A new replica joins once its model is loaded; one still loading joins at a later push,
+        # so that the step never waits for it.
+        members = sorted(r.index for r in list(self.replicas.values()) if r.serving or self._loaded(r))
+        if tuple(members) != self._bridge_members:
+            self._build_bridge(members)
+        abort = self.spec.rollout.on_weight_update == "abort"
+        sending = self.actor.push_weights.submit()
+        receiving = {
+            index: self.replicas[index].handle.receive_weights.remote(version, abort) for index in members
+        }
+        failure: str | None = None
+        try:
+            sending.result()
+        except Exception as error:
+            failure = f"the actor's send: {str(error).splitlines()[0][:200]}"
+        for index, ref in receiving.items():
+            try:
+                _, aborted = ray.get(ref)
+                self.replicas[index].last_answer_at = time.monotonic()  # it answered: alive
+            except Exception as error:
+                failure = failure or f"replica {index}: {str(error).splitlines()[0][:200]}"
+                if isinstance(error, ray.exceptions.RayActorError):
+                    self._replace(self.replicas[index], f"died during a weight push: {type(error).__name__}")
+                continue
+            for result in aborted:
+                self._continue_aborted(index, result)
+        return failure
+
+    def _loaded(self, replica: _Replica) -> bool:
+        """Whether a joining replica has loaded its model (one whose start failed is started again)."""
+        import ray
+
+        if ray.wait([replica.ready], timeout=0)[1]:
+            return False
+        try:
+            ray.get(replica.ready)
+        except Exception as error:
+            self._replace(
+                replica, f"failed to start: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            )
+            return False
+        return True
+
+    def _probe_liveness(self) -> None:
+        """Replace the serving replicas whose process is gone, before a push needs every member.
+
+        A push is a collective: a member that died before it would leave the others waiting
+        for the bridge's timeout. A replica busy in a poll answers after it; one that answers
+        nothing within the bridge's timeout is left to the stall rule.
+        """
+        import ray
+
+        serving = [r for r in self.replicas.values() if r.serving]
+        probes = {r.handle.stats.remote(): r for r in serving}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=self._bridge_timeout())
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as error:
+                self._replace(probes[ref], f"died: {type(error).__name__}")
+        self._check_health()
+
+    def _bridge_timeout(self) -> float:
+        """A bridge member that does not take part within this is as stalled as a silent replica."""
+        return float(self.spec.rollout.replica_timeout_seconds)
+
+    def _serve_joined(self) -> None:
+        """Replicas that received their first weights join the routing (a replacement: recorded)."""
+        now = time.monotonic()
+        for replica in self.replicas.values():
+            if replica.serving or replica.index not in self._bridge_members:
+                continue
+            replica.serving = True
+            replica.last_answer_at = replica.last_progress_at = now
+            self.router.add(replica.index)
+            if replica.replacing is not None:
+                done = ReplicaReplacement(
+                    replica.index,
+                    replica.replacing.reason,
+                    replica.replacing.detected_at,
+                    now - replica.replacing.detected_at,
+                )
+                self.replacements.append(done)
+                replica.replacing = None
+                self.log(
+                    f"rollout replica {done.index} replaced ({done.reason}); serving again after "
+                    f"{done.serving_after_seconds:.1f} s"
+                )
+
+    def _continue_aborted(self, index: int, result: RequestResult) -> None:
+        request_id = result.request.request_id
+        self.router.finished(request_id)
+        continuation = continuation_of(result)
+        if continuation is None:  # every sample had ended: it finished after all
+            self._finished(result)
+            return
+        self._open[request_id].request = continuation
+        self._unrouted.append(request_id)
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, prompt: Batch, *, greedy: bool, seed: int | None, for_buffer: bool) -> str:
+        rollout = self.spec.rollout
+        samples = int(prompt.meta.get("samples", self.spec.algorithm.samples_per_prompt))
+        params = SamplingParams(
+            max_new_tokens=rollout.max_response_tokens,
+            temperature=0.0 if greedy else rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            n=samples,
+            seed=seed,
+            return_logprobs=True,
+        )
+        request_id = f"g{next(self._ids)}"
+        ids = [int(token) for token in prompt.non_tensors["prompt_token_ids"][0]]
+        self._open[request_id] = _Open(prompt, GenerationRequest(request_id, ids, params), for_buffer)
+        self._unrouted.append(request_id)
+        return request_id
+
+    def _route_unrouted(self) -> None:
+        if not self.router.replicas or not self._unrouted:
+            return
+        by_replica: dict[int, list[GenerationRequest]] = {}
+        for request_id in self._unrouted:
+            request = self._open[request_id].request
+            tokens = len(request.prompt_token_ids) + request.params.n * request.params.max_new_tokens
+            replica = cast(int, self.router.route(request_id, tokens, request.session_id))
+            by_replica.setdefault(replica, []).append(request)
+        self._unrouted = []
+        for index, requests in by_replica.items():
+            self.replicas[index].handle.submit.remote(requests)
+
+    def _fill(self, trainer_version: int) -> None:
+        """Submit every group the gate allows (rule 1 of ``buffer.py``)."""
+        counters = self.counters
+        room = 0
+        while may_submit(
+            accepted_or_on_the_way=counters.accepted + self._groups_on_the_way() + room,
+            trainer_version=trainer_version,
+            max_staleness=self.max_staleness,
+            groups_per_step=self.groups_per_step,
+        ):
+            room += 1  # at most (k + 1) * B a call: the gate's whole window
+        if room == 0:
+            return
+        prompts = self.prompts_for(room)
+        for row in range(len(prompts)):
+            index = counters.groups_drawn
+            counters.groups_drawn += 1
+            counters.submitted += 1
+            seed = self.spec.training.seed * 100_003 + index
+            self._request(prompts.rows([row]), greedy=False, seed=seed, for_buffer=True)
+        self._route_unrouted()
+
+    def _groups_on_the_way(self) -> int:
+        return sum(1 for o in self._open.values() if o.for_buffer)
+
+    def _pump(self, wait_seconds: float) -> None:
+        """Poll every serving replica once (waiting up to ``wait_seconds``) and take what finished."""
+        import ray
+
+        serving = [r for r in self.replicas.values() if r.serving]
+        for replica in serving:
+            if replica.poll is None:
+                replica.poll = replica.handle.poll.remote(wait_seconds)
+        refs = {r.poll: r for r in serving}
+        if not refs:
+            time.sleep(wait_seconds)
+            return
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_seconds + 1.0)
+        now = time.monotonic()
+        for ref in ready:
+            replica = refs[ref]
+            replica.poll = None
+            try:
+                answer = ray.get(ref)
+            except Exception as error:  # the process died, or decoding raised
+                self._replace(replica, f"died: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            replica.last_answer_at = now
+            stats = answer.stats
+            if stats.tokens_generated > replica.tokens or not (
+                stats.waiting_samples or stats.running_samples
+            ):
+                replica.last_progress_at = now
+            replica.tokens = stats.tokens_generated
+            replica.busy_seconds, replica.alive_seconds = stats.busy_seconds, stats.alive_seconds
+            replica.has_work = bool(stats.waiting_samples or stats.running_samples)
+            for result in answer.finished:
+                self.router.finished(result.request.request_id)
+                self._finished(result)
+        self._check_health()
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        for replica in list(self.replicas.values()):
+            if not replica.serving:
+                continue
+            reason = replica_verdict(
+                now=now,
+                last_answer_at=replica.last_answer_at,
+                last_progress_at=replica.last_progress_at,
+                has_work=replica.has_work,
+                timeout_seconds=self.spec.rollout.replica_timeout_seconds,
+            )
+            if reason is not None:
+                self._replace(replica, reason)
+
+    def _replace(self, replica: _Replica, reason: str) -> None:
+        import ray
+
+        detected = time.monotonic()
+        self.log(f"rollout replica {replica.index} {reason}: replacing it")
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(replica.handle, no_restart=True)
+        if replica.serving:
+            for request_id in self.router.remove(replica.index):
+                opened = self._open[str(request_id)]
+                # From its prompt again: what the dead process generated is gone with it.
+                opened.request = GenerationRequest(
+                    opened.request.request_id,
+                    opened.request.prompt_token_ids,
+                    opened.request.params,
+                    session_id=opened.request.session_id,
+                )
+                self._unrouted.append(str(request_id))
+        self.counters.replaced += 1
+        successor = self._launch(replica.index)
+        successor.replacing = ReplicaReplacement(replica.index, reason, detected)
+        self.replicas[replica.index] = successor
+        self._bridge_members = ()
+        self._route_unrouted()
+
+    def _finished(self, result: RequestResult) -> None:
+        opened = self._open.pop(result.request.request_id)
+        self.counters.finished += 1
+        for sample in result.samples:
+            for version in sample.versions:
+                self.counters.token_versions[version] = self.counters.token_versions.get(version, 0) + 1
+        if not opened.for_buffer:
+            self._direct_done[result.request.request_id] = result
+            return
+        if self.spec.rollout.dynamic_sampling.enabled and self.score is not None:
+            rewards = self.score(self._pack([(opened.prompt, result)])[1])
+            if not informative(rewards) and self._refills_left() > 0:
+                self.counters.dropped_uninformative += 1
+                return
+        versions = [v for sample in result.samples for v in sample.versions] or [self.version]
+        self.buffer.put((opened.prompt, result), oldest_version=min(versions), newest_version=max(versions))
+        self.counters.accepted += 1
+
+    def _refills_left(self) -> int:
+        tries = self.spec.rollout.dynamic_sampling.max_tries
+        allowed = (tries - 1) * max(self.counters.accepted + self._groups_on_the_way(), self.groups_per_step)
+        return allowed - self.counters.dropped_uninformative
+
+    # ------------------------------------------------------------------ the trainer's calls
+
+    def next_batch(self, trainer_version: int) -> tuple[Batch, Batch]:
+        """Step 1: the step's prompts and responses (waits until the buffer holds ``B`` groups)."""
+        self._pump(0.0)  # what finished meanwhile, and fresh replica figures, even with the buffer full
+        while True:
+            self._fill(trainer_version)
+            if self.buffer.ready(self.groups_per_step, trainer_version):
+                break
+            self._pump(POLL_SECONDS)
+        taken = self.buffer.take(self.groups_per_step, trainer_version)
+        self.counters.consumed += len(taken)
+        self._served_stalenesses = []
+        self._served_spans = []
+        for group in taken:
+            _, result = group.payload
+            for sample in result.samples:
+                versions = sample.versions or [self.version]
+                self._served_stalenesses.append(trainer_version - min(versions))
+                self._served_spans.append(max(versions) - min(versions))
+        return self._pack([group.payload for group in taken])
+
+    def generate_now(self, prompts: Batch) -> Batch:
+        """Generate ``prompts`` now, outside the buffer and the gate (ReMax's greedy pass, say)."""
+        greedy = bool(prompts.meta.get("greedy", False))
+        seed = prompts.meta.get("seed")
+        ids = [
+            self._request(
+                prompts.rows([row]).with_meta(**prompts.meta),
+                greedy=greedy,
+                seed=None if seed is None else int(seed) * 1000 + row,
+                for_buffer=False,
+            )
+            for row in range(len(prompts))
+        ]
+        self._route_unrouted()
+        while not all(request_id in self._direct_done for request_id in ids):
+            self._pump(POLL_SECONDS)
+        results = [self._direct_done.pop(request_id) for request_id in ids]
+        _, responses = self._pack([(prompts.rows([row]), result) for row, result in enumerate(results)])
+        return responses.with_meta(**prompts.meta)
+
+    def _pack(self, groups: list[tuple[Batch, RequestResult]]) -> tuple[Batch, Batch]:
+        """The trainer's prompts and packed responses of ``groups`` (rows interleaved per prompt)."""
+        prompts = Batch.concat([prompt for prompt, _ in groups])
+        samples = [sample for _, result in groups for sample in result.samples]
+        n = len(groups[0][1].samples)
+        output = RolloutOutput(
+            [s.token_ids for s in samples],
+            ["stop" if s.finish_reason == "stop" else "length" for s in samples],
+            [s.logprobs for s in samples],
+        )
+        prompt_ids = [[int(t) for t in ids] for ids in prompts.non_tensors["prompt_token_ids"]]
+        responses = pack_responses(
+            self.spec,
+            self.tokenizer,
+            self.pad_id,
+            prompts.with_meta(samples=n),
+            prompt_ids,
+            output,
+            n,
+            policy_version=0,
+        )
+        oldest = torch.tensor(
+            [min(s.versions) if s.versions else self.version for s in samples], dtype=torch.int64
+        )
+        return prompts.with_meta(samples=n), responses.with_fields(policy_version=oldest)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The rollout's metrics for the step just served (and the service's counters)."""
+        counters = self.counters
+        metrics: dict[str, float] = {}
+        if self._served_stalenesses:
+            metrics.update(staleness_histogram(self._served_stalenesses, self.max_staleness))
+            spans = self._served_spans
+            metrics["rollout/version_span_mean"] = sum(spans) / len(spans)
+            metrics["rollout/version_span_max"] = float(max(spans))
+        drawn = counters.accepted + counters.dropped_uninformative
+        metrics["rollout/dropped_uninformative_fraction"] = counters.dropped_uninformative / max(drawn, 1)
+        metrics["rollout/dropped_stale"] = float(self.buffer.dropped_stale)
+        metrics["rollout/buffer_groups"] = float(len(self.buffer))
+        metrics["rollout/in_flight_requests"] = float(len(self._open))
+        metrics["rollout/queue_depth"] = float(len(self._unrouted))
+        metrics["rollout/replicas_serving"] = float(sum(r.serving for r in self.replicas.values()))
+        metrics["rollout/replicas_replaced"] = float(counters.replaced)
+        new = self.replacements[self._replacements_reported :]
+        self._replacements_reported = len(self.replacements)
+        seconds = [r.serving_after_seconds for r in new if r.serving_after_seconds is not None]
+        if seconds:  # replacements that completed with this step's push: detection to serving
+            metrics["rollout/replica_replace_seconds"] = max(seconds)
+        now = time.monotonic()
+        window = now - self._poll_window_started
+        idle: list[float] = []
+        for index, replica in self.replicas.items():
+            busy0, alive0 = self._busy_at_window_start.get(index, (0.0, 0.0))
+            if replica.serving and replica.alive_seconds > alive0:
+                busy = (replica.busy_seconds - busy0) / (replica.alive_seconds - alive0)
+                idle.append(1.0 - min(1.0, max(0.0, busy)))
+            self._busy_at_window_start[index] = (replica.busy_seconds, replica.alive_seconds)
+        if idle:
+            metrics["rollout/idle_fraction"] = sum(idle) / len(idle)
+        tokens = sum(r.tokens for r in self.replicas.values())
+        if window > 0:
+            metrics["rollout/tokens_per_second"] = max(0, tokens - self._tokens_at_window_start) / window
+        self._tokens_at_window_start, self._poll_window_started = tokens, now
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def drain(self, trainer_version: int) -> None:
+        """Submit what the gate allows, then wait until nothing is in flight (before a checkpoint)."""
+        self._fill(trainer_version)
+        while self._open:
+            self._pump(POLL_SECONDS)
+
+    def checkpoint_state(self, trainer_version: int) -> dict[str, Any]:
+        """What a checkpoint keeps (after :meth:`drain`): the buffer's groups and the counters."""
+        self.drain(trainer_version)
+        return {
+            "groups": [
+                (g.payload, g.oldest_version, g.newest_version, g.arrival) for g in self.buffer.groups
+            ],
+            "dropped_stale": self.buffer.dropped_stale,
+            "counters": {
+                "submitted": self.counters.submitted,
+                "accepted": self.counters.accepted,
+                "consumed": self.counters.consumed,
+                "dropped_uninformative": self.counters.dropped_uninformative,
+                "groups_drawn": self.counters.groups_drawn,
+            },
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """What :meth:`checkpoint_state` returned, in a fresh service before :meth:`start`."""
+        for payload, oldest, newest, _ in sorted(state["groups"], key=lambda g: g[3]):
+            self.buffer.put(payload, oldest_version=oldest, newest_version=newest)
+        self.buffer.dropped_stale = int(state["dropped_stale"])
+        for name, value in state["counters"].items():
+            setattr(self.counters, name, int(value))
+
+
+class ServedRollout:
+    """``workers.rollout`` in server mode: the step's responses come from the service's buffer.
+
+    The same protocol as :class:`~hybridflow.algorithms.prefetch.PrefetchedRollout`: the trainer
+    serves the step's prompts and responses before calling the step function; the step's
+    ``generate_sequences(prompts)`` with that very batch returns them; any other batch is
+    generated at once on the replicas (:meth:`RolloutService.generate_now`); ``sync_weights`` is
+    a no-op (the trainer pushes after every update).
+    """
+
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+        self._prompts: Batch | None = None
+        self._responses: Batch | None = None
+
+    def serve(self, prompts: Batch, responses: Batch) -> None:
+        self._prompts, self._responses = prompts, responses
+
+    def sync_weights(self) -> int:
+        return 0
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        if prompts is self._prompts and self._responses is not None:
+            responses, self._responses = self._responses, None
+            return responses
+        return self.service.generate_now(prompts)
+
+    def transition_stats(self) -> list[dict[str, float]]:
+        return []
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        raise AttributeError(
+            f"rollout.{method}: in spec.rollout.mode 'server' the rollout is a service of engine replicas; "
+            "a step may call generate_sequences, sync_weights and transition_stats only"
+        )

@@ -1,0 +1,168 @@
+"""Server mode end to end on CPU: replicas serve a real job, fail alone, and a resumed run trains on what was saved.
+
+Each job runs ``run_training`` in this process on the suite's shared Ray, from
+``examples/grpo-tiny-server.yaml`` (two replicas on pool "generate", the actor on "train"), with
+short responses and few steps: behaviour here, figures in bench/async_rollout.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from hybridflow.models.tiny import write_tiny_model
+from hybridflow.rewards import make_toy_dataset
+from hybridflow.spec import load_job_manifest
+from hybridflow.trainer.runner import RunSummary, run_training
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("tiny-server")
+    write_tiny_model(base / "model")
+    (base / "data").mkdir()
+    rows = make_toy_dataset("target_char", 64, seed=0)
+    (base / "data" / "target_char.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return base
+
+
+def manifest(tiny: Path, out: Path, *, rollout: dict[str, Any] | None = None, **training: Any) -> Path:
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-server.yaml").read_text())
+    spec = doc["spec"]
+    spec["models"] = {"actor": {"path": str(tiny / "model")}}
+    spec["data"]["trainFiles"] = [str(tiny / "data" / "target_char.jsonl")]
+    spec["rollout"].update({"maxResponseTokens": 8, **(rollout or {})})
+    spec["training"].update({"promptsPerStep": 4, "miniBatchSize": 32, **training})
+    spec["checkpoint"]["intervalSteps"] = 2
+    spec["outputDir"] = str(out)
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def train(path: Path, stop_after_steps: int | None = None) -> RunSummary:
+    return run_training(
+        load_job_manifest(path).spec, simulated=True, on_step=lambda line: None, stop_after_steps=stop_after_steps
+    )
+
+
+def metrics(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def replica_processes() -> list[psutil.Process]:
+    """The live rollout replicas' processes (Ray titles an actor's process ``ray::RolloutReplica...``)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info.get("cmdline") or [])
+        if "ray::RolloutReplica" in cmdline:
+            found.append(process)
+    return found
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_two_replicas_serve_a_grpo_job_within_the_staleness_bound(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    summary = train(manifest(tiny, out, totalSteps=5))
+    assert summary.last_step == 5
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    for row in rows:
+        assert row["rollout/replicas_serving"] == 2
+        assert 0 <= row["staleness/max"] <= 2
+        assert sum(row[f"staleness/samples/{k}"] for k in range(3)) == 4 * 8  # every sample counted once
+        assert row["tokens/step"] > 0 and row["perf/step_seconds"] > 0
+    assert rows[0]["staleness/max"] == 0  # the first step's groups come from the initial weights
+    assert any(row["staleness/max"] > 0 for row in rows)  # later ones ran ahead of the trainer
+    assert not replica_processes()  # the job's end stopped its replicas
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path, tmp_path: Path) -> None:
+    """SIGKILL one replica after step 2; the job runs on (up to 400 steps) until its successor serves."""
+    out = tmp_path / "killed"
+    killed: list[int] = []
+
+    def kill_one_after_step_two() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            replicas = replica_processes()
+            if len(lines) >= 2 and replicas:
+                killed.append(replicas[0].pid)
+                replicas[0].kill()  # SIGKILL: the pod's container gone, no goodbye
+                return
+            time.sleep(0.05)
+
+    def replaced() -> bool:
+        return (out / "metrics.jsonl").exists() and "replica_replace_seconds" in (out / "metrics.jsonl").read_text()
+
+    killer = threading.Thread(target=kill_one_after_step_two, daemon=True)
+    killer.start()
+    spec = load_job_manifest(manifest(tiny, out, totalSteps=400, rollout={"maxStaleness": 1})).spec
+    summary = run_training(spec, simulated=True, on_step=lambda line: None, should_stop=replaced)
+    killer.join(timeout=10)
+    assert killed, "no replica was running after step 2"
+    assert summary.preempted and summary.last_step < 400
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, summary.last_step + 1))  # each step once
+    assert rows[-1]["rollout/replicas_replaced"] == 1
+    seconds = [row["rollout/replica_replace_seconds"] for row in rows if "rollout/replica_replace_seconds" in row]
+    assert len(seconds) == 1 and 0 < seconds[0] < 60
+    assert rows[-1]["rollout/replicas_serving"] == 2
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_resumed_run_trains_on_the_buffer_the_uninterrupted_run_saved(tiny: Path, tmp_path: Path) -> None:
+    """Staleness 2: at the step-2 checkpoint the service drains, so the buffer holds the next
+    three steps' groups; a run resumed from that checkpoint trains steps 3-5 on exactly them."""
+    straight_out = tmp_path / "straight"
+    path = manifest(tiny, straight_out, totalSteps=5)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["checkpoint"]["keepLast"] = 5
+    path.write_text(yaml.safe_dump(doc))
+    train(path)
+
+    resumed_out = tmp_path / "resumed"
+    resumed_out.mkdir()
+    shutil.copytree(straight_out / "checkpoints" / "step_000002", resumed_out / "checkpoints" / "step_000002")
+    lines = (straight_out / "metrics.jsonl").read_text().splitlines()[:2]
+    (resumed_out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    resumed = manifest(tiny, resumed_out, totalSteps=5)
+    summary = train(resumed)
+    assert summary.resumed_from == "step_000002" and summary.first_step == 3
+
+    fields = ("reward/mean", "response/length_mean", "tokens/step", "staleness/mean", "actor/policy_loss", "actor/grad_norm")
+    for want, got in zip(metrics(straight_out)[2:5], metrics(resumed_out)[2:5], strict=True):
+        assert got["step"] == want["step"]
+        for name in fields:
+            assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), (want["step"], name)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_abort_on_update_and_remax_greedy_calls_run_in_server_mode(tiny: Path, tmp_path: Path) -> None:
+    """onWeightUpdate abort (responses continue on the least-loaded replica) and ReMax's greedy
+    baseline, generated at once on the replicas outside the buffer."""
+    out = tmp_path / "remax"
+    path = manifest(
+        tiny, out, totalSteps=3, miniBatchSize=8, rollout={"onWeightUpdate": "abort", "maxStaleness": 1}
+    )
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["algorithm"].update({"name": "remax", "samplesPerPrompt": 2})
+    path.write_text(yaml.safe_dump(doc))
+    assert train(path).last_step == 3
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all("remax/baseline_mean" in row or "reward/mean" in row for row in rows)
