@@ -173,6 +173,40 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                     series("hybridflow_samples_by_staleness", "{{rlhfjob}} samples {{updates}} behind"),
                 ),
             ),
+            Panel(
+                "Rollout queue and buffer",
+                "Server mode: requests waiting for a replica, requests on the replicas, finished groups "
+                "in the replay buffer, and groups dropped (all rewards equal; past maxStaleness).",
+                (
+                    series("hybridflow_rollout_queue_depth", "{{rlhfjob}} queued"),
+                    series("hybridflow_rollout_in_flight_requests", "{{rlhfjob}} in flight"),
+                    series("hybridflow_rollout_buffer_groups", "{{rlhfjob}} buffered groups"),
+                    series("hybridflow_rollout_dropped_stale_groups", "{{rlhfjob}} dropped stale"),
+                    series("hybridflow_rollout_dropped_uninformative_ratio", "{{rlhfjob}} dropped uninformative"),
+                ),
+            ),
+            Panel(
+                "Rollout tokens per second",
+                "Server mode: tokens the replicas generate per second, each replica and all together, "
+                "and the fraction of the time their decode loops had no work.",
+                (
+                    series("hybridflow_rollout_tokens_per_second", "{{rlhfjob}} all replicas"),
+                    series("hybridflow_rollout_replica_tokens_per_second", "{{rlhfjob}} replica {{replica}}"),
+                    series("hybridflow_rollout_idle_fraction", "{{rlhfjob}} idle fraction"),
+                ),
+            ),
+            Panel(
+                "Rollout replicas",
+                "Server mode: replicas serving, replicas replaced in this attempt, the seconds the last "
+                "replacement took, and how many policy versions the step's samples span.",
+                (
+                    series("hybridflow_rollout_replicas_serving", "{{rlhfjob}} serving"),
+                    series("hybridflow_rollout_replicas_replaced", "{{rlhfjob}} replaced"),
+                    series("hybridflow_rollout_replica_replace_seconds", "{{rlhfjob}} seconds to replace"),
+                    series("hybridflow_rollout_version_span_mean", "{{rlhfjob}} version span mean"),
+                    series("hybridflow_rollout_version_span_max", "{{rlhfjob}} version span max"),
+                ),
+            ),
         ),
     ),
     Dashboard(

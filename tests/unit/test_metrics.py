@@ -36,6 +36,7 @@ SAMPLE_LABELS = {
     "source": "target_char",
     "pool": "rollout",
     "updates": "1",
+    "replica": "0",
 }
 
 

@@ -356,6 +356,104 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "overlap",
         "updates",
     ),
+    # Server mode (spec.rollout.mode: server): the rollout service's replicas, queue and buffer.
+    _gauge(
+        "hybridflow_rollout_queue_depth",
+        "requests",
+        "rollout/queue_depth",
+        "Requests waiting for a serving replica after the step (none serves, or the replicas are "
+        "being replaced).",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_in_flight_requests",
+        "requests",
+        "rollout/in_flight_requests",
+        "Requests (a prompt with its samples) submitted to the replicas and not finished, after the step.",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_buffer_groups",
+        "groups",
+        "rollout/buffer_groups",
+        "Finished groups in the replay buffer after the step took its own.",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_tokens_per_second",
+        "tokens/s",
+        "rollout/tokens_per_second",
+        "Tokens the replicas generated per second since the previous step, all replicas together.",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_replica_tokens_per_second",
+        "tokens/s",
+        "rollout/replica{replica}/tokens_per_second",
+        "Tokens one replica generated per second since the previous step.",
+        "rollout service",
+        "replica",
+    ),
+    _gauge(
+        "hybridflow_rollout_idle_fraction",
+        "ratio",
+        "rollout/idle_fraction",
+        "Fraction of the time since the previous step the replicas' decode loops had no work "
+        "(mean over the serving replicas).",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_replicas_serving",
+        "replicas",
+        "rollout/replicas_serving",
+        "Replicas in the routing after the step.",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_replicas_replaced",
+        "replicas",
+        "rollout/replicas_replaced",
+        "Replicas replaced since the attempt started (died, or no token for rollout.replicaTimeoutSeconds).",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_replica_replace_seconds",
+        "seconds",
+        "rollout/replica_replace_seconds",
+        "Seconds from detecting a failed replica to its successor serving (on the step it rejoined).",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_version_span_mean",
+        "updates",
+        "rollout/version_span_mean",
+        "Mean over the step's samples of newest minus oldest policy version among their tokens "
+        "(a partial rollout spans the updates it lived through).",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_version_span_max",
+        "updates",
+        "rollout/version_span_max",
+        "Largest version span of the step's samples.",
+        "rollout service",
+        combine="max",
+    ),
+    _gauge(
+        "hybridflow_rollout_dropped_uninformative_ratio",
+        "ratio",
+        "rollout/dropped_uninformative_fraction",
+        "Fraction of the finished groups dynamic sampling dropped because their rewards were all equal "
+        "(since the attempt started).",
+        "rollout service",
+    ),
+    _gauge(
+        "hybridflow_rollout_dropped_stale_groups",
+        "groups",
+        "rollout/dropped_stale",
+        "Groups dropped since the attempt started because they outlived maxStaleness in the buffer.",
+        "rollout service",
+    ),
     # The train-inference mismatch: the rollout's log-probs against the trainer's before the update
     # (every step; hybridflow.rlmath.rollout_correction), and the correction's weights when one is on.
     _gauge(

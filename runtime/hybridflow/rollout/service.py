@@ -186,7 +186,7 @@ class RolloutService:
         self._served_spans: list[int] = []
         self._poll_window_started = time.monotonic()
         self._busy_at_window_start: dict[int, tuple[float, float]] = {}
-        self._tokens_at_window_start = 0
+        self._tokens_at_window_start: dict[int, int] = {}
         self._replacements_reported = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -631,9 +631,16 @@ class RolloutService:
             self._busy_at_window_start[index] = (replica.busy_seconds, replica.alive_seconds)
         if idle:
             metrics["rollout/idle_fraction"] = sum(idle) / len(idle)
-        tokens = sum(r.tokens for r in self.replicas.values())
+        tokens = {index: r.tokens for index, r in self.replicas.items()}
         if window > 0:
-            metrics["rollout/tokens_per_second"] = max(0, tokens - self._tokens_at_window_start) / window
+            for index, count in tokens.items():
+                # A replaced replica's successor counts from 0 again.
+                before = self._tokens_at_window_start.get(index, 0)
+                grown = count - before if count >= before else count
+                metrics[f"rollout/replica{index}/tokens_per_second"] = grown / window
+            metrics["rollout/tokens_per_second"] = sum(
+                metrics[f"rollout/replica{index}/tokens_per_second"] for index in tokens
+            )
         self._tokens_at_window_start, self._poll_window_started = tokens, now
         return metrics
 
