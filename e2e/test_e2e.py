@@ -350,3 +350,52 @@ def test_an_evicted_worker_pod_makes_the_attempt_checkpoint_and_the_next_resumes
     steps = metrics_steps(e2e, claim)
     figures["lost_or_repeated_steps"] = lost_or_repeated(steps, STOP_STEPS)
     assert steps == list(range(1, STOP_STEPS + 1)), steps
+
+
+SERVER_EXAMPLE = ROOT / "examples" / "grpo-tiny-server.yaml"
+REPLICA_STEPS = 150
+"""Steps of the replica scenario: enough that the replacement (seconds) lands well before the end."""
+
+
+def test_a_killed_rollout_replica_is_replaced_and_the_attempt_goes_on(
+    e2e: E2E, tiny: Path, figures: dict[str, object]
+) -> None:
+    """Server mode: SIGKILL one rollout replica's process after step 2. The same attempt finishes,
+    no step is lost or repeated, the status counts the replacement and an Event reports it."""
+    import psutil
+
+    name, claim = "replica", "replica-ckpt"
+    doc = manifest(SERVER_EXAMPLE, tiny, name, steps=REPLICA_STEPS, claim=claim)
+    doc["spec"]["checkpoint"]["intervalSteps"] = 1000
+    apply(e2e, doc)
+    wait_for("step 2", lambda: trained(e2e, claim, 2))
+
+    def replicas() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "ray::RolloutReplica" in " ".join(p.info.get("cmdline") or [])
+        ]
+
+    victim = wait_for("a rollout replica process", lambda: replicas() or None)[0]
+    victim.kill()
+    done = wait_for("Succeeded", lambda: phase_is(e2e, name, "Succeeded"))
+    assert done["attempts"] == 1  # no retry: the attempt went on
+    steps = metrics_steps(e2e, claim)
+    figures["lost_or_repeated_steps"] = lost_or_repeated(steps, REPLICA_STEPS)
+    assert steps == list(range(1, REPLICA_STEPS + 1)), steps
+    assert done["rolloutReplicasReplaced"] == 1
+    rollout = done["progress"]["rollout"]
+    assert rollout["replicasReplaced"] == 1 and rollout["replicasServing"] == 2
+    assert "died" in rollout["lastReplacement"]
+    records = (e2e.root / "volumes" / claim / "outputs" / "metrics.jsonl").read_text().splitlines()
+    seconds = [
+        json.loads(line)["rollout/replica_replace_seconds"]
+        for line in records
+        if "rollout/replica_replace_seconds" in line
+    ]
+    figures["replica_replace_seconds"] = seconds[0] if seconds else None
+    assert len(seconds) == 1 and seconds[0] < 60, seconds
+    events = e2e.cluster.core.list_namespaced_event(NAMESPACE).items
+    replaced = [e for e in events if e.reason == "RolloutReplicaReplaced" and e.involved_object.name == name]
+    assert len(replaced) == 1, [(e.reason, e.message) for e in events]

@@ -44,6 +44,11 @@ EVENT_REASONS: Mapping[str, tuple[EventType, str]] = {
         "Warning",
         "A queued job must be held or released through its Kueue Workload, which does not exist (yet).",
     ),
+    "RolloutReplicaReplaced": (
+        "Warning",
+        "Server mode: a rollout replica died or stalled and was replaced; the attempt went on "
+        "(status.rolloutReplicasReplaced counts them, progress.rollout has each replica's health).",
+    ),
     "Forbidden": ("Warning", "The operator's ServiceAccount may not make a write it needs (RBAC)."),
     "Invalid": ("Warning", "The API server rejected a child (422); the message names the field."),
     "ApiError": ("Warning", "Any other failed API request (timeouts, 5xx, conflicts); retried with backoff."),

@@ -268,6 +268,8 @@ class JobCache:
             return True
         if (old.get("metadata") or {}).get("uid") != meta.get("uid"):
             return True
+        if _replacements(body.get("status")) != _replacements(old.get("status")):
+            return True  # a server-mode job's controller reports a replaced rollout replica: an Event
         stored = _owned_status(body.get("status"))
         written = self.written.get(key)
         if written is not None:
@@ -298,6 +300,15 @@ def _cached_form(body: Mapping[str, Any]) -> dict[str, Any]:
         "spec": {"suspend": spec.get("suspend", False)},
         "status": raw.get("status") or {},
     }
+
+
+def _replacements(status: object) -> tuple[object, object]:
+    """The rollout service and its replacement count in a status's progress (``(None, None)``: none)."""
+    progress = status.get("progress") if isinstance(status, Mapping) else None
+    rollout = progress.get("rollout") if isinstance(progress, Mapping) else None
+    if not isinstance(rollout, Mapping):
+        return None, None
+    return rollout.get("startedAt"), rollout.get("replicasReplaced")
 
 
 def _owned_status(status: object) -> dict[str, Any]:

@@ -80,6 +80,7 @@ from hybridflow_operator.status import (
     desired_status,
     invalid_spec_status,
     remaining_deadline_seconds,
+    rollout_replacement_events,
     set_children_ready,
     status_patch,
     ttl_remaining_seconds,
@@ -278,8 +279,8 @@ def reconcile(
     decision = desired_status(
         job, current, attempts, now=now, generation=generation, retry_policy=retry_policy, kuberay=kuberay
     )
-    status = decision.status
-    events = list(decision.events)
+    status, replaced = rollout_replacement_events(decision.status)
+    events = [*decision.events, *replaced]
 
     problem: tuple[str, str] | None = None
     retry = False  # a transient miss that sets no condition (an object gone between 409 and read)

@@ -229,6 +229,54 @@ class PlannedPlacement(StatusModel):
     )
 
 
+class ReplicaHealth(StatusModel):
+    """One rollout replica of a server-mode job, as the controller last saw it."""
+
+    index: int = Field(ge=0, description="The replica's index: its GPU bundle in the rollout's pool.")
+    state: Literal["Serving", "Starting"] = Field(
+        description="Serving: in the routing. Starting: a replacement loading its model or waiting for weights."
+    )
+    tokens_per_second: float | None = Field(
+        default=None, ge=0, description="Tokens it generated per second over the last step."
+    )
+    replaced: int = Field(default=0, ge=0, description="Times this replica was replaced in this attempt.")
+
+
+class RolloutProgress(StatusModel):
+    """Server mode (spec.rollout.mode server): the rollout replicas' health, pushed with the progress."""
+
+    started_at: datetime | None = Field(
+        default=None,
+        description="When this attempt's rollout service started (a new attempt starts counting anew).",
+    )
+    replicas_serving: int = Field(default=0, ge=0, description="Replicas in the routing.")
+    replicas_replaced: int = Field(
+        default=0,
+        ge=0,
+        description="Replicas replaced in this attempt (died, or no token for replicaTimeoutSeconds).",
+    )
+    last_replacement: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Which replica was replaced last, why, and how long it took.",
+    )
+    replicas: tuple[ReplicaHealth, ...] = Field(
+        default=(),
+        max_length=1024,
+        description="Each replica's health.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["index"]},
+    )
+
+
+class ReplacementsSeen(StatusModel):
+    """The rollout replacements the operator has reported as Events (to emit each once)."""
+
+    started_at: datetime | None = Field(
+        default=None, description="The rollout service (attempt) they belong to."
+    )
+    count: int = Field(default=0, ge=0, description="Replacements of that service reported so far.")
+
+
 class Progress(StatusModel):
     """Training progress, pushed (throttled) by the controller in the head pod; the operator never writes it."""
 
@@ -253,6 +301,9 @@ class Progress(StatusModel):
     placement: PlannedPlacement | None = Field(
         default=None,
         description="With spec.placement auto: the plan the controller chose and runs, pushed when the attempt starts.",
+    )
+    rollout: RolloutProgress | None = Field(
+        default=None, description="Server mode: the rollout replicas' health and replacements."
     )
 
 
@@ -306,6 +357,17 @@ class RLHFJobStatus(StatusModel):
     )
     message: str | None = Field(
         default=None, description="Mirror of the current RayJob's status.message, or details of the failure."
+    )
+    rollout_replicas_replaced: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Server mode: rollout replicas replaced over every attempt (each also a RolloutReplicaReplaced "
+            "Event); the attempt's own replicas are in progress.rollout."
+        ),
+    )
+    rollout_replacements_seen: ReplacementsSeen | None = Field(
+        default=None, description="The controller's replacement count the operator last turned into Events."
     )
     progress: Progress | None = Field(
         default=None, description="Training progress, written by the controller in the head pod."
@@ -818,6 +880,42 @@ def _completion_time(latest: ObservedRayJob | None, now: datetime) -> datetime:
     if latest.finished:  # KubeRay failed it without an endTime (an invalid spec): its last known time
         return _now(latest.start_time or latest.created_at or now)
     return now
+
+
+def rollout_replacement_events(status: RLHFJobStatus) -> tuple[RLHFJobStatus, tuple[Event, ...]]:
+    """One ``RolloutReplicaReplaced`` Event for the replacements the controller reported since the last pass.
+
+    The controller counts its attempt's replacements in ``progress.rollout`` (from 0 for each
+    rollout service, identified by ``startedAt``); the operator keeps what it has reported in
+    ``rolloutReplacementsSeen`` and the total over attempts in ``rolloutReplicasReplaced``. Fed
+    its own result, the function returns no Event: each replacement is reported once. A count
+    the controller pushes is advisory (it decides no phase), so a forged one forges an Event only.
+    """
+    rollout = status.progress.rollout if status.progress is not None else None
+    if rollout is None or rollout.started_at is None:
+        return status, ()
+    seen = status.rollout_replacements_seen
+    same_service = seen is not None and seen.started_at == rollout.started_at
+    reported = seen.count if seen is not None and same_service else 0
+    new = rollout.replicas_replaced - reported
+    if new <= 0 and same_service:
+        return status, ()
+    updated = status.model_copy(
+        update={
+            "rollout_replicas_replaced": (status.rollout_replicas_replaced or 0) + max(0, new),
+            "rollout_replacements_seen": ReplacementsSeen(
+                started_at=rollout.started_at, count=rollout.replicas_replaced
+            ),
+        }
+    )
+    if new <= 0:
+        return updated, ()
+    last = f"; last: {rollout.last_replacement}" if rollout.last_replacement else ""
+    message = (
+        f"{new} rollout replica{'s' if new > 1 else ''} replaced, {rollout.replicas_replaced} in this attempt, "
+        f"{rollout.replicas_serving} serving{last}"
+    )
+    return updated, (Event("Warning", "RolloutReplicaReplaced", message[:1024]),)
 
 
 def desired_status(

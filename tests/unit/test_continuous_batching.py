@@ -159,3 +159,17 @@ def test_bad_requests_name_the_request_and_the_limit() -> None:
     b.add(GenerationRequest("ok", list(b"hi"), SamplingParams(max_new_tokens=4)))
     with pytest.raises(ValueError, match="request ok is already being served"):
         b.add(GenerationRequest("ok", list(b"hi"), SamplingParams(max_new_tokens=4)))
+
+
+def test_the_counter_based_draws_follow_the_distribution_and_never_pick_a_filtered_token() -> None:
+    from hybridflow.engines.continuous import counter_uniforms, draw_from
+
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).repeat(20_000, 1)
+    uniforms = counter_uniforms(list(range(20_000)), [7] * 20_000)
+    assert 0.0 <= float(uniforms.min()) and float(uniforms.max()) < 1.0
+    counts = torch.bincount(draw_from(probs, uniforms), minlength=4).double() / 20_000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), atol=0.015)
+    assert counts[3] == 0
+    # The same key and counter draw the same number; another counter another one.
+    again = counter_uniforms([3, 3], [5, 6])
+    assert float(again[0]) == float(counter_uniforms([3], [5])[0]) and float(again[0]) != float(again[1])

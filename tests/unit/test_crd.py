@@ -261,7 +261,10 @@ def test_enums_bounds_and_maps_survive_the_conversion() -> None:
         "lastCheckpointStep",
         "updatedAt",
         "placement",
+        "rollout",
     }
+    replica = schema_node("status.progress.rollout.replicas")["items"]["properties"]
+    assert replica["state"]["enum"] == ["Serving", "Starting"]
     assert schema_node("status.progress.placement")["required"] == ["kind", "summary"]
     conditions = schema_node("status.conditions")
     assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == [

@@ -137,3 +137,34 @@ def test_the_auto_placement_plan_goes_into_the_status_as_the_crd_declares_it() -
     assert (
         status_schema_errors({"progress": {"placement": {"kind": "colocate"}}}) != []
     )  # summary is required
+
+
+def rollout_health(replaced: int) -> dict[str, Any]:
+    """What ``RolloutService.health`` returns for two replicas, ``replaced`` of which were replaced."""
+    health: dict[str, Any] = {
+        "startedAt": "2026-12-05T08:00:00Z",
+        "replicasServing": 2,
+        "replicasReplaced": replaced,
+        "replicas": [
+            {"index": 0, "state": "Serving", "tokensPerSecond": 1200.5, "replaced": replaced},
+            {"index": 1, "state": "Starting", "tokensPerSecond": 0.0, "replaced": 0},
+        ],
+    }
+    if replaced:
+        health["lastReplacement"] = "replica 0: died: ActorDiedError; serving again after 3.9 s"
+    return health
+
+
+def test_server_mode_pushes_the_replicas_health_as_the_crd_declares_it_and_at_once_after_a_replacement() -> None:
+    patches: list[dict[str, Any]] = []
+    pusher = StatusPusher(patches.append, min_interval_seconds=60.0, clock=lambda: 100.0, now=lambda: NOW)
+    metrics = {"reward/mean": 0.5}
+    pusher(StepReport(1, 10, metrics, 0.0, None, rollout_health(0)))
+    pusher(StepReport(2, 10, metrics, 0.0, None, rollout_health(0)))  # throttled: nothing new
+    pusher(StepReport(3, 10, metrics, 0.0, None, rollout_health(1)))  # a replacement: pushed at once
+    assert [p["status"]["progress"]["step"] for p in patches] == [1, 3]
+    rollout = patches[-1]["status"]["progress"]["rollout"]
+    assert rollout["replicasReplaced"] == 1 and rollout["replicas"][1]["state"] == "Starting"
+    assert status_schema_errors(patches[-1]["status"]) == []
+    broken = {"progress": {"rollout": {"replicas": [{"index": 0, "state": "Dead"}]}}}
+    assert status_schema_errors(broken) != []  # the check can fail

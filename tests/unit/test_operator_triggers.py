@@ -40,6 +40,25 @@ def test_progress_pushes_and_our_own_status_echo_trigger_nothing() -> None:
     assert cache.relevant_job_change(KEY, body(generation=2, phase="Running", attempts=1))  # a spec edit
 
 
+def test_a_pushed_rollout_replacement_triggers_a_pass_and_other_rollout_figures_do_not() -> None:
+    """Server mode: the operator turns the controller's replacement count into an Event."""
+    cache = JobCache()
+
+    def rollout(replaced: int, serving: int) -> dict[str, object]:
+        return {
+            "step": 3,
+            "rollout": {
+                "startedAt": "2026-12-05T08:00:00Z",
+                "replicasReplaced": replaced,
+                "replicasServing": serving,
+            },
+        }
+
+    cache.jobs[KEY] = body(phase="Running", attempts=1, progress=rollout(0, 2))
+    assert not cache.relevant_job_change(KEY, body(phase="Running", attempts=1, progress=rollout(0, 1)))
+    assert cache.relevant_job_change(KEY, body(phase="Running", attempts=1, progress=rollout(1, 1)))
+
+
 def test_children_are_cached_by_their_job_label() -> None:
     cache = JobCache()
     rayjob = {

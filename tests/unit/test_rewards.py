@@ -197,3 +197,14 @@ def test_toy_dataset_rejects_unknown_task() -> None:
         ValueError, match="toy task 'sort' is not known; use one of copy, count_char, target_char"
     ):
         make_toy_dataset("sort", 4, seed=0)
+
+
+def test_first_char_scores_the_first_character_whatever_the_length() -> None:
+    from hybridflow.rewards.rules import first_char_reward
+
+    assert first_char_reward("target_char", "  abc", "a", None) == 1.0
+    assert first_char_reward("target_char", "a" + "b" * 60, "a", None) == 1.0
+    assert first_char_reward("target_char", "ba", "a", None) == 0.0
+    assert first_char_reward("target_char", "   ", "a", None) == 0.0
+    with pytest.raises(ValueError, match="single character"):
+        first_char_reward("target_char", "a", "ab", None)

@@ -529,3 +529,27 @@ def test_an_unknown_kuberay_state_is_reported_not_guessed() -> None:
     status = step(step(RLHFJobStatus(), None).status, rayjob("Teleporting")).status
     assert status.phase == "Initializing" and status.reason == "UnknownRayJobState"
     assert status.message == "jobDeploymentStatus 'Teleporting'"
+
+
+def test_each_rollout_replica_replacement_is_one_event_and_counted_over_attempts() -> None:
+    from hybridflow_operator.status import RolloutProgress, rollout_replacement_events
+
+    def with_rollout(status: RLHFJobStatus, started: str, replaced: int) -> RLHFJobStatus:
+        rollout = RolloutProgress.model_validate(
+            {"startedAt": started, "replicasServing": 2, "replicasReplaced": replaced, "lastReplacement": "replica 1"}
+        )
+        return status.model_copy(update={"progress": Progress(step=3, rollout=rollout)})
+
+    status, events = rollout_replacement_events(with_rollout(RLHFJobStatus(), "2026-01-02T03:00:00Z", 0))
+    assert events == () and status.rollout_replicas_replaced == 0
+    status, events = rollout_replacement_events(with_rollout(status, "2026-01-02T03:00:00Z", 2))
+    assert [(e.type, e.reason) for e in events] == [("Warning", "RolloutReplicaReplaced")]
+    assert "2 rollout replicas replaced" in events[0].message and "replica 1" in events[0].message
+    assert status.rollout_replicas_replaced == 2
+    again, events = rollout_replacement_events(status)  # the next pass: nothing new, nothing written
+    assert events == () and again == status
+    # A new attempt's service counts from 0 again; the total goes on.
+    status, events = rollout_replacement_events(with_rollout(status, "2026-01-02T04:00:00Z", 1))
+    assert len(events) == 1 and status.rollout_replicas_replaced == 3
+    status, events = rollout_replacement_events(status.model_copy(update={"progress": Progress(step=4)}))
+    assert events == () and status.rollout_replicas_replaced == 3  # batch mode: no rollout progress

@@ -4,7 +4,8 @@ A rollout replica in server mode (``spec.rollout.mode: server``, docs/rollout.md
 requests as they come instead of one batch per step: a request is one prompt with its ``n``
 samples, and each sample occupies one *slot* (a row of a preallocated KV cache) from the step
 it is admitted to the step it ends. The moment a sample ends, its slot takes the next waiting
-sample, so a long response no longer holds the whole batch back.
+sample, so a long response no longer holds the whole batch back. Sampling is vectorised over
+the rows that share sampling parameters; only the draw itself is per row.
 
 The cache is one ``StaticCache`` of ``slots`` rows and ``width = 2 * max_sequence`` columns
 (``max_sequence``: the longest prompt plus the longest response a request may ask for), with
@@ -21,9 +22,15 @@ one column clock ``t`` shared by every row:
 * When ``t`` reaches ``width``, every row's live columns move left by ``max_sequence`` (live
   rows started at ``>= max_sequence`` since none is longer than that): the copy is made once
   per ``max_sequence`` steps, and the cache never grows.
+* The running samples hold rows ``0 .. running - 1``: when one ends, the last running row moves
+  into its place (its keys, values, mask and pending logits), so a decode step runs over the
+  running rows only, never over idle slots, and attends over the columns from the oldest
+  running row's first one to ``t`` only (views of the cache: the rows and the window).
 
-Each sample draws from its own ``torch.Generator`` (seeded from the request's seed and the
-sample's index), so which samples share a batch never changes what a sample draws. Each
+Each sample draws from a counter-based random stream of its own (:func:`counter_uniforms`, keyed
+by the request's seed and the sample's index, counted by the token's position), so which
+samples share a batch never changes what a sample draws, and a continuation draws what the
+sample would have drawn. Each
 generated token records the *policy version* of the weights whose forward pass produced its
 logits (:attr:`ContinuousBatcher.version`, set by the replica after each weight load): a
 sample that spans a weight update (a partial rollout) carries both versions, and the trainer's
@@ -35,16 +42,18 @@ every method under one lock, and loads weights only between two :meth:`step` cal
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import StaticCache
 
 from hybridflow.engines.base import SamplingParams, check_prompts
-from hybridflow.engines.torch_engine import choose_next_tokens
+from hybridflow.engines.torch_engine import filtered_probabilities
 
 __all__ = [
     "ContinuousBatcher",
@@ -60,18 +69,53 @@ SampleFinish = Literal["stop", "length", "abort"]
 replica was paused with abort (or stopped) before the sample ended; it continues elsewhere."""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def sampling_key(params: SamplingParams, index: int, progress: SampleProgress) -> int:
+    """Sample ``index``'s key to its random stream: kept by a continuation, else from the request's seed."""
+    if progress.sampling_key is not None:
+        return progress.sampling_key
+    if params.seed is None:
+        return random.getrandbits(63)
+    return (params.seed * 1009 + index) & _MASK64
+
+
+def counter_uniforms(keys: list[int], counters: list[int]) -> torch.Tensor:
+    """One uniform in [0, 1) per (key, counter): SplitMix64 of ``key * FNV prime + counter``.
+
+    A counter-based stream: the draw for token ``t`` of a sample depends on its key and ``t``
+    only, never on which samples share the batch or what was drawn before, so the rows draw
+    in one vectorised call and a continuation needs no state but the key.
+    """
+    z = np.asarray(keys, dtype=np.uint64) * np.uint64(0x100000001B3) + np.asarray(counters, dtype=np.uint64)
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r``'s token by inverse transform: the first whose cumulative probability exceeds ``u_r``."""
+    cumulative = probs.double().cumsum(dim=-1)
+    targets = uniforms[:, None] * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
 @dataclass
 class SampleProgress:
     """What one sample generated so far: empty for a fresh sample, filled for a continuation.
 
-    ``rng_state`` is the sample's generator state after its last draw, so that a continuation
+    ``sampling_key`` is the sample's key to the counter-based random stream (``None``: derived
+    from the request's seed, or drawn fresh for an unseeded request), so that a continuation
     draws what the sample would have drawn next (``None``: not started).
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    rng_state: torch.Tensor | None = None
+    sampling_key: int | None = None
 
 
 @dataclass
@@ -103,8 +147,8 @@ class SampleResult:
     logprobs: list[float]
     versions: list[int]
     finish_reason: SampleFinish
-    rng_state: torch.Tensor | None = None
-    """An aborted sample's generator state after its last draw (what a continuation starts from)."""
+    sampling_key: int | None = None
+    """The sample's key to its random stream (what a continuation draws with)."""
 
 
 @dataclass
@@ -120,10 +164,7 @@ class _Sample:
     request: GenerationRequest
     index: int
     progress: SampleProgress
-    generator: torch.Generator | None
-    # Set while in a slot: the logits the next token is drawn from, and their forward's version.
-    pending_logits: torch.Tensor | None = None
-    pending_version: int = 0
+    key: int
     position: int = 0  # the position id of the next fed token: the sample's length so far
 
     def finished_reason(self, eos_ids: set[int]) -> SampleFinish | None:
@@ -181,10 +222,15 @@ class ContinuousBatcher:
         self._pad_id = pad_token_id
         self._vocab_size: int | None = getattr(config, "vocab_size", None)
         self._cache = StaticCache(config=config, max_cache_len=self.width)
-        self._cache_ready = False
+        self._full: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's keys and values, all slots
         self._mask = torch.zeros((slots, self.width), dtype=torch.long, device=self._device)
+        self._pending: torch.Tensor | None = None  # [slots, vocab]: the logits each row draws from next
+        self._pending_versions: list[int] = [0] * slots
         self._clock = max_sequence
-        self._rows: list[_Sample | None] = [None] * slots
+        # Rows 0 .. len(self._running) - 1 hold the running samples, in cache-row order: a finished
+        # row is filled by the last one, so a decode step runs over exactly the running rows.
+        self._running: list[_Sample] = []
+        self._starts: list[int] = []  # each running row's first live column
         self._waiting: deque[_Sample] = deque()
         self._open: dict[str, _Open] = {}
         self._done: list[RequestResult] = []
@@ -207,7 +253,7 @@ class ContinuousBatcher:
         progress = request.progress or [SampleProgress() for _ in range(params.n)]
         opened = _Open(request, [None] * params.n)
         for index, done in enumerate(progress):
-            sample = _Sample(request, index, done, self._generator(params, index, done))
+            sample = _Sample(request, index, done, sampling_key(params, index, done))
             reason = sample.finished_reason(self._eos_ids)
             if reason is not None:  # a continuation whose sample had ended already
                 opened.results[index] = _result(sample, reason)
@@ -216,22 +262,10 @@ class ContinuousBatcher:
         self._open[request.request_id] = opened
         self._close_if_done(request.request_id)
 
-    def _generator(self, params: SamplingParams, index: int, done: SampleProgress) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        generator = torch.Generator(device=self._device)
-        if done.rng_state is not None:
-            generator.set_state(done.rng_state)
-        elif params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed * 1009 + index)
-        return generator
-
     @property
     def busy(self) -> bool:
         """Whether any sample waits or decodes."""
-        return bool(self._waiting) or any(row is not None for row in self._rows)
+        return bool(self._waiting) or bool(self._running)
 
     @property
     def waiting_samples(self) -> int:
@@ -239,7 +273,7 @@ class ContinuousBatcher:
 
     @property
     def running_samples(self) -> int:
-        return sum(row is not None for row in self._rows)
+        return len(self._running)
 
     def take_finished(self) -> list[RequestResult]:
         """Requests whose every sample ended since the last call, in the order they ended."""
@@ -252,10 +286,9 @@ class ContinuousBatcher:
         Returns them (and clears the batcher); the caller resubmits the unfinished ones as
         continuations (:func:`continuation_of`) on this or another replica.
         """
-        for row, sample in enumerate(self._rows):
-            if sample is not None:
-                self._rows[row] = None
-                self._record(sample, "abort")
+        running, self._running, self._starts = self._running, [], []
+        for sample in running:
+            self._record(sample, "abort")
         while self._waiting:
             self._record(self._waiting.popleft(), "abort")
         aborted = self.take_finished()
@@ -272,42 +305,45 @@ class ContinuousBatcher:
         with torch.inference_mode():
             self._admit()
             drawn = self._draw()
-            if any(row is not None for row in self._rows):
+            if self._running:
                 self._decode()
         self.tokens_generated += drawn
         return drawn
 
     def _admit(self) -> None:
-        free = [row for row, sample in enumerate(self._rows) if sample is None]
-        admitted: list[tuple[int, _Sample]] = []
-        while free and self._waiting:
-            admitted.append((free.pop(0), self._waiting.popleft()))
+        admitted: list[_Sample] = []
+        while len(self._running) + len(admitted) < self.slots and self._waiting:
+            admitted.append(self._waiting.popleft())
         if not admitted:
             return
         # One prefill row per request's fresh samples, one per continuation.
         rows: list[list[int]] = []
         row_of: dict[tuple[str, int], int] = {}
-        for _, sample in admitted:
+        for sample in admitted:
             key = (sample.request.request_id, sample.index if sample.progress.token_ids else -1)
             if key not in row_of:
                 row_of[key] = len(rows)
                 rows.append(sample.request.prompt_token_ids + sample.progress.token_ids)
         keys, values, last_logits = self._prefill(rows)
-        self._ensure_cache(keys[0])
+        self._ensure_cache(keys[0], last_logits.shape[-1])
+        assert self._pending is not None
         t = self._clock
-        for slot, sample in admitted:
+        for sample in admitted:
+            slot = len(self._running)
             key = (sample.request.request_id, sample.index if sample.progress.token_ids else -1)
             row, length = row_of[key], len(rows[row_of[key]])
-            for layer, (layer_keys, layer_values) in enumerate(zip(keys, values, strict=True)):
-                cache_layer = self._layers()[layer]
-                cache_layer.keys[slot, :, t - length : t] = layer_keys[row, :, -length:]
-                cache_layer.values[slot, :, t - length : t] = layer_values[row, :, -length:]
+            for (cache_keys, cache_values), layer_keys, layer_values in zip(
+                self._full, keys, values, strict=True
+            ):
+                cache_keys[slot, :, t - length : t] = layer_keys[row, :, -length:]
+                cache_values[slot, :, t - length : t] = layer_values[row, :, -length:]
             self._mask[slot].zero_()
             self._mask[slot, t - length : t] = 1
-            sample.pending_logits = last_logits[row]
-            sample.pending_version = self.version
+            self._pending[slot] = last_logits[row]
+            self._pending_versions[slot] = self.version
             sample.position = length
-            self._rows[slot] = sample
+            self._running.append(sample)
+            self._starts.append(t - length)
 
     def _prefill(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Left-padded forward of ``rows``: per layer keys and values ``[rows, heads, width, dim]``, last logits."""
@@ -336,71 +372,123 @@ class ContinuousBatcher:
         """The static cache's layers (every one a full-attention ``StaticLayer``: the constructor checks)."""
         return list(self._cache.layers)
 
-    def _ensure_cache(self, keys: torch.Tensor) -> None:
-        if self._cache_ready:
+    def _ensure_cache(self, keys: torch.Tensor, vocab: int) -> None:
+        if self._full:
             return
         for layer in self._layers():
             shape = (self.slots, keys.shape[1], 0, keys.shape[3])
             empty = torch.empty(shape, dtype=keys.dtype, device=keys.device)
             layer.lazy_initialization(empty, empty)
-        self._cache_ready = True
+            self._full.append((layer.keys, layer.values))
+        self._pending = torch.zeros((self.slots, vocab), dtype=torch.float32, device=self._device)
 
     def _draw(self) -> int:
-        drawn = 0
-        for row, sample in enumerate(self._rows):
-            if sample is None or sample.pending_logits is None:
+        """One token per running row from its pending logits; ended rows leave (the last row fills the hole)."""
+        running = len(self._running)
+        if running == 0:
+            return 0
+        assert self._pending is not None
+        logits = self._pending[:running]
+        tokens = torch.empty(running, dtype=torch.long, device=self._device)
+        # Rows that sample alike share the vectorised filters; each draws from its own stream.
+        by_params: dict[SamplingParams, list[int]] = {}
+        for row, sample in enumerate(self._running):
+            by_params.setdefault(sample.request.params, []).append(row)
+        for params, rows in by_params.items():
+            index = torch.tensor(rows, device=self._device)
+            if params.greedy:
+                tokens[index] = logits[index].argmax(dim=-1)
                 continue
-            logits = sample.pending_logits[None, :]
-            token = int(choose_next_tokens(logits, sample.request.params, sample.generator)[0])
+            probs = filtered_probabilities(logits[index], params)
+            uniforms = counter_uniforms(
+                [self._running[row].key for row in rows],
+                [len(self._running[row].progress.token_ids) for row in rows],
+            )
+            tokens[index] = draw_from(probs, uniforms.to(probs.device))
+        chosen_logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        ended: list[tuple[int, SampleFinish]] = []
+        for row, (sample, token, logprob) in enumerate(
+            zip(self._running, tokens.tolist(), chosen_logprobs.tolist(), strict=True)
+        ):
             progress = sample.progress
             progress.token_ids.append(token)
-            progress.logprobs.append(float(logits.log_softmax(dim=-1)[0, token]))
-            progress.versions.append(sample.pending_version)
-            sample.pending_logits = None
-            drawn += 1
+            progress.logprobs.append(logprob)
+            progress.versions.append(self._pending_versions[row])
             reason = sample.finished_reason(self._eos_ids)
             if reason is not None:
-                self._rows[row] = None
-                self._record(sample, reason)
-        return drawn
+                ended.append((row, reason))
+        for row, reason in reversed(ended):  # highest row first: each move fills a hole below
+            sample = self._running[row]
+            self._remove_row(row)
+            self._record(sample, reason)
+        return running
+
+    def _remove_row(self, row: int) -> None:
+        """Drop running row ``row``: the last running row moves into it (cache, mask, pending logits)."""
+        last = len(self._running) - 1
+        if row != last:
+            assert self._pending is not None
+            for keys, values in self._full:
+                keys[row] = keys[last]
+                values[row] = values[last]
+            self._mask[row] = self._mask[last]
+            self._pending[row] = self._pending[last]
+            self._pending_versions[row] = self._pending_versions[last]
+            self._running[row] = self._running[last]
+            self._starts[row] = self._starts[last]
+        self._running.pop()
+        self._starts.pop()
 
     def _decode(self) -> None:
+        """One forward pass over the running rows only (views of the first rows of every cache tensor)."""
         if self._clock == self.width:
             self._compact()
-        t = self._clock
-        input_ids = torch.full((self.slots, 1), self._pad_id, dtype=torch.long, device=self._device)
-        positions = torch.zeros((self.slots, 1), dtype=torch.long, device=self._device)
-        for row, sample in enumerate(self._rows):
-            if sample is not None:
-                input_ids[row, 0] = sample.progress.token_ids[-1]
-                positions[row, 0] = sample.position
-        self._mask[:, t] = 1  # every row attends to its own new column (an idle row to nothing else)
-        for layer in self._layers():
-            layer.cumulative_length.fill_(t)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=self._mask,
-            position_ids=positions,
-            past_key_values=self._cache,
-            cache_position=torch.tensor([t], device=self._device),
-            use_cache=True,
+        t, running = self._clock, len(self._running)
+        input_ids = torch.tensor(
+            [[sample.progress.token_ids[-1]] for sample in self._running],
+            dtype=torch.long,
+            device=self._device,
         )
-        logits = outputs.logits[:, -1, :].float()
-        for row, sample in enumerate(self._rows):
-            if sample is not None:
-                sample.pending_logits = logits[row]
-                sample.pending_version = self.version
-                sample.position += 1
+        positions = torch.tensor(
+            [[sample.position] for sample in self._running], dtype=torch.long, device=self._device
+        )
+        self._mask[:running, t] = 1
+        # Attention reads only the window every running row lives in: columns lo .. t.
+        lo = min(self._starts)
+        layers = self._layers()
+        for layer, (keys, values) in zip(layers, self._full, strict=True):
+            # Views of the running rows and the window: the new column lands in the full tensors.
+            layer.keys, layer.values = keys[:running, :, lo : t + 1], values[:running, :, lo : t + 1]
+            layer.cumulative_length.fill_(t - lo)
+            layer.max_cache_len = t + 1 - lo
+        try:
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=self._mask[:running, lo : t + 1],
+                position_ids=positions,
+                past_key_values=self._cache,
+                cache_position=torch.tensor([t - lo], device=self._device),
+                use_cache=True,
+            )
+        finally:
+            for layer, (keys, values) in zip(layers, self._full, strict=True):
+                layer.keys, layer.values, layer.max_cache_len = keys, values, self.width
+        assert self._pending is not None
+        self._pending[:running] = outputs.logits[:, -1, :].float()
+        for row, sample in enumerate(self._running):
+            self._pending_versions[row] = self.version
+            sample.position += 1
         self._clock = t + 1
 
     def _compact(self) -> None:
         """Move every row's live columns ``max_sequence`` to the left (see the module docstring)."""
         shift, t = self.max_sequence, self._clock
-        for layer in self._layers():
-            for tensor in (layer.keys, layer.values):
+        for keys, values in self._full:
+            for tensor in (keys, values):
                 tensor[:, :, : t - shift] = tensor[:, :, shift:t].clone()
         self._mask[:, : t - shift] = self._mask[:, shift:t].clone()
         self._mask[:, t - shift :] = 0
+        self._starts = [start - shift for start in self._starts]
         self._clock = t - shift
 
     # ------------------------------------------------------------------ results
@@ -419,28 +507,23 @@ class ContinuousBatcher:
 
 def _result(sample: _Sample, reason: SampleFinish) -> SampleResult:
     progress = sample.progress
-    if reason != "abort":
-        rng_state = None
-    elif sample.generator is not None:
-        rng_state = sample.generator.get_state()
-    else:
-        rng_state = progress.rng_state
+    key = sample.key if reason == "abort" else None
     return SampleResult(
-        list(progress.token_ids), list(progress.logprobs), list(progress.versions), reason, rng_state
+        list(progress.token_ids), list(progress.logprobs), list(progress.versions), reason, key
     )
 
 
 def continuation_of(result: RequestResult, request_id: str | None = None) -> GenerationRequest | None:
     """The request that continues ``result``'s aborted samples (``None`` when none was aborted).
 
-    Every sample keeps what it generated (tokens, log-probs, versions, its generator's state);
+    Every sample keeps what it generated (tokens, log-probs, versions) and its random stream's key;
     ended samples come back ended.
     """
     if all(sample.finish_reason != "abort" for sample in result.samples):
         return None
     request = result.request
     progress = [
-        SampleProgress(list(s.token_ids), list(s.logprobs), list(s.versions), s.rng_state)
+        SampleProgress(list(s.token_ids), list(s.logprobs), list(s.versions), s.sampling_key)
         for s in result.samples
     ]
     return GenerationRequest(

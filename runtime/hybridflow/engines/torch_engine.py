@@ -125,10 +125,15 @@ def choose_next_tokens(
     """
     if params.greedy:
         return logits.argmax(dim=-1)
+    probs = filtered_probabilities(logits, params)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def filtered_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a sampled token is drawn from: softmax after temperature, top-k, then top-p (vLLM's order)."""
     scores = logits / params.temperature
     scores = _filter_top_p(_filter_top_k(scores, params.top_k), params.top_p)
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return scores.softmax(dim=-1)
 
 
 class TorchRolloutEngine(RolloutEngine):

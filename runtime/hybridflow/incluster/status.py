@@ -9,8 +9,8 @@ With ``spec.placement: auto`` the chosen plan (:func:`placement_status`) is push
 attempt starts (:meth:`StatusPusher.push_placement`) and carried in every later progress patch,
 so one lost push is repaired by the next.
 
-Pushes are throttled (at most one per ``min_interval_seconds``, except the final step and
-checkpoint steps) so that a fast loop does not load the API server. A failed push is logged and
+Pushes are throttled (at most one per ``min_interval_seconds``, except the final step,
+checkpoint steps, and a step after which a server-mode job's rollout replica was replaced) so that a fast loop does not load the API server. A failed push is logged and
 retried at the next report: progress is advisory, and a training run never dies because the API
 server was briefly unreachable.
 """
@@ -85,6 +85,8 @@ def progress_status(
         progress["lastCheckpointStep"] = report.last_checkpoint_step
     if placement is not None:
         progress["placement"] = placement
+    if report.rollout is not None:
+        progress["rollout"] = report.rollout
     return {"status": {"progress": progress}}
 
 
@@ -107,6 +109,7 @@ class StatusPusher:
         self._now = now
         self._last_push: float | None = None
         self._last_checkpoint: int | None = None
+        self._last_replaced: Any = 0
         self.failures = 0
 
     def __call__(self, report: StepReport) -> None:
@@ -114,7 +117,10 @@ class StatusPusher:
         checkpointed = report.last_checkpoint_step != self._last_checkpoint
         final = report.step >= report.total_steps
         due = self._last_push is None or now - self._last_push >= self._min_interval
-        if not (due or final or checkpointed):
+        replaced = (
+            report.rollout is not None and report.rollout.get("replicasReplaced") != self._last_replaced
+        )
+        if not (due or final or checkpointed or replaced):
             return
         try:
             self._patch(progress_status(report, self._now(), self.placement))
@@ -124,6 +130,8 @@ class StatusPusher:
             return
         self._last_push = now
         self._last_checkpoint = report.last_checkpoint_step
+        if report.rollout is not None:
+            self._last_replaced = report.rollout.get("replicasReplaced")
 
     def push_placement(self) -> None:
         """Push the chosen plan now (before the first step); failures are logged, as for progress."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["StepReport"]
 
@@ -16,3 +17,5 @@ class StepReport:
     metrics: dict[str, float]
     eta_seconds: float
     last_checkpoint_step: int | None
+    rollout: dict[str, Any] | None = field(default=None)
+    """Server mode: the replicas' health in the status's camelCase form (``RolloutService.health``)."""

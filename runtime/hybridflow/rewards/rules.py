@@ -170,11 +170,28 @@ def target_char_reward(
     return sum(character == ground_truth for character in characters) / len(characters)
 
 
+def first_char_reward(
+    data_source: str, response: str, ground_truth: str, extra_info: Mapping[str, Any] | None
+) -> float:
+    """1.0 when the response's first non-whitespace character is the target character ``ground_truth``.
+
+    ``target_char``'s prompts scored on one decision: the reward neither grows nor shrinks with
+    the response's length, so RL leaves the policy's length distribution alone. The async
+    rollout bench uses it to keep a long tail of response lengths through training. An empty
+    response scores 0; a ground truth that is not one character raises ``ValueError``.
+    """
+    if len(ground_truth) != 1:
+        raise ValueError(f"first_char: ground_truth must be a single character, got {ground_truth!r}")
+    stripped = response.lstrip()
+    return 1.0 if stripped[:1] == ground_truth else 0.0
+
+
 RULE_REWARDS: dict[str, RewardFunction] = {
     "gsm8k": gsm8k_reward,
     "copy": copy_reward,
     "count_char": count_char_reward,
     "target_char": target_char_reward,
+    "first_char": first_char_reward,
 }
 """Reward functions selectable by name in the job config; a toy task's name is also its ``data_source``."""
 

@@ -39,6 +39,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import torch
@@ -188,6 +189,9 @@ class RolloutService:
         self._busy_at_window_start: dict[int, tuple[float, float]] = {}
         self._tokens_at_window_start: dict[int, int] = {}
         self._replacements_reported = 0
+        self._last_replica_rates: dict[int, float] = {}
+        self.started_at = ""
+        """When :meth:`start` ran (RFC 3339): the operator tells attempts' replacement counts apart by it."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -195,6 +199,7 @@ class RolloutService:
         """Start one replica per bundle of the rollout pool and load version ``version`` into them."""
         import ray
 
+        self.started_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         for index in range(len(self.placement.bundles)):
             self.replicas[index] = self._launch(index)
         ray.get([r.ready for r in self.replicas.values()], timeout=self.setup_timeout_seconds)
@@ -638,11 +643,38 @@ class RolloutService:
                 before = self._tokens_at_window_start.get(index, 0)
                 grown = count - before if count >= before else count
                 metrics[f"rollout/replica{index}/tokens_per_second"] = grown / window
+                self._last_replica_rates[index] = grown / window
             metrics["rollout/tokens_per_second"] = sum(
                 metrics[f"rollout/replica{index}/tokens_per_second"] for index in tokens
             )
         self._tokens_at_window_start, self._poll_window_started = tokens, now
         return metrics
+
+    def health(self) -> dict[str, Any]:
+        """The replicas' health as ``status.progress.rollout`` holds it (the operator's RolloutProgress)."""
+        last = self.replacements[-1] if self.replacements else None
+        replaced_times: dict[int, int] = {}
+        for replacement in self.replacements:
+            replaced_times[replacement.index] = replaced_times.get(replacement.index, 0) + 1
+        health: dict[str, Any] = {
+            "startedAt": self.started_at,
+            "replicasServing": sum(r.serving for r in self.replicas.values()),
+            "replicasReplaced": self.counters.replaced,
+            "replicas": [
+                {
+                    "index": index,
+                    "state": "Serving" if replica.serving else "Starting",
+                    "tokensPerSecond": round(self._last_replica_rates.get(index, 0.0), 1),
+                    "replaced": replaced_times.get(index, 0),
+                }
+                for index, replica in sorted(self.replicas.items())
+            ],
+        }
+        if last is not None:
+            health["lastReplacement"] = (
+                f"replica {last.index}: {last.reason}; serving again after {last.serving_after_seconds:.1f} s"
+            )[:1024]
+        return health
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -264,7 +264,9 @@ def run_training(
             writer.write(step, metrics)
             done = step - start + 1
             eta = (time.monotonic() - began) / done * (total - step)
-            report = StepReport(step, total, metrics, eta, last_checkpoint)
+            report = StepReport(
+                step, total, metrics, eta, last_checkpoint, service.health() if service is not None else None
+            )
             if on_report is not None:
                 on_report(report)
             else:
