@@ -55,8 +55,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import psutil
-import yaml
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.controller import init_local_ray

@@ -54,7 +54,10 @@ def manifest(tiny: Path, out: Path, *, rollout: dict[str, Any] | None = None, **
 
 def train(path: Path, stop_after_steps: int | None = None) -> RunSummary:
     return run_training(
-        load_job_manifest(path).spec, simulated=True, on_step=lambda line: None, stop_after_steps=stop_after_steps
+        load_job_manifest(path).spec,
+        simulated=True,
+        on_step=lambda line: None,
+        stop_after_steps=stop_after_steps,
     )
 
 
@@ -98,7 +101,9 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
     def kill_one_after_step_two() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            lines = (
+                (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            )
             replicas = replica_processes()
             if len(lines) >= 2 and replicas:
                 killed.append(replicas[0].pid)
@@ -107,7 +112,9 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
             time.sleep(0.05)
 
     def replaced() -> bool:
-        return (out / "metrics.jsonl").exists() and "replica_replace_seconds" in (out / "metrics.jsonl").read_text()
+        return (out / "metrics.jsonl").exists() and "replica_replace_seconds" in (
+            out / "metrics.jsonl"
+        ).read_text()
 
     killer = threading.Thread(target=kill_one_after_step_two, daemon=True)
     killer.start()
@@ -119,7 +126,9 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
     rows = metrics(out)
     assert [row["step"] for row in rows] == list(range(1, summary.last_step + 1))  # each step once
     assert rows[-1]["rollout/replicas_replaced"] == 1
-    seconds = [row["rollout/replica_replace_seconds"] for row in rows if "rollout/replica_replace_seconds" in row]
+    seconds = [
+        row["rollout/replica_replace_seconds"] for row in rows if "rollout/replica_replace_seconds" in row
+    ]
     assert len(seconds) == 1 and 0 < seconds[0] < 60
     assert rows[-1]["rollout/replicas_serving"] == 2
 
@@ -144,7 +153,14 @@ def test_a_resumed_run_trains_on_the_buffer_the_uninterrupted_run_saved(tiny: Pa
     summary = train(resumed)
     assert summary.resumed_from == "step_000002" and summary.first_step == 3
 
-    fields = ("reward/mean", "response/length_mean", "tokens/step", "staleness/mean", "actor/policy_loss", "actor/grad_norm")
+    fields = (
+        "reward/mean",
+        "response/length_mean",
+        "tokens/step",
+        "staleness/mean",
+        "actor/policy_loss",
+        "actor/grad_norm",
+    )
     for want, got in zip(metrics(straight_out)[2:5], metrics(resumed_out)[2:5], strict=True):
         assert got["step"] == want["step"]
         for name in fields:

@@ -166,7 +166,7 @@ def test_the_counter_based_draws_follow_the_distribution_and_never_pick_a_filter
 
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).repeat(20_000, 1)
     uniforms = counter_uniforms(list(range(20_000)), [7] * 20_000)
-    assert 0.0 <= float(uniforms.min()) and float(uniforms.max()) < 1.0
+    assert float(uniforms.min()) >= 0.0 and float(uniforms.max()) < 1.0
     counts = torch.bincount(draw_from(probs, uniforms), minlength=4).double() / 20_000
     assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), atol=0.015)
     assert counts[3] == 0

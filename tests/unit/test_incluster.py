@@ -155,7 +155,9 @@ def rollout_health(replaced: int) -> dict[str, Any]:
     return health
 
 
-def test_server_mode_pushes_the_replicas_health_as_the_crd_declares_it_and_at_once_after_a_replacement() -> None:
+def test_server_mode_pushes_the_replicas_health_as_the_crd_declares_it_and_at_once_after_a_replacement() -> (
+    None
+):
     patches: list[dict[str, Any]] = []
     pusher = StatusPusher(patches.append, min_interval_seconds=60.0, clock=lambda: 100.0, now=lambda: NOW)
     metrics = {"reward/mean": 0.5}

@@ -536,7 +536,12 @@ def test_each_rollout_replica_replacement_is_one_event_and_counted_over_attempts
 
     def with_rollout(status: RLHFJobStatus, started: str, replaced: int) -> RLHFJobStatus:
         rollout = RolloutProgress.model_validate(
-            {"startedAt": started, "replicasServing": 2, "replicasReplaced": replaced, "lastReplacement": "replica 1"}
+            {
+                "startedAt": started,
+                "replicasServing": 2,
+                "replicasReplaced": replaced,
+                "lastReplacement": "replica 1",
+            }
         )
         return status.model_copy(update={"progress": Progress(step=3, rollout=rollout)})
 
