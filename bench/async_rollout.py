@@ -30,7 +30,9 @@ Learning (``learning``): one run of each at the demo's learning rate over ``LEAR
 steps: the reward of the first and last 10 steps, tokens per second as they drifted, and for
 ``async`` the staleness histogram (samples per staleness, all steps) and the version span.
 Per run, the rollout's idle fraction (``sync``: the generate pool's workers outside worker
-calls; ``async``: the replicas' decode loops without work). ``replica_replace_seconds``: a third, short async run in which
+calls; ``async``: the replicas' decode loops without work) and the mean seconds of each step
+phase after the first two steps (``seconds_per_phase``: in ``async`` generation is the wait
+that remains, and the update runs beside the replicas on the same cores). ``replica_replace_seconds``: a third, short async run in which
 one replica is killed (SIGKILL) after step 2, from detection to its successor serving.
 
 ``--quick`` (CI): one round of 4 steps, a shorter fine-tune, no kill run. The last line printed
@@ -223,6 +225,13 @@ def figures_of(metrics: list[dict[str, float]], mode: str) -> dict[str, Any]:
         "response_length_mean": round(statistics.mean(m["response/length_mean"] for m in metrics), 2),
     }
     figures["reward_gain"] = round(figures["reward_last10"] - figures["reward_first10"], 4)
+    # Where a step's seconds went (the steps after the first two: the replicas' start is over).
+    steady = metrics[2:] or metrics
+    phases = sorted({k for m in steady for k in m if k.startswith("timing/") and k != "timing/checkpoint"})
+    figures["seconds_per_phase"] = {
+        phase.removeprefix("timing/"): round(statistics.mean(m.get(phase, 0.0) for m in steady), 4)
+        for phase in phases
+    }
     if mode == "server":
         counts: dict[str, float] = {}
         for m in metrics:
@@ -324,6 +333,10 @@ def main() -> None:
             "seconds_per_step": statistics.median(r["seconds_per_step"] for r in results),
             "rollout_idle_fraction": statistics.median(r["rollout_idle_fraction"] for r in results),
             "response_length_mean": statistics.median(r["response_length_mean"] for r in results),
+            "seconds_per_phase": {
+                phase: statistics.median(r["seconds_per_phase"].get(phase, 0.0) for r in results)
+                for phase in results[0]["seconds_per_phase"]
+            },
         }
         for name, results in per_round.items()
     }

@@ -182,7 +182,9 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                     series("hybridflow_rollout_in_flight_requests", "{{rlhfjob}} in flight"),
                     series("hybridflow_rollout_buffer_groups", "{{rlhfjob}} buffered groups"),
                     series("hybridflow_rollout_dropped_stale_groups", "{{rlhfjob}} dropped stale"),
-                    series("hybridflow_rollout_dropped_uninformative_ratio", "{{rlhfjob}} dropped uninformative"),
+                    series(
+                        "hybridflow_rollout_dropped_uninformative_ratio", "{{rlhfjob}} dropped uninformative"
+                    ),
                 ),
             ),
             Panel(
@@ -205,6 +207,9 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                     series("hybridflow_rollout_replica_replace_seconds", "{{rlhfjob}} seconds to replace"),
                     series("hybridflow_rollout_version_span_mean", "{{rlhfjob}} version span mean"),
                     series("hybridflow_rollout_version_span_max", "{{rlhfjob}} version span max"),
+                    series(
+                        "hybridflow_samples_by_version_span", "{{rlhfjob}} samples spanning {{span}} updates"
+                    ),
                 ),
             ),
         ),

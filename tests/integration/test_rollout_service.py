@@ -77,15 +77,23 @@ def replica_processes() -> list[psutil.Process]:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_two_replicas_serve_a_grpo_job_within_the_staleness_bound(tiny: Path, tmp_path: Path) -> None:
+    """With dynamic sampling on first_char, whose groups of 8 on the random model mostly score all
+    0: those are dropped and refilled (up to the cap), and the job still trains every step."""
     out = tmp_path / "run"
-    summary = train(manifest(tiny, out, totalSteps=5))
+    path = manifest(tiny, out, totalSteps=5, rollout={"dynamicSampling": {"enabled": True, "maxTries": 4}})
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["rewards"] = [{"function": "first_char"}]
+    path.write_text(yaml.safe_dump(doc))
+    summary = train(path)
     assert summary.last_step == 5
     rows = metrics(out)
+    assert rows[-1]["rollout/dropped_uninformative_fraction"] > 0
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
     for row in rows:
         assert row["rollout/replicas_serving"] == 2
         assert 0 <= row["staleness/max"] <= 2
         assert sum(row[f"staleness/samples/{k}"] for k in range(3)) == 4 * 8  # every sample counted once
+        assert sum(row[f"rollout/version_span/samples/{k}"] for k in range(3)) == 4 * 8
         assert row["tokens/step"] > 0 and row["perf/step_seconds"] > 0
     assert rows[0]["staleness/max"] == 0  # the first step's groups come from the initial weights
     assert any(row["staleness/max"] > 0 for row in rows)  # later ones ran ahead of the trainer
@@ -182,3 +190,4 @@ def test_abort_on_update_and_remax_greedy_calls_run_in_server_mode(tiny: Path, t
     rows = metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all("reward/greedy_baseline" in row for row in rows)  # the greedy pass ran every step
+

@@ -37,6 +37,7 @@ SAMPLE_LABELS = {
     "pool": "rollout",
     "updates": "1",
     "replica": "0",
+    "span": "1",
 }
 
 

@@ -440,6 +440,15 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         combine="max",
     ),
     _gauge(
+        "hybridflow_samples_by_version_span",
+        "samples",
+        "rollout/version_span/samples/{span}",
+        "Samples of the step whose tokens came from `span` + 1 policy versions (the version-span "
+        "histogram: one series per value from 0 to maxStaleness).",
+        "rollout service",
+        "span",
+    ),
+    _gauge(
         "hybridflow_rollout_dropped_uninformative_ratio",
         "ratio",
         "rollout/dropped_uninformative_fraction",

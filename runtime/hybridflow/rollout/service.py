@@ -612,6 +612,8 @@ class RolloutService:
             spans = self._served_spans
             metrics["rollout/version_span_mean"] = sum(spans) / len(spans)
             metrics["rollout/version_span_max"] = float(max(spans))
+            for span in range(self.max_staleness + 1):  # a span never exceeds the sample's staleness
+                metrics[f"rollout/version_span/samples/{span}"] = float(spans.count(span))
         drawn = counters.accepted + counters.dropped_uninformative
         metrics["rollout/dropped_uninformative_fraction"] = counters.dropped_uninformative / max(drawn, 1)
         metrics["rollout/dropped_stale"] = float(self.buffer.dropped_stale)

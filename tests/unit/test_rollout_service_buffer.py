@@ -1,0 +1,107 @@
+"""The rollout service's bookkeeping without replicas: what enters the buffer, the refill cap, what a step gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer
+
+from hybridflow.controller import Batch
+from hybridflow.engines.continuous import RequestResult, SampleResult
+from hybridflow.models.tiny import write_tiny_model
+from hybridflow.rollout.service import RolloutService
+from hybridflow.spec import load_job_manifest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def service(model_dir: Path, tmp_path: Path, rewards: list[list[float]], **rollout: Any) -> RolloutService:
+    """A service over no replicas (nothing is routed); ``rewards`` are the scores of the groups in order."""
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-server.yaml").read_text())
+    doc["spec"]["models"] = {"actor": {"path": str(model_dir)}}
+    doc["spec"]["data"]["trainFiles"] = [str(tmp_path / "unused.jsonl")]
+    doc["spec"]["rollout"].update({"maxResponseTokens": 4, **rollout})
+    doc["spec"]["training"].update({"promptsPerStep": 2, "miniBatchSize": 16})
+    doc["spec"]["outputDir"] = str(tmp_path)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_job_manifest(path).spec
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scores = iter(rewards)
+    return RolloutService(
+        spec,
+        placement=None,  # type: ignore[arg-type]  # no replicas: the bookkeeping alone
+        actor=None,  # type: ignore[arg-type]
+        actor_host=None,
+        tokenizer=tokenizer,
+        pad_id=int(tokenizer.pad_token_id or 0),
+        prompts_for=lambda count: prompts(count),
+        score=lambda batch: torch.tensor(next(scores)),
+        log=lambda line: None,
+    )
+
+
+def prompts(count: int) -> Batch:
+    return Batch.from_dict(
+        {
+            "uid": [f"p{i}" for i in range(count)],
+            "prompt_token_ids": [[10 + i, 11, 12] for i in range(count)],
+            "prompt_text": ["x"] * count,
+            "data_source": ["target_char"] * count,
+            "ground_truth": ["a"] * count,
+        },
+        meta={"samples": 8},
+    )
+
+
+def finish(svc: RolloutService, versions: tuple[int, ...] = (0, 0)) -> None:
+    """The oldest open request ends: 8 samples of 2 tokens, made with ``versions``."""
+    request_id = next(iter(svc._open))
+    request = svc._open[request_id].request
+    samples = [SampleResult([65, 66], [-1.0, -2.0], list(versions), "length") for _ in range(8)]
+    svc._finished(RequestResult(request, samples))
+
+
+def test_uninformative_groups_are_dropped_and_refilled_up_to_the_cap(model_dir: Path, tmp_path: Path) -> None:
+    equal, differ = [1.0] * 8, [0.0] * 7 + [1.0]
+    svc = service(
+        model_dir, tmp_path, [equal, equal, differ, equal, equal, equal], dynamicSampling={"enabled": True, "maxTries": 2}
+    )
+    svc._fill(trainer_version=0)  # maxStaleness 2: 3 steps of 2 groups
+    assert len(svc._open) == 6
+    finish(svc)
+    finish(svc)
+    finish(svc)
+    assert len(svc.buffer) == 1 and svc.counters.dropped_uninformative == 2
+    svc._fill(trainer_version=0)  # the two dropped groups' places are refilled
+    assert len(svc._open) == 5
+    for _ in range(3):
+        finish(svc)
+    # maxTries 2: one refill per accepted or awaited group. Two more equal groups are dropped
+    # (3 and 4 refills of 1 + 4, then 1 + 3 allowed); the third finds the cap reached and is kept.
+    assert svc.counters.dropped_uninformative == 4 and len(svc.buffer) == 2
+    assert svc.step_metrics()["rollout/dropped_uninformative_fraction"] > 0
+
+
+def test_a_step_gets_the_oldest_groups_packed_with_their_oldest_token_version(model_dir: Path, tmp_path: Path) -> None:
+    svc = service(model_dir, tmp_path, [])
+    svc._fill(trainer_version=0)
+    finish(svc, versions=(1, 2))
+    finish(svc, versions=(0, 1))
+    finish(svc, versions=(2, 2))
+    prompts_batch, responses = svc.next_batch(trainer_version=2)
+    assert len(prompts_batch) == 2 and len(responses) == 16
+    assert responses.tensors["policy_version"].tolist() == [0] * 8 + [1] * 8  # oldest groups first
+    assert svc.step_metrics()["staleness/samples/2"] == 8
+    assert len(svc.buffer) == 1
