@@ -190,4 +190,3 @@ def test_abort_on_update_and_remax_greedy_calls_run_in_server_mode(tiny: Path, t
     rows = metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all("reward/greedy_baseline" in row for row in rows)  # the greedy pass ran every step
-

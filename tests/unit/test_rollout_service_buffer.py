@@ -76,7 +76,10 @@ def finish(svc: RolloutService, versions: tuple[int, ...] = (0, 0)) -> None:
 def test_uninformative_groups_are_dropped_and_refilled_up_to_the_cap(model_dir: Path, tmp_path: Path) -> None:
     equal, differ = [1.0] * 8, [0.0] * 7 + [1.0]
     svc = service(
-        model_dir, tmp_path, [equal, equal, differ, equal, equal, equal], dynamicSampling={"enabled": True, "maxTries": 2}
+        model_dir,
+        tmp_path,
+        [equal, equal, differ, equal, equal, equal],
+        dynamicSampling={"enabled": True, "maxTries": 2},
     )
     svc._fill(trainer_version=0)  # maxStaleness 2: 3 steps of 2 groups
     assert len(svc._open) == 6
@@ -94,7 +97,9 @@ def test_uninformative_groups_are_dropped_and_refilled_up_to_the_cap(model_dir: 
     assert svc.step_metrics()["rollout/dropped_uninformative_fraction"] > 0
 
 
-def test_a_step_gets_the_oldest_groups_packed_with_their_oldest_token_version(model_dir: Path, tmp_path: Path) -> None:
+def test_a_step_gets_the_oldest_groups_packed_with_their_oldest_token_version(
+    model_dir: Path, tmp_path: Path
+) -> None:
     svc = service(model_dir, tmp_path, [])
     svc._fill(trainer_version=0)
     finish(svc, versions=(1, 2))
