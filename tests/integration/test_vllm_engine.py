@@ -120,6 +120,60 @@ def test_greedy_matches_hf_generate(engine: Any, hf_models: tuple[PreTrainedMode
     assert output.logprobs is None
 
 
+def test_the_server_mode_batcher_serves_requests_as_the_engine_generates_them(engine: Any) -> None:
+    """vLLM's continuous batcher for rollout replicas: greedy tokens equal ``generate``'s whatever
+    else runs, a seeded sample draws the same alone or in a crowd, versions are per token, and an
+    aborted request continues where it stopped (``hybridflow.engines.vllm_continuous``)."""
+    from hybridflow.engines.continuous import GenerationRequest, continuation_of
+    from hybridflow.engines.vllm_continuous import VLLMContinuousBatcher
+
+    batcher = VLLMContinuousBatcher(engine)
+
+    def serve(requests: list[GenerationRequest], *, version_after: int | None = None) -> dict[str, Any]:
+        done: dict[str, Any] = {}
+        for request in requests:
+            batcher.add(request)
+        steps = 0
+        while batcher.busy:
+            batcher.step()
+            steps += 1
+            if version_after is not None and steps == version_after:
+                batcher.version = 1
+            done.update({r.request.request_id: r for r in batcher.take_finished()})
+        return done
+
+    greedy = dataclasses.replace(GREEDY, n=2, return_logprobs=True)
+    expected = engine.generate(PROMPTS, greedy)
+    results = serve(
+        [GenerationRequest(f"g{i}", prompt, greedy) for i, prompt in enumerate(PROMPTS)], version_after=3
+    )
+    for i in range(len(PROMPTS)):
+        for sample in range(2):
+            got = results[f"g{i}"].samples[sample]
+            assert got.token_ids == expected.response_token_ids[2 * i + sample]
+            assert got.versions[:3] == [0, 0, 0] and set(got.versions[3:]) <= {1}
+    batcher.version = 0
+
+    sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=3, seed=5, return_logprobs=True)
+    alone = serve([GenerationRequest("s", PROMPTS[1], sampled)])["s"]
+    crowd = serve(
+        [GenerationRequest(f"o{i}", p, dataclasses.replace(sampled, seed=i)) for i, p in enumerate(PROMPTS)]
+        + [GenerationRequest("s", PROMPTS[1], sampled)]
+    )["s"]
+    assert [s.token_ids for s in crowd.samples] == [s.token_ids for s in alone.samples]
+
+    batcher.add(GenerationRequest("a", PROMPTS[0], greedy))
+    for _ in range(3):
+        batcher.step()
+    (aborted,) = batcher.abort()
+    assert not batcher.busy and {s.finish_reason for s in aborted.samples} == {"abort"}
+    continuation = continuation_of(aborted)
+    assert continuation is not None
+    finished = serve([continuation])["a"]
+    for got, want in zip(finished.samples, expected.response_token_ids[:2], strict=True):
+        assert got.token_ids == want  # greedy: the continuation ends where the request would have
+
+
 def test_each_row_stops_at_its_own_eos(engine: Any) -> None:
     free_run = engine.generate(PROMPTS, GREEDY).response_token_ids
     eos = free_run[0][3]  # make prompt 0's fourth token an eos

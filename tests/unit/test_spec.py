@@ -549,14 +549,14 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "rollout 2 * 1, training 1 * 1 with roles.rollout 'generate'",
     ),
-    "server-mode-needs-the-torch-engine": (
+    "server-mode-vllm-aborts-on-update": (
         _all(
             _set("rollout.mode", "server"),
             _set("rollout.engine", "vllm"),
             _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
             _set("roles.rollout", "generate"),
         ),
-        "'server' with engine 'vllm'",
+        "'keep' with engine 'vllm' in mode 'server'",
     ),
     "server-mode-decodes-eagerly": (
         _all(

@@ -490,6 +490,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 distributed_executor_backend="uni" if tensor_parallel_size == 1 else "external_launcher",
                 tensor_parallel_size=tensor_parallel_size,
                 enable_sleep_mode=on_cuda,
+                # On CPU a prompt split across scheduler steps would make vLLM rewind a seeded
+                # request's generator, which only CUDA generators can do (its model runner's
+                # "discard sampled tokens"): a server-mode replica's many seeded requests hit it.
+                enable_chunked_prefill=on_cuda,
                 logprobs_mode="raw_logprobs",
                 **memory,
             )
@@ -571,7 +575,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
+    def vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
+        """``params`` as ``vllm.SamplingParams`` for one prompt seeded ``seed`` (greedy: one response)."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         return VLLMSamplingParams(
@@ -632,10 +637,10 @@ class VLLMRolloutEngine(RolloutEngine):
         prompts = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompt_token_ids]
         vllm_params: Any
         if params.seed is None or params.greedy:
-            vllm_params = self._vllm_params(params, None)
+            vllm_params = self.vllm_params(params, None)
         else:
             vllm_params = [
-                self._vllm_params(params, _prompt_seed(params.seed, index)) for index in range(len(prompts))
+                self.vllm_params(params, _prompt_seed(params.seed, index)) for index in range(len(prompts))
             ]
         request_outputs = llm.generate(prompts, vllm_params, use_tqdm=False)
 

@@ -2,9 +2,10 @@
 
 A replica runs on one GPU bundle of the rollout's pool, in a process of its own (not one of the
 pool's worker hosts: a replica must be able to die and be replaced alone, and shares no
-``torch.distributed`` world with the others). It holds a torch engine's model and a
-:class:`~hybridflow.engines.continuous.ContinuousBatcher`, and a decode thread that steps the
-batcher whenever it has work and is not paused.
+``torch.distributed`` world with the others). It holds an engine and its continuous batcher (the
+torch engine's :class:`~hybridflow.engines.continuous.ContinuousBatcher`, or vLLM's scheduler
+through :class:`~hybridflow.engines.vllm_continuous.VLLMContinuousBatcher`), and a decode
+thread that steps the batcher whenever it has work and is not paused.
 
 Protocol with the controller's :class:`~hybridflow.rollout.service.RolloutService` (every call
 returns at once unless it says otherwise; calls arrive one at a time, Ray's actor order):
@@ -27,20 +28,25 @@ from __future__ import annotations
 import os
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.controller.bridge import Bridge, new_process_group
 from hybridflow.devices import device_environment, view_of_process
+from hybridflow.engines.base import RolloutEngine
 from hybridflow.engines.continuous import ContinuousBatcher, GenerationRequest, RequestResult
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.resharding.bucket_broadcast import receive_buckets
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
+
+if TYPE_CHECKING:
+    from hybridflow.engines.vllm_continuous import VLLMContinuousBatcher
 
 __all__ = ["ReplicaPoll", "ReplicaStats", "RolloutReplica"]
 
@@ -83,15 +89,32 @@ class RolloutReplica:
             if self.device.type == "cuda" and spec.training.precision == "bf16"
             else torch.float32
         )
-        engine = TorchRolloutEngine(spec.models.actor.path, device=self.device, dtype=dtype)
-        self._engine = engine
-        self._batcher = ContinuousBatcher(
-            engine.model,
-            slots=spec.rollout.slots_per_replica,
-            max_sequence=spec.data.max_prompt_tokens + spec.rollout.max_response_tokens,
-            eos_token_ids=engine.eos_token_ids,
-            pad_token_id=engine.pad_token_id,
-        )
+        max_sequence = spec.data.max_prompt_tokens + spec.rollout.max_response_tokens
+        self._engine: RolloutEngine
+        self._batcher: ContinuousBatcher | VLLMContinuousBatcher
+        if spec.rollout.engine == "vllm":
+            from hybridflow.engines.vllm_continuous import VLLMContinuousBatcher
+            from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+            vllm_engine = VLLMRolloutEngine(
+                spec.models.actor.path,
+                max_model_len=max_sequence,
+                dtype=dtype,
+                device=self.device,
+                gpu_memory_utilization=spec.rollout.gpu_memory_utilization,
+                seed=spec.training.seed * 1000 + index,
+            )
+            self._engine, self._batcher = vllm_engine, VLLMContinuousBatcher(vllm_engine)
+        else:
+            torch_engine = TorchRolloutEngine(spec.models.actor.path, device=self.device, dtype=dtype)
+            self._engine = torch_engine
+            self._batcher = ContinuousBatcher(
+                torch_engine.model,
+                slots=spec.rollout.slots_per_replica,
+                max_sequence=max_sequence,
+                eos_token_ids=torch_engine.eos_token_ids,
+                pad_token_id=torch_engine.pad_token_id,
+            )
         self._condition = threading.Condition()
         self._paused = False
         self._stopped = False
@@ -135,8 +158,9 @@ class RolloutReplica:
 
     def _check(self) -> None:
         if self._failure is not None:
+            where = "".join(traceback.format_exception(self._failure)[-6:])
             raise RuntimeError(
-                f"rollout replica {self.index}: decoding failed: {self._failure!r}"
+                f"rollout replica {self.index}: decoding failed: {self._failure!r}\n{where}"
             ) from self._failure
 
     # ------------------------------------------------------------------ the controller's calls

@@ -20,9 +20,10 @@ Between two calls nothing waits on the replicas: they keep generating while the 
 **Replicas that fail alone.** A replica whose process died (a poll raises), or that has work and
 produced no token for ``rollout.replicaTimeoutSeconds`` (a poll that does not answer counts the
 same), leaves the routing; its open requests are routed again from their prompts (same seeds),
-and a new replica starts on the same bundle. The next :meth:`push` rebuilds the bridge with it
-(a collective group cannot take a new member) and loads the current weights into it; from then
-on it serves. :attr:`RolloutService.replacements` records each one, with the seconds from
+and a new replica starts on the same bundle. Once its model is loaded, the next push (after the
+step, or at once if the controller is waiting for generation) rebuilds the bridge with it (a
+collective group cannot take a new member) and loads the current weights into it; from then on
+it serves. :attr:`RolloutService.replacements` records each one, with the seconds from
 detection to serving.
 
 **Checkpoints.** :meth:`checkpoint_state` first drains: it submits everything the gate allows
@@ -61,6 +62,17 @@ PUSH_ATTEMPTS = 3
 
 POLL_SECONDS = 0.02
 """How long one poll waits for a finished request on a replica (the controller's loop period)."""
+
+
+def failure_summary(error: BaseException) -> str:
+    """What a replica's failure says, for the log, the status and the Event.
+
+    A Ray task error's first line names only the call; the cause (the replica's own exception,
+    with where it was raised) follows it, so that is kept, within 600 characters.
+    """
+    cause = getattr(error, "cause", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {' | '.join(lines)}"[:600]
 
 
 def replica_verdict(
@@ -172,6 +184,7 @@ class RolloutService:
         rollout = spec.rollout
         self.max_staleness = rollout.max_staleness
         self.groups_per_step = spec.training.prompts_per_step
+        self.total_groups = spec.training.total_steps * self.groups_per_step
         self.buffer: ReplayBuffer[tuple[Batch, RequestResult]] = ReplayBuffer(self.max_staleness)
         self.counters = _Counters()
         self.replicas: dict[int, _Replica] = {}
@@ -219,12 +232,17 @@ class RolloutService:
         now = time.monotonic()
         return _Replica(index, handle, handle.ready.remote(), now, last_answer_at=now, last_progress_at=now)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_seconds: float = 10.0) -> None:
+        """Kill every replica and wait (bounded) until Ray reports each dead, so that its GPU is free."""
         import ray
 
         for replica in self.replicas.values():
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(replica.handle, no_restart=True)
+        deadline = time.monotonic() + wait_seconds
+        for replica in self.replicas.values():
+            with contextlib.suppress(Exception):  # a dead actor's call raises: what we wait for
+                ray.get(replica.handle.stats.remote(), timeout=max(0.1, deadline - time.monotonic()))
         self.replicas.clear()
 
     # ------------------------------------------------------------------ weights
@@ -415,7 +433,8 @@ class RolloutService:
         """Submit every group the gate allows (rule 1 of ``buffer.py``)."""
         counters = self.counters
         room = 0
-        while may_submit(
+        # Never more than the job trains on: the last steps' gate would reach past the end.
+        while counters.accepted + self._groups_on_the_way() + room < self.total_groups and may_submit(
             accepted_or_on_the_way=counters.accepted + self._groups_on_the_way() + room,
             trainer_version=trainer_version,
             max_staleness=self.max_staleness,
@@ -437,8 +456,16 @@ class RolloutService:
         return sum(1 for o in self._open.values() if o.for_buffer)
 
     def _pump(self, wait_seconds: float) -> None:
-        """Poll every serving replica once (waiting up to ``wait_seconds``) and take what finished."""
+        """Poll every serving replica once (waiting up to ``wait_seconds``) and take what finished.
+
+        Called only while the controller waits for the replicas (the actor is idle then): a
+        replacement that has loaded its model joins here, with the current weights, rather than
+        at the push after the step, which might never come if no replica serves.
+        """
         import ray
+
+        if any(not replica.serving and self._loaded(replica) for replica in list(self.replicas.values())):
+            self.push(self.version)
 
         serving = [r for r in self.replicas.values() if r.serving]
         for replica in serving:
@@ -456,7 +483,7 @@ class RolloutService:
             try:
                 answer = ray.get(ref)
             except Exception as error:  # the process died, or decoding raised
-                self._replace(replica, f"died: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                self._replace(replica, f"died: {failure_summary(error)}")
                 continue
             replica.last_answer_at = now
             stats = answer.stats

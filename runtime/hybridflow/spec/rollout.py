@@ -141,7 +141,7 @@ class RolloutSpec(SpecModel):
         description=(
             "'batch': one generation call per step, split across the rollout's ranks (colocated with "
             "the actor it is the 3D-HybridEngine). 'server' (needs spec.roles.rollout on a pool of its "
-            "own and engine 'torch'): every rollout GPU runs an engine replica that batches requests "
+            "own): every rollout GPU runs an engine replica that batches requests "
             "continuously; the controller routes each prompt to the least-loaded replica, a weight "
             "update pauses the replicas instead of waiting for the longest response, a replay buffer "
             "holds finished groups up to maxStaleness updates old, and a replica that dies or stalls "
@@ -155,7 +155,7 @@ class RolloutSpec(SpecModel):
             "continue with the new weights from where they are (a partial rollout: each token records "
             "the policy version that produced it, and the importance correction uses each token's own "
             "log-prob). 'abort': they stop, and continue on the least-loaded replica after the update, "
-            "their prompt and tokens so far recomputed with the new weights."
+            "their prompt and tokens so far recomputed with the new weights (what vLLM replicas do)."
         ),
     )
     replica_timeout_seconds: int = Field(
@@ -174,7 +174,8 @@ class RolloutSpec(SpecModel):
         le=4096,
         description=(
             "Server mode, engine 'torch': responses a replica decodes at once (rows of its static KV "
-            "cache); a finished response's slot takes the next waiting one."
+            "cache); a finished response's slot takes the next waiting one. vLLM replicas schedule by "
+            "their own KV cache (gpuMemoryUtilization)."
         ),
     )
     dynamic_sampling: DynamicSamplingSpec = Field(
@@ -291,16 +292,19 @@ class RolloutSpec(SpecModel):
 
 ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
     CrossFieldRule[RolloutSpec](
-        name="server-mode-needs-the-torch-engine",
+        name="server-mode-vllm-aborts-on-update",
         node_path="spec.rollout",
-        field_path=".mode",
-        cel="self.mode != 'server' || self.engine == 'torch'",
+        field_path=".onWeightUpdate",
+        cel="self.mode != 'server' || self.engine != 'vllm' || self.onWeightUpdate == 'abort'",
         message=(
-            "serves requests with the torch engine's continuous batcher; set engine 'torch', or mode "
-            "'batch' for vLLM"
+            "must be 'abort' for vLLM replicas: vLLM clears its prefix cache after a weight reload, "
+            "which needs no request running (the responses continue after the update, recomputed "
+            "with the new weights); or use engine 'torch', which keeps them"
         ),
-        holds=lambda rollout: rollout.mode != "server" or rollout.engine == "torch",
-        observed=lambda rollout: f"'server' with engine {rollout.engine!r}",
+        holds=lambda rollout: (
+            rollout.mode != "server" or rollout.engine != "vllm" or rollout.on_weight_update == "abort"
+        ),
+        observed=lambda rollout: f"{rollout.on_weight_update!r} with engine 'vllm' in mode 'server'",
     ),
     CrossFieldRule[RolloutSpec](
         name="server-mode-decodes-eagerly",
