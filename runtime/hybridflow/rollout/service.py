@@ -194,6 +194,7 @@ class RolloutService:
         self._open: dict[str, _Open] = {}
         self._unrouted: list[str] = []  # open requests waiting for a serving replica
         self._direct_done: dict[str, RequestResult] = {}
+        self._submissions: list[tuple[int, Any]] = []  # (replica, ObjectRef of its submit call)
         self._ids = itertools.count()
         self._bridge_members: tuple[int, ...] = ()  # the replicas on the current bridge; () = rebuild
         self._served_stalenesses: list[int] = []
@@ -427,7 +428,7 @@ class RolloutService:
             by_replica.setdefault(replica, []).append(request)
         self._unrouted = []
         for index, requests in by_replica.items():
-            self.replicas[index].handle.submit.remote(requests)
+            self._submissions.append((index, self.replicas[index].handle.submit.remote(requests)))
 
     def _fill(self, trainer_version: int) -> None:
         """Submit every group the gate allows (rule 1 of ``buffer.py``)."""
@@ -466,6 +467,7 @@ class RolloutService:
 
         if any(not replica.serving and self._loaded(replica) for replica in list(self.replicas.values())):
             self.push(self.version)
+        self._check_submissions()
 
         serving = [r for r in self.replicas.values() if r.serving]
         for replica in serving:
@@ -498,6 +500,31 @@ class RolloutService:
                 self.router.finished(result.request.request_id)
                 self._finished(result)
         self._check_health()
+
+    def _check_submissions(self) -> None:
+        """What became of the submit calls: a refused request raises (it would never finish), a
+        replica whose decoding broke is replaced, a dead one is left to the polls."""
+        import ray
+
+        pending = []
+        for index, ref in self._submissions:
+            if ray.wait([ref], timeout=0)[1]:
+                pending.append((index, ref))
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # the replica died: its poll reports it and its requests are routed again
+            except Exception as error:
+                cause = getattr(error, "cause", None) or error
+                if isinstance(cause, ValueError):  # the request itself (a prompt it cannot hold)
+                    raise RuntimeError(
+                        f"rollout replica {index} refused requests: {failure_summary(error)}"
+                    ) from error
+                replica = self.replicas.get(index)
+                if replica is not None and replica.serving:  # its decoding broke: as a poll would say
+                    self._replace(replica, f"died: {failure_summary(error)}")
+        self._submissions = pending
 
     def _check_health(self) -> None:
         now = time.monotonic()
