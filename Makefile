@@ -86,7 +86,7 @@ crds: setup
 
 # Regenerate the chart's Grafana dashboards (a test checks they are current).
 dashboards:
-	$(PYTHON) helm/render_dashboards.py
+	$(PY) helm/render_dashboards.py
 
 # The operator and runtime images (images/*/Dockerfile), where a Docker engine answers.
 IMAGE_TAG ?= 0.1.0

@@ -212,6 +212,30 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                     ),
                 ),
             ),
+            Panel(
+                "Agent turns and trajectory lengths",
+                "spec.agent: model turns per trajectory, trajectory tokens after the prompt, and the "
+                "fraction of them inserted (tool results, observations: masked out of the loss).",
+                (
+                    series("hybridflow_agent_turns_mean", "{{rlhfjob}} turns mean"),
+                    series("hybridflow_agent_turns_max", "{{rlhfjob}} turns max"),
+                    series("hybridflow_agent_trajectory_tokens_mean", "{{rlhfjob}} tokens mean"),
+                    series("hybridflow_agent_trajectory_tokens_max", "{{rlhfjob}} tokens max"),
+                    series("hybridflow_agent_masked_token_ratio", "{{rlhfjob}} masked fraction"),
+                    series("hybridflow_agent_trajectory_timeouts", "{{rlhfjob}} timeouts"),
+                ),
+            ),
+            Panel(
+                "Agent tool calls",
+                "spec.agent: tool calls per trajectory, calls answered with an error, and call latency.",
+                (
+                    series("hybridflow_agent_tool_calls_per_trajectory", "{{rlhfjob}} calls per trajectory"),
+                    series("hybridflow_agent_tool_errors", "{{rlhfjob}} errors"),
+                    series("hybridflow_agent_tool_error_ratio", "{{rlhfjob}} error fraction"),
+                    series("hybridflow_agent_tool_latency_p50_seconds", "{{rlhfjob}} latency p50"),
+                    series("hybridflow_agent_tool_latency_p99_seconds", "{{rlhfjob}} latency p99"),
+                ),
+            ),
         ),
     ),
     Dashboard(

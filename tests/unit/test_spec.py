@@ -395,6 +395,13 @@ _SAFE_RLHF = _all(
     _set("models.cost", {"path": "/m/cost"}),
 )
 
+_SERVER = _all(
+    _set("rollout.mode", "server"),
+    _set("rollout.engine", "torch"),
+    _set("resourcePools", [_pool("default", 1), _pool("generate", 2)]),
+    _set("roles.rollout", "generate"),
+)
+
 # rule name -> a mutation of the defaulted minimal manifest's spec that breaks that rule alone,
 # and a fragment the rule's "(got ...)" must show.
 RULE_CASES: dict[str, tuple[Mutation, str]] = {
@@ -549,6 +556,14 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "rollout 2 * 1, training 1 * 1 with roles.rollout 'generate', engine 'vllm', mode 'batch'",
     ),
+    "tool-loop-needs-tools": (_all(_SERVER, _set("agent.loop", "tools")), "[] with loop 'tools'"),
+    "tool-response-has-a-result": (_set("agent.toolResponseFormat", "<tool>"), "'<tool>'"),
+    "agent-tools-are-known": (_set("agent.tools", ["calculator", "shell"]), "['shell']"),
+    "agent-loop-is-known": (_all(_SERVER, _set("agent.loop", "react")), "'react'"),
+    "multi-turn-needs-server-mode": (
+        _all(_set("agent.loop", "tools"), _set("agent.tools", ["calculator"])),
+        "'tools' with rollout.mode 'batch'",
+    ),
     "server-mode-replica-fits-a-node": (
         _all(
             _set("rollout.mode", "server"),
@@ -681,6 +696,7 @@ def vllm_server_manifest() -> Manifest:
         "onWeightUpdate": "keep",
         "maxStaleness": 2,
     }
+    manifest["spec"]["agent"] = {"loop": "tools", "tools": ["calculator", "python", "my_tools.search:Search"]}
     manifest["spec"]["resourcePools"] = [
         {"name": "train", "gpusPerNode": 2},
         {"name": "generate", "gpusPerNode": 4},

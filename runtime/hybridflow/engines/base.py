@@ -97,11 +97,14 @@ class RolloutOutput:
       with the actor's log-probs; they are *not* the log-probs of the (tempered, truncated)
       distribution the token was drawn from. ``None`` when not asked for.
     * ``finish_reasons[row]``: see :data:`FinishReason`.
+    * ``loss_masks[row][t]`` (multi-turn trajectories only): 1 where the engine generated token
+      ``t``, 0 where it was inserted (a tool result); ``None``: every token was generated.
     """
 
     response_token_ids: list[list[int]]
     finish_reasons: list[FinishReason]
     logprobs: list[list[float]] | None = None
+    loss_masks: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         rows = len(self.response_token_ids)
@@ -115,6 +118,12 @@ class RolloutOutput:
             ):
                 if len(tokens) != len(logprobs):
                     raise ValueError(f"response {row}: {len(tokens)} tokens but {len(logprobs)} logprobs")
+        if self.loss_masks is not None:
+            if len(self.loss_masks) != rows:
+                raise ValueError(f"{len(self.loss_masks)} loss-mask rows for {rows} responses")
+            for row, (tokens, mask) in enumerate(zip(self.response_token_ids, self.loss_masks, strict=True)):
+                if len(tokens) != len(mask):
+                    raise ValueError(f"response {row}: {len(tokens)} tokens but a loss mask of {len(mask)}")
 
     def __len__(self) -> int:
         return len(self.response_token_ids)

@@ -149,6 +149,10 @@ class SampleResult:
     finish_reason: SampleFinish
     sampling_key: int | None = None
     """The sample's key to its random stream (what a continuation draws with)."""
+    loss_mask: list[int] | None = None
+    """A multi-turn trajectory's: 1 where the engine generated the token, 0 where it was inserted."""
+    answer_span: tuple[int, int] | None = None
+    """A multi-turn trajectory's last model turn, ``token_ids[start:end]`` (what its reward reads)."""
 
 
 @dataclass

@@ -4,11 +4,12 @@ The layout (veRL's), for ``B = len(prompts) * n`` rows, prompt width ``P`` and r
 width ``R``::
 
     input_ids       [B, P + R]   pad..pad prompt | response pad..pad
-    attention_mask  [B, P + R]   0 ..  0  1 .. 1 | 1  ..  1  0 .. 0
+    attention_mask  [B, P + R]   0 ..  0  1 .. 1 | 1  ..  1  0 .. 0  (inserted tokens are attended: 1)
     position_ids    [B, P + R]   0 ..  0  0 .. k | k+1 ..    (keeps counting through padding)
     prompts         [B, P]       the left half of input_ids
     responses       [B, R]       the right half of input_ids
-    response_mask   [B, R]       1 where responses holds a generated token (eos included)
+    response_mask   [B, R]       1 where responses holds a generated token (eos included); 0 at padding
+                                 and at tokens a multi-turn trajectory inserted (the loss and KL skip them)
     rollout_log_probs [B, R]     the engine's log-probs, 0 at padding (only when it returned them)
 
 Prompts are left-padded and responses right-padded so that every response starts at column
@@ -73,6 +74,7 @@ def response_tensors(
     prompt_ids = torch.full((rows, max_prompt_len), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((rows, max_prompt_len), dtype=torch.long)
     response_ids = torch.full((rows, max_response_len), pad_id, dtype=torch.long)
+    response_attention = torch.zeros((rows, max_response_len), dtype=torch.long)
     response_mask = torch.zeros((rows, max_response_len), dtype=torch.long)
     log_probs = (
         torch.zeros((rows, max_response_len), dtype=torch.float32) if output.logprobs is not None else None
@@ -94,7 +96,11 @@ def response_tensors(
             prompt_mask[row, max_prompt_len - len(prompt) :] = 1
         if response:
             response_ids[row, : len(response)] = torch.tensor(response, dtype=torch.long)
-            response_mask[row, : len(response)] = 1
+            response_attention[row, : len(response)] = 1
+            if output.loss_masks is not None:
+                response_mask[row, : len(response)] = torch.tensor(output.loss_masks[row], dtype=torch.long)
+            else:
+                response_mask[row, : len(response)] = 1
             if log_probs is not None and output.logprobs is not None:
                 log_probs[row, : len(response)] = torch.tensor(output.logprobs[row], dtype=torch.float32)
 
@@ -103,7 +109,7 @@ def response_tensors(
     response_positions = prompt_mask.sum(dim=-1, keepdim=True) + torch.arange(max_response_len)
     packed = RolloutTensors(
         input_ids=torch.cat([prompt_ids, response_ids], dim=-1),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=-1),
+        attention_mask=torch.cat([prompt_mask, response_attention], dim=-1),
         position_ids=torch.cat([prompt_positions, response_positions], dim=-1),
         prompts=prompt_ids,
         responses=response_ids,

@@ -463,6 +463,88 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "Groups dropped since the attempt started because they outlived maxStaleness in the buffer.",
         "rollout service",
     ),
+    # Multi-turn agents (spec.agent): over the trajectories the step trained on.
+    _gauge(
+        "hybridflow_agent_turns_mean",
+        "turns",
+        "agent/turns_mean",
+        "Model turns per trajectory, mean.",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_turns_max",
+        "turns",
+        "agent/turns_max",
+        "Most model turns of a trajectory.",
+        "agent",
+        combine="max",
+    ),
+    _gauge(
+        "hybridflow_agent_tool_calls_per_trajectory",
+        "calls",
+        "agent/tool_calls_per_trajectory",
+        "Tool calls per trajectory, mean (malformed calls included).",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_tool_errors",
+        "calls",
+        "agent/tool_errors",
+        "Tool calls of the step answered with an error (raised, timed out, unknown tool, malformed, non-text).",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_tool_error_ratio",
+        "ratio",
+        "agent/tool_error_fraction",
+        "Fraction of the step's tool calls answered with an error.",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_tool_latency_p50_seconds",
+        "seconds",
+        "agent/tool_latency_p50_seconds",
+        "Median wall-clock seconds of the step's tool calls (retries included).",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_tool_latency_p99_seconds",
+        "seconds",
+        "agent/tool_latency_p99_seconds",
+        "99th-percentile wall-clock seconds of the step's tool calls.",
+        "agent",
+        combine="max",
+    ),
+    _gauge(
+        "hybridflow_agent_trajectory_tokens_mean",
+        "tokens",
+        "agent/trajectory_tokens_mean",
+        "Tokens after the prompt per trajectory (model and inserted), mean.",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_trajectory_tokens_max",
+        "tokens",
+        "agent/trajectory_tokens_max",
+        "Longest trajectory of the step, in tokens after the prompt.",
+        "agent",
+        combine="max",
+    ),
+    _gauge(
+        "hybridflow_agent_masked_token_ratio",
+        "ratio",
+        "agent/masked_token_fraction",
+        "Fraction of the trajectories' tokens that were inserted (tool results, observations): masked "
+        "out of the loss and the KL.",
+        "agent",
+    ),
+    _gauge(
+        "hybridflow_agent_trajectory_timeouts",
+        "trajectories",
+        "agent/timeouts",
+        "Trajectories of the step that ran past agent.trajectoryTimeoutSeconds.",
+        "agent",
+    ),
     # The train-inference mismatch: the rollout's log-probs against the trainer's before the update
     # (every step; hybridflow.rlmath.rollout_correction), and the correction's weights when one is on.
     _gauge(

@@ -51,6 +51,7 @@ from hybridflow.engines.base import RolloutOutput, SamplingParams
 from hybridflow.engines.continuous import GenerationRequest, RequestResult, continuation_of
 from hybridflow.rollout.buffer import ReplayBuffer, informative, may_submit, staleness_histogram
 from hybridflow.rollout.routing import RequestRouter
+from hybridflow.rollout.trajectories import TrajectoryDriver, TrajectoryStats, trajectory_metrics
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import pack_responses
 from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
@@ -144,6 +145,8 @@ class _Open:
     prompt: Batch
     request: GenerationRequest
     for_buffer: bool
+    turn: bool = False
+    """One model turn of a multi-turn trajectory (its result goes to the trajectory driver)."""
 
 
 @dataclass
@@ -176,6 +179,7 @@ class RolloutService:
         torch_threads: int = 1,
         log: Callable[[str], None] = print,
         setup_timeout_seconds: float = 600.0,
+        trajectories: TrajectoryDriver | None = None,
     ) -> None:
         self.spec = spec
         self.placement = placement
@@ -216,6 +220,8 @@ class RolloutService:
         self._last_replica_rates: dict[int, float] = {}
         self.started_at = ""
         """When :meth:`start` ran (RFC 3339): the operator tells attempts' replacement counts apart by it."""
+        self.trajectories = trajectories
+        self._served_trajectories: list[TrajectoryStats] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -456,9 +462,31 @@ class RolloutService:
         )
         request_id = f"g{next(self._ids)}"
         ids = [int(token) for token in prompt.non_tensors["prompt_token_ids"][0]]
-        self._open[request_id] = _Open(prompt, GenerationRequest(request_id, ids, params), for_buffer)
-        self._unrouted.append(request_id)
+        request = GenerationRequest(request_id, ids, params)
+        self._open[request_id] = _Open(prompt, request, for_buffer)
+        if self.trajectories is None:
+            self._unrouted.append(request_id)
+        else:  # the group's entry stays open until its trajectories end; its turns are routed
+            row = {key: values[0] for key, values in prompt.non_tensors.items()}
+            self._open_turns(prompt, self.trajectories.begin(request, row))
         return request_id
+
+    def _open_turns(self, prompt: Batch, turns: list[GenerationRequest]) -> None:
+        for turn in turns:
+            self._open[turn.request_id] = _Open(prompt, turn, for_buffer=False, turn=True)
+            self._unrouted.append(turn.request_id)
+
+    def _advance_trajectories(self) -> None:
+        """Route the trajectories' next turns; finish the groups whose trajectories all ended."""
+        if self.trajectories is None:
+            return
+        turns, groups = self.trajectories.advance()
+        for turn in turns:
+            group_id = turn.session_id.split("/")[0] if turn.session_id else ""
+            self._open_turns(self._open[group_id].prompt, [turn])
+        for result in groups:
+            self._finished(result)
+        self._route_unrouted()
 
     def _route_unrouted(self) -> None:
         if not self.router.replicas or not self._unrouted:
@@ -541,6 +569,7 @@ class RolloutService:
             for result in answer.finished:
                 self.router.finished(result.request.request_id)
                 self._finished(result)
+        self._advance_trajectories()
         self._check_health()
 
     def _check_submissions(self) -> None:
@@ -622,6 +651,10 @@ class RolloutService:
 
     def _finished(self, result: RequestResult) -> None:
         opened = self._open.pop(result.request.request_id)
+        if opened.turn:
+            assert self.trajectories is not None
+            self.trajectories.turn_finished(result)
+            return
         if not opened.for_buffer:
             self._direct_done[result.request.request_id] = result
             return
@@ -652,8 +685,11 @@ class RolloutService:
         taken = self.buffer.take(self.groups_per_step, trainer_version)
         self._served_stalenesses = []
         self._served_spans = []
+        self._served_trajectories = []
         for group in taken:
             _, result = group.payload
+            if isinstance(result.request.tag, list):
+                self._served_trajectories += result.request.tag
             for sample in result.samples:
                 versions = sample.versions or [self.version]
                 self._served_stalenesses.append(trainer_version - min(versions))
@@ -685,10 +721,21 @@ class RolloutService:
         prompts = Batch.concat([prompt for prompt, _ in groups])
         samples = [sample for _, result in groups for sample in result.samples]
         n = len(groups[0][1].samples)
+        multi_turn = all(s.loss_mask is not None for s in samples)
         output = RolloutOutput(
             [s.token_ids for s in samples],
             ["stop" if s.finish_reason == "stop" else "length" for s in samples],
             [s.logprobs for s in samples],
+            [cast(list[int], s.loss_mask) for s in samples] if multi_turn else None,
+        )
+        # A trajectory's reward reads its last model turn, not the tool results before it.
+        texts = (
+            self.tokenizer.batch_decode(
+                [s.token_ids[slice(*(s.answer_span or (0, len(s.token_ids))))] for s in samples],
+                skip_special_tokens=True,
+            )
+            if multi_turn
+            else None
         )
         prompt_ids = [[int(t) for t in ids] for ids in prompts.non_tensors["prompt_token_ids"]]
         responses = pack_responses(
@@ -700,6 +747,7 @@ class RolloutService:
             output,
             n,
             policy_version=0,
+            texts=texts,
         )
         oldest = torch.tensor(
             [min(s.versions) if s.versions else self.version for s in samples], dtype=torch.int64
@@ -709,7 +757,7 @@ class RolloutService:
     def step_metrics(self) -> dict[str, float]:
         """The rollout's metrics for the step just served (and the service's counters)."""
         counters = self.counters
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = trajectory_metrics(self._served_trajectories)
         if self._served_stalenesses:
             metrics.update(staleness_histogram(self._served_stalenesses, self.max_staleness))
             spans = self._served_spans

@@ -15,6 +15,7 @@ from typing import Any, Literal, Self, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
+from hybridflow.spec.agent import AGENT_RULES, AgentSpec
 from hybridflow.spec.algorithm import (
     ALGORITHM_RULES,
     CRITIC_ALGORITHMS,
@@ -64,6 +65,10 @@ class RLHFJobSpec(SpecModel):
     )
     training: TrainingSpec = Field(
         description="Steps, batch sizes, optimizer and training-time parallelism.",
+    )
+    agent: AgentSpec = Field(
+        default=AgentSpec(),
+        description="The agent loop of each trajectory: one turn (the default), tool calling, or a plugin.",
     )
     rewards: tuple[RewardFunctionSpec, ...] = Field(
         default=(),
@@ -213,6 +218,7 @@ class RLHFJobSpec(SpecModel):
             *broken_rules(self.algorithm.kl, KL_RULES),
             *broken_rules(self.algorithm, ALGORITHM_RULES),
             *broken_rules(self.rollout, ROLLOUT_RULES),
+            *broken_rules(self.agent, AGENT_RULES),
             *broken_rules(self.training, TRAINING_RULES),
             *broken_rules(self, SPEC_RULES),
         ]
@@ -764,6 +770,18 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         ),
     ),
     CrossFieldRule[RLHFJobSpec](
+        name="multi-turn-needs-server-mode",
+        node_path="spec",
+        field_path=".agent.loop",
+        cel="self.agent.loop == 'single-turn' || self.rollout.mode == 'server'",
+        message=(
+            "runs its turns in the rollout service, where each trajectory advances on its own: set "
+            "spec.rollout.mode 'server' (on a rollout pool of its own), or loop 'single-turn'"
+        ),
+        holds=lambda spec: not spec.agent.multi_turn or spec.rollout.mode == "server",
+        observed=lambda spec: f"{spec.agent.loop!r} with rollout.mode {spec.rollout.mode!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
         name="dynamic-sampling-needs-groups",
         node_path="spec",
         field_path=".rollout.dynamicSampling.enabled",
@@ -859,6 +877,7 @@ VALIDATION_RULES: tuple[CrossFieldRule[Any], ...] = (
     *KL_RULES,
     *ALGORITHM_RULES,
     *ROLLOUT_RULES,
+    *AGENT_RULES,
     *TRAINING_RULES,
     *SPEC_RULES,
 )

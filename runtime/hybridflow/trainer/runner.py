@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from hybridflow.agents.loop import load_agent_loop
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
 from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
 from hybridflow.algorithms.state import AlgorithmState
@@ -49,6 +50,7 @@ from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.rollout.service import RolloutService, ServedRollout
+from hybridflow.rollout.trajectories import TrajectoryDriver
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.overlap import IN_FLIGHT_FILE, RolloutPipeline, load_in_flight, save_in_flight
 from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
@@ -356,6 +358,18 @@ def rollout_service(
     def prompts_for(count: int) -> Batch:
         return Batch.from_dict(sampler.next_batch(count).to_batch_fields(), meta={"samples": samples})
 
+    loop = load_agent_loop(spec.agent)
+    trajectories = (
+        None
+        if loop is None
+        else TrajectoryDriver(
+            spec.agent,
+            loop,
+            encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+            budget=spec.rollout.max_response_tokens,
+        )
+    )
     service = RolloutService(
         spec,
         placement=placement,
@@ -367,9 +381,12 @@ def rollout_service(
         score=lambda batch: scorer.scores(batch)[0],
         torch_threads=pool.threads_per_worker,
         log=log,
+        trajectories=trajectories,
     )
     try:
         yield service
     finally:
         service.shutdown()
+        if trajectories is not None:
+            trajectories.close()
         placement.release()

@@ -309,10 +309,13 @@ def pack_responses(
     samples: int,
     *,
     policy_version: int,
+    texts: list[str] | None = None,
 ) -> Batch:
     """The training layout of a rollout (:func:`response_tensors`) plus each prompt's fields, repeated per sample.
 
     ``policy_version`` (the actor updates behind the weights that generated it) goes on every row.
+    ``texts`` replaces the decoded responses as ``response_text`` (what rewards read): a
+    multi-turn trajectory's last model turn rather than its whole tail with the tool results.
     """
     tensors = response_tensors(
         prompt_ids,
@@ -323,7 +326,8 @@ def pack_responses(
     )
     repeat = np.repeat(np.arange(len(prompts)), samples)
     per_prompt = {k: prompts.non_tensors[k][repeat] for k in PROMPT_FIELDS if k in prompts.non_tensors}
-    texts = tokenizer.batch_decode(output.response_token_ids, skip_special_tokens=True)
+    if texts is None:
+        texts = tokenizer.batch_decode(output.response_token_ids, skip_special_tokens=True)
     return Batch.from_dict(
         {
             **{k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)},

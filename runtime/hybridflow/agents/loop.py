@@ -1,0 +1,142 @@
+"""Agent loops: what happens between two model turns of a trajectory.
+
+The rollout service (``hybridflow.rollout.service``) owns the trajectory's tokens and generates
+every model turn; after each one it asks the job's agent loop what comes next, on a thread of
+its own (a loop may block: tools take seconds), and applies the answer:
+
+* :class:`Finish`: the trajectory ends here (the model answered);
+* :class:`Insert`: text to append as a turn the model did not write (tool results, an
+  environment's observation), encoded once and masked out of the loss and the KL; then the
+  model's next turn.
+
+The API a plugin (``spec.agent.loop: package.module:Loop``) implements is :class:`AgentLoop`:
+a class constructed with the job's :class:`~hybridflow.spec.agent.AgentSpec`, whose
+``after_turn(context)`` returns one of the two. The service enforces the limits whatever the
+loop says: ``maxTurns`` model turns, the response budget (``rollout.maxResponseTokens`` for all
+tokens after the prompt), and ``trajectoryTimeoutSeconds``.
+
+:class:`ToolCallingLoop` (``loop: tools``) parses tool calls with the job's parser, runs them
+(:func:`~hybridflow.agents.tools.call_tool`: timeouts, retries, errors as text), and inserts
+their results in ``agent.toolResponseFormat``; a turn without a call is the answer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hybridflow.agents.sandbox import SandboxLimits
+from hybridflow.agents.tool_calls import load_parser
+from hybridflow.agents.tools import Tool, ToolOutcome, call_tool, load_tools
+from hybridflow.spec.agent import AgentSpec
+
+__all__ = [
+    "AgentLoop",
+    "Finish",
+    "Insert",
+    "ToolCallingLoop",
+    "TurnContext",
+    "load_agent_loop",
+    "sandbox_limits",
+]
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What a loop sees after a model turn."""
+
+    turn: int
+    """Model turns so far, this one included (1 after the first)."""
+    text: str
+    """This model turn, decoded for reading (the trajectory keeps the engine's token ids)."""
+    row: Mapping[str, Any]
+    """The prompt's dataset fields (``prompt``, ``ground_truth``, ``data_source``, ...)."""
+    tokens_left: int
+    """Response tokens the trajectory may still take (inserted and generated alike)."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str = "answer"
+
+
+@dataclass(frozen=True)
+class Insert:
+    text: str
+    tool_calls: list[ToolOutcome] = field(default_factory=list)
+    """The calls this turn made (for the metrics: calls, errors, latency)."""
+
+
+class AgentLoop(Protocol):
+    """The plugin API (see the module docstring). Called from several threads, one trajectory per call."""
+
+    def after_turn(self, context: TurnContext) -> Finish | Insert: ...
+
+
+def sandbox_limits(spec: AgentSpec) -> SandboxLimits:
+    sandbox = spec.sandbox
+    return SandboxLimits(
+        wall_seconds=sandbox.wall_seconds,
+        cpu_seconds=sandbox.cpu_seconds,
+        memory_bytes=sandbox.memory_mib * 2**20,
+        processes=sandbox.processes,
+        output_bytes=sandbox.output_kib * 2**10,
+        file_bytes=64 * sandbox.output_kib * 2**10,
+    )
+
+
+class ToolCallingLoop:
+    """``loop: tools``: parse, call, insert the results; no call is the answer."""
+
+    def __init__(self, spec: AgentSpec, tools: Mapping[str, Tool] | None = None) -> None:
+        self.spec = spec
+        self.parse = load_parser(spec.tool_parser)
+        self.tools = dict(tools) if tools is not None else load_tools(spec.tools, sandbox_limits(spec))
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool-call")
+
+    def after_turn(self, context: TurnContext) -> Finish | Insert:
+        parsed = self.parse(context.text)
+        if not parsed.wants_tools:
+            return Finish("answer")
+        outcomes = [
+            call_tool(
+                self.tools,
+                call.name,
+                call.arguments,
+                timeout_seconds=self.spec.tool_timeout_seconds,
+                retries=self.spec.tool_retries,
+                pool=self._calls,
+            )
+            for call in parsed.calls
+        ]
+        outcomes += [ToolOutcome(message, False, 0.0, 0) for message in parsed.errors]
+        results = "\n".join(outcome.text for outcome in outcomes)
+        return Insert(self.spec.tool_response_format.replace("{result}", results), outcomes)
+
+
+def load_agent_loop(spec: AgentSpec) -> AgentLoop | None:
+    """The job's loop: ``None`` for single-turn, the built-in, or the plugin the import path names."""
+    if spec.loop == "single-turn":
+        return None
+    if spec.loop == "tools":
+        return ToolCallingLoop(spec)
+    module_name, _, attribute = spec.loop.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"spec.agent.loop: {spec.loop!r}: module {module_name!r} could not be imported ({error})"
+        ) from error
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(
+                f"spec.agent.loop: {spec.loop!r}: {module_name!r} has no attribute {attribute!r}"
+            )
+        target = getattr(target, part)
+    loop = target(spec) if isinstance(target, type) else target
+    if not callable(getattr(loop, "after_turn", None)):
+        raise ValueError(f"spec.agent.loop: {spec.loop!r} has no after_turn(context) method (docs/agents.md)")
+    return loop
