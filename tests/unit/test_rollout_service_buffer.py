@@ -10,11 +10,15 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
+from hybridflow.agents.loop import Finish, Insert, TurnContext
 from hybridflow.controller import Batch
 from hybridflow.engines.continuous import RequestResult, SampleResult
 from hybridflow.models.tiny import write_tiny_model
+from hybridflow.rewards.rules import environment_reward
 from hybridflow.rollout.service import RolloutService
+from hybridflow.rollout.trajectories import TrajectoryDriver
 from hybridflow.spec import load_job_manifest
+from hybridflow.spec.agent import AgentSpec
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +30,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def service(model_dir: Path, tmp_path: Path, rewards: list[list[float]], **rollout: Any) -> RolloutService:
+def service(
+    model_dir: Path,
+    tmp_path: Path,
+    rewards: list[list[float]],
+    trajectories: TrajectoryDriver | None = None,
+    **rollout: Any,
+) -> RolloutService:
     """A service over no replicas (nothing is routed); ``rewards`` are the scores of the groups in order."""
     doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-server.yaml").read_text())
     doc["spec"]["models"] = {"actor": {"path": str(model_dir)}}
@@ -49,6 +59,7 @@ def service(model_dir: Path, tmp_path: Path, rewards: list[list[float]], **rollo
         prompts_for=lambda count: prompts(count),
         score=lambda batch: torch.tensor(next(scores)),
         log=lambda line: None,
+        trajectories=trajectories,
     )
 
 
@@ -110,3 +121,47 @@ def test_a_step_gets_the_oldest_groups_packed_with_their_oldest_token_version(
     assert responses.tensors["policy_version"].tolist() == [0] * 8 + [1] * 8  # oldest groups first
     assert svc.step_metrics()["staleness/samples/2"] == 8
     assert len(svc.buffer) == 1
+
+
+class Episode:
+    """An environment: one observation after the first turn, then a score."""
+
+    def after_turn(self, context: TurnContext) -> Finish | Insert:
+        return Insert("OBS") if context.turn == 1 else Finish("answer", reward=0.75)
+
+
+def test_a_multi_turn_step_is_packed_token_exact_with_its_inserted_tokens_masked_and_its_score(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    driver = TrajectoryDriver(
+        AgentSpec(loop="tools", tools=("calculator",)),
+        Episode(),
+        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        decode=lambda ids: str(tokenizer.decode(ids)),
+        budget=16,
+    )
+    svc = service(model_dir, tmp_path, [], trajectories=driver, maxResponseTokens=16, maxStaleness=0)
+    svc._fill(trainer_version=0)
+    while any(opened.turn for opened in svc._open.values()) or driver.running:
+        for opened in list(svc._open.values()):
+            if opened.turn:
+                # "AB" first; "CDE" after the observation ("OBS" ends with 83)
+                ids = [67, 68, 69] if opened.request.prompt_token_ids[-1] == 83 else [65, 66]
+                svc._finished(
+                    RequestResult(
+                        opened.request, [SampleResult(ids, [-1.0] * len(ids), [0] * len(ids), "stop")]
+                    )
+                )
+        svc._advance_trajectories()
+    _, responses = svc.next_batch(trainer_version=0)
+    obs = list(tokenizer.encode("OBS", add_special_tokens=False))
+    row = responses.tensors["responses"][0, :8].tolist()
+    assert row == [65, 66, *obs, 67, 68, 69]
+    assert responses.tensors["response_mask"][0, :9].tolist() == [1, 1, 0, 0, 0, 1, 1, 1, 0]
+    assert responses.tensors["attention_mask"][0, -16:-7].tolist() == [1] * 8 + [0]
+    assert responses.non_tensors["response_text"][0] == "CDE"  # the last model turn: what rewards read
+    info = responses.non_tensors["extra_info"][0]
+    assert info["agent"]["turns"] == 2 and environment_reward("x", "CDE", "a", info) == 0.75
+    metrics = svc.step_metrics()
+    assert metrics["agent/turns_mean"] == 2 and metrics["agent/masked_token_fraction"] == pytest.approx(3 / 8)

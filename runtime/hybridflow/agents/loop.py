@@ -4,7 +4,7 @@ The rollout service (``hybridflow.rollout.service``) owns the trajectory's token
 every model turn; after each one it asks the job's agent loop what comes next, on a thread of
 its own (a loop may block: tools take seconds), and applies the answer:
 
-* :class:`Finish`: the trajectory ends here (the model answered);
+* :class:`Finish`: the trajectory ends here (the model answered; an environment may score it);
 * :class:`Insert`: text to append as a turn the model did not write (tool results, an
   environment's observation), encoded once and masked out of the loss and the KL; then the
   model's next turn.
@@ -61,6 +61,9 @@ class TurnContext:
 @dataclass(frozen=True)
 class Finish:
     reason: str = "answer"
+    reward: float | None = None
+    """An environment's score of the episode: the built-in reward function ``environment`` returns
+    it, and every reward function finds it in ``extra_info["agent"]["reward"]``."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_seconds: list[float] = field(default_factory=list)
+    reward: float | None = None
+    """The score the loop gave when it finished the trajectory (an environment's), if any."""
     finish_reason: str | None = None
     """``None`` while running; then ``answer``, ``max_turns``, ``budget``, ``timeout`` or the loop's reason."""
 

@@ -186,7 +186,17 @@ def first_char_reward(
     return 1.0 if stripped[:1] == ground_truth else 0.0
 
 
+def environment_reward(
+    data_source: str, response: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None
+) -> float:
+    """A multi-turn trajectory's score from its environment (``Finish(reward=...)`` of the agent loop); 0 without one."""
+    agent = (extra_info or {}).get("agent") or {}
+    reward = agent.get("reward")
+    return float(reward) if reward is not None else 0.0
+
+
 RULE_REWARDS: dict[str, RewardFunction] = {
+    "environment": environment_reward,
     "gsm8k": gsm8k_reward,
     "copy": copy_reward,
     "count_char": count_char_reward,

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from hybridflow.controller import Batch, WorkerGroup
@@ -752,7 +753,17 @@ class RolloutService:
         oldest = torch.tensor(
             [min(s.versions) if s.versions else self.version for s in samples], dtype=torch.int64
         )
-        return prompts.with_meta(samples=n), responses.with_fields(policy_version=oldest)
+        responses = responses.with_fields(policy_version=oldest)
+        stats = [
+            s for _, result in groups if isinstance(result.request.tag, list) for s in result.request.tag
+        ]
+        if len(stats) == len(samples):  # multi-turn: each row's trajectory, for the reward functions
+            extra = np.empty(len(samples), dtype=object)
+            infos = responses.non_tensors.get("extra_info", [None] * len(samples))
+            for row, (info, trajectory) in enumerate(zip(infos, stats, strict=True)):
+                extra[row] = {**(info or {}), "agent": trajectory.as_extra_info()}
+            responses = responses.with_fields(extra_info=extra)
+        return prompts.with_meta(samples=n), responses
 
     def step_metrics(self) -> dict[str, float]:
         """The rollout's metrics for the step just served (and the service's counters)."""

@@ -50,6 +50,17 @@ class TrajectoryStats:
     response_tokens: int
     masked_tokens: int
     finish_reason: str
+    reward: float | None = None
+
+    def as_extra_info(self) -> dict[str, Any]:
+        """What reward functions find in ``extra_info["agent"]``."""
+        return {
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "finish_reason": self.finish_reason,
+            "reward": self.reward,
+        }
 
 
 @dataclass
@@ -170,6 +181,7 @@ class TrajectoryDriver:
         sample.pending = None
         if isinstance(action, Finish):
             trajectory.finish_reason = action.reason
+            trajectory.reward = action.reward
             return None
         trajectory.tool_calls += len(action.tool_calls)
         trajectory.tool_errors += sum(not outcome.ok for outcome in action.tool_calls)
@@ -233,6 +245,7 @@ class TrajectoryDriver:
                     len(trajectory.token_ids),
                     trajectory.masked_tokens,
                     reason,
+                    trajectory.reward,
                 )
             )
         return RequestResult(replace(group.request, tag=stats), samples)
