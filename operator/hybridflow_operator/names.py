@@ -71,6 +71,8 @@ class ChildNames:
     role_binding: str
     network_policy: str
     """Admits to the job's Ray pods only the job's own pods (and KubeRay, and metrics scrapes)."""
+    sandbox_network_policy: str
+    """Lets the sandbox pods (``spec.agent``) reach the job's own pods and DNS, nothing else."""
 
 
 def child_names(job_name: str) -> ChildNames:
@@ -83,6 +85,9 @@ def child_names(job_name: str) -> ChildNames:
         role=controller,
         role_binding=controller,
         network_policy=_shorten(job_name, "-ray", MAX_OBJECT_NAME_LENGTH, job_name, rewritten=False),
+        sandbox_network_policy=_shorten(
+            job_name, "-sandbox", MAX_OBJECT_NAME_LENGTH, job_name, rewritten=False
+        ),
     )
 
 

@@ -134,11 +134,36 @@ def manifest(tiny: Path, out: Path, **agent: Any) -> Path:
 def test_an_agentic_job_trains_on_its_trajectories(tiny: Path, tmp_path: Path, loop: str) -> None:
     out = tmp_path / "agent"
     path = manifest(tiny, out, loop=loop, maxTurnTokens=8)
-    summary = run_training(load_job_manifest(path).spec, simulated=True, on_step=lambda line: None)
+    said: list[str] = []
+    summary = run_training(load_job_manifest(path).spec, simulated=True, on_step=said.append)
     assert summary.last_step == 2
+    assert any(line.startswith("sandbox workers: 2;") for line in said) == (loop == "tools")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert row["agent/turns_mean"] >= 1 and row["agent/trajectory_tokens_mean"] > 0
         if loop != "tools":  # every turn but the last answered with an observation, masked
             assert row["agent/turns_mean"] == 3 and row["agent/masked_token_fraction"] > 0
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_sandbox_workers_run_calls_and_a_killed_one_is_an_error_then_restarted() -> None:
+    """The python tool's calls on the job's sandbox workers (``agents/sandbox_pool.py``)."""
+    import ray
+
+    from hybridflow.agents.sandbox import SandboxLimits
+    from hybridflow.agents.sandbox_pool import SandboxPool
+
+    pool = SandboxPool(1, in_cluster=False)
+    try:
+        limits = SandboxLimits(wall_seconds=20.0)
+        assert pool.run("print(6 * 7)", limits).stdout == "42\n"
+        assert all(applied is not None and applied.landlock_abi >= 1 for applied in pool.isolation())
+        ray.kill(pool._workers[0], no_restart=False)  # the pod died: Ray starts the worker again
+        first = pool.run("print('after')", limits)
+        if not first.ok:  # the call met the dead worker: an error for the model, not an exception
+            assert first.outcome == "sandbox_error" and "sandbox worker 0" in first.stderr
+            first = pool.run("print('after')", limits)
+        assert first.ok and first.stdout == "after\n"
+    finally:
+        pool.shutdown()

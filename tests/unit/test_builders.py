@@ -471,12 +471,14 @@ def test_builders_are_deterministic(name: str) -> None:
     first, second = children(name), children(name)
     assert first == second
     assert yaml.safe_dump_all(first, sort_keys=False) == yaml.safe_dump_all(second, sort_keys=False)
+    sandbox_policy = ["NetworkPolicy"] if JOBS[name]().spec.agent.sandbox_workers else []
     assert [child["kind"] for child in first] == [
         "ConfigMap",
         "ServiceAccount",
         "Role",
         "RoleBinding",
         "NetworkPolicy",
+        *sandbox_policy,
         "RayJob",
     ]
 
@@ -770,3 +772,36 @@ def test_the_network_policy_admits_only_the_job_kuberay_and_metrics_scrapes() ->
     head_ports = {p["containerPort"] for c in pods[0]["spec"]["containers"] for p in c.get("ports", [])}
     assert head_ports >= {6379, 8265, 10001, 8081}  # the ports the policy guards are the head's
     assert rayjob["rayClusterSpec"]["authOptions"] == {"mode": "token"}  # and Ray's token on them
+
+
+def test_sandbox_workers_are_a_restricted_cpu_group_whose_egress_reaches_only_the_job() -> None:
+    """spec.agent with the python tool: a worker group 'sandbox' of CPU pods that advertise the
+    sandbox resource, and a NetworkPolicy that limits their egress to the job's pods and DNS."""
+    built = children("grpo-tiny-agent.yaml")
+    rayjob = next(child for child in built if child["kind"] == "RayJob")["spec"]["rayClusterSpec"]
+    (group,) = [g for g in rayjob["workerGroupSpecs"] if g["groupName"] == "sandbox"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
+    assert group["rayStartParams"] == {"num-cpus": "1", "resources": "'{\"hybridflow-sandbox\":1}'"}
+    pod = group["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"cpu": "1", "memory": "2Gi"}
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert pod["automountServiceAccountToken"] is False
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    policies = [child for child in built if child["kind"] == "NetworkPolicy"]
+    (sandbox,) = [p for p in policies if p["metadata"]["name"].endswith("-sandbox")]
+    assert _selects(sandbox["spec"]["podSelector"], group["template"]["metadata"]["labels"])
+    head = rayjob["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert not _selects(sandbox["spec"]["podSelector"], head)  # the controller keeps its egress
+    assert sandbox["spec"]["policyTypes"] == ["Egress"]
+    own, dns = sandbox["spec"]["egress"]
+    assert _selects(own["to"][0]["podSelector"], head) and [p["port"] for p in dns["ports"]] == [53, 53]
+    # No code-running tool, or no workers: no sandbox group and no second policy.
+    manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny-agent.yaml").read_text())
+    manifest["spec"]["agent"]["tools"] = ["calculator"]
+    job = parse_job_manifest(in_cluster(manifest), "calculator-only")
+    plain = build_children(job, JobRef.of(job), attempt=1, defaults=DEFAULTS)
+    assert sum(child["kind"] == "NetworkPolicy" for child in plain) == 1
+    plain_rayjob = next(child for child in plain if child["kind"] == "RayJob")["spec"]["rayClusterSpec"]
+    assert [g["groupName"] for g in plain_rayjob["workerGroupSpecs"]] == ["train", "generate"]

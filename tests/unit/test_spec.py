@@ -560,6 +560,17 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "tool-response-has-a-result": (_set("agent.toolResponseFormat", "<tool>"), "'<tool>'"),
     "agent-tools-are-known": (_set("agent.tools", ["calculator", "shell"]), "['shell']"),
     "agent-loop-is-known": (_all(_SERVER, _set("agent.loop", "react")), "'react'"),
+    "sandbox-group-name-is-free": (
+        _all(
+            _set("rollout.mode", "server"),
+            _set("rollout.engine", "torch"),
+            _set("resourcePools", [_pool("default", 1), _pool("sandbox", 2)]),
+            _set("roles.rollout", "sandbox"),
+            _set("agent.loop", "tools"),
+            _set("agent.tools", ["python"]),
+        ),
+        "['default', 'sandbox']",
+    ),
     "multi-turn-needs-server-mode": (
         _all(_set("agent.loop", "tools"), _set("agent.tools", ["calculator"])),
         "'tools' with rollout.mode 'batch'",

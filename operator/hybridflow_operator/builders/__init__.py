@@ -14,7 +14,7 @@ from typing import Any
 from hybridflow.spec import RLHFJob
 from hybridflow_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_PATH, CONFIG_PATH, build_configmap
 from hybridflow_operator.builders.metadata import JobRef, owner_reference
-from hybridflow_operator.builders.network_policy import build_network_policy
+from hybridflow_operator.builders.network_policy import build_network_policy, build_sandbox_network_policy
 from hybridflow_operator.builders.rayjob import (
     ENTRYPOINT,
     RayJobDefaults,
@@ -37,6 +37,7 @@ __all__ = [
     "build_rayjob",
     "build_role",
     "build_role_binding",
+    "build_sandbox_network_policy",
     "build_service_account",
     "owner_reference",
     "pool_resource_name",
@@ -64,6 +65,7 @@ def build_children(
         build_role(owner),
         build_role_binding(owner),
         build_network_policy(owner, kuberay_pod_labels=dict(defaults.kuberay_pod_labels)),
+        *([build_sandbox_network_policy(owner)] if job.spec.agent.sandbox_workers else []),
         build_rayjob(
             job,
             owner,

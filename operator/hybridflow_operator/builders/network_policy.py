@@ -12,7 +12,9 @@ they all carry the job's labels) and admits ingress from:
   figures, not control.
 
 Egress is left open: the controller talks to the API server and the job may read its data
-from wherever the user put it. A cluster whose network plugin does not enforce NetworkPolicy
+from wherever the user put it. Except from the sandbox pods, which run the model's code (the
+``python`` tool of ``spec.agent``): :func:`build_sandbox_network_policy` lets them reach the
+job's own pods (Ray's traffic) and the cluster's DNS, and nothing else. A cluster whose network plugin does not enforce NetworkPolicy
 ignores the object; Ray's token authentication (``authOptions`` on the RayJob's cluster,
 ``hybridflow_operator.builders.rayjob``) guards the same ports there.
 """
@@ -22,13 +24,38 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridflow_operator.builders.metadata import JobRef, child_metadata, job_labels
+from hybridflow.spec.agent import SANDBOX_GROUP
+from hybridflow_operator.builders.metadata import POOL_LABEL, JobRef, child_metadata, job_labels
 from hybridflow_operator.names import child_names
 
 NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
 RAY_DASHBOARD_PORT = 8265
 METRICS_PORTS = (8080, 8081)
 """Ray's own metrics (KubeRay's ``metrics`` port) and the controller's ``hf-metrics``."""
+
+
+def build_sandbox_network_policy(owner: JobRef) -> dict[str, Any]:
+    """Egress of ``owner``'s sandbox pods: the job's own pods and DNS only (see the module docstring)."""
+    own_pods = {"matchLabels": job_labels(owner)}
+    sandbox_pods = {"matchLabels": {**job_labels(owner), POOL_LABEL: SANDBOX_GROUP}}
+    return {
+        "apiVersion": NETWORK_POLICY_API_VERSION,
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(child_names(owner.name).sandbox_network_policy, owner),
+        "spec": {
+            "podSelector": sandbox_pods,
+            "policyTypes": ["Egress"],
+            "egress": [
+                {"to": [{"podSelector": own_pods}]},
+                {
+                    "to": [
+                        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+                    ],
+                    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                },
+            ],
+        },
+    }
 
 
 def build_network_policy(owner: JobRef, *, kuberay_pod_labels: Mapping[str, str]) -> dict[str, Any]:

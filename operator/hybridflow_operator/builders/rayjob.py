@@ -71,6 +71,7 @@ from decimal import Decimal
 from typing import Any
 
 from hybridflow.spec import ResourcePoolSpec, RLHFJob, RLHFJobSpec
+from hybridflow.spec.agent import SANDBOX_GROUP, SANDBOX_RESOURCE
 from hybridflow.spec.security import ContainerSecurityOverride
 from hybridflow_operator.builders.configmap import CONFIG_MOUNT_PATH, CONFIG_PATH
 from hybridflow_operator.builders.metadata import (
@@ -444,6 +445,50 @@ def _worker_group(
     }
 
 
+def _sandbox_group(spec: RLHFJobSpec, owner: JobRef, attempt: int, image: str) -> dict[str, Any]:
+    """The sandbox workers of ``spec.agent`` (``hybridflow.agents.sandbox_pool``): CPU pods that run tool code.
+
+    Each advertises one unit of the Ray resource the sandbox workers ask for, so that nothing
+    else is placed there and they land nowhere else; restricted like every pod of the job, with
+    no service-account token, no volume of the job's, and egress limited to the job's own pods
+    and DNS (``builders.network_policy.build_sandbox_network_policy``).
+    """
+    sandbox = spec.agent.sandbox
+    resources = {"cpu": str(sandbox.cpus_per_worker), "memory": sandbox.memory_per_worker}
+    container = {
+        "name": WORKER_CONTAINER,
+        "image": image,
+        "env": _ray_container_env(),
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": _scratch_mounts(),
+        "securityContext": restricted_container_security_context(),
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": _scratch_volumes(),
+    }
+    _with_pod_settings(spec, pod_spec)
+    workers = spec.agent.sandbox_workers
+    return {
+        "groupName": SANDBOX_GROUP,
+        "replicas": workers,
+        "minReplicas": workers,
+        "maxReplicas": workers,
+        "rayStartParams": {
+            "num-cpus": str(sandbox.cpus_per_worker),
+            "resources": ray_resources_param({SANDBOX_RESOURCE: 1}),
+        },
+        "template": {
+            "metadata": _pod_metadata(
+                spec,
+                _pod_labels(spec, owner, attempt, {NODE_TYPE_LABEL: "worker", POOL_LABEL: SANDBOX_GROUP}),
+            ),
+            "spec": pod_spec,
+        },
+    }
+
+
 def _submitter_template(spec: RLHFJobSpec, owner: JobRef, attempt: int, image: str) -> dict[str, Any]:
     """KubeRay's submitter pod (``ray job submit`` against the head), restricted like the others.
 
@@ -523,7 +568,8 @@ def build_rayjob(
         "authOptions": {"mode": "token"},
         "headGroupSpec": _head_group(spec, owner, attempt, image, defaults),
         "workerGroupSpecs": [
-            _worker_group(spec, pool, owner, attempt, image) for pool in spec.resource_pools
+            *(_worker_group(spec, pool, owner, attempt, image) for pool in spec.resource_pools),
+            *([_sandbox_group(spec, owner, attempt, image)] if spec.agent.sandbox_workers else []),
         ],
     }
     metadata = child_metadata(rayjob_name(owner.name, attempt), owner, labels)

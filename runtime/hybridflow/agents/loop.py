@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hybridflow.agents.sandbox import SandboxLimits
+from hybridflow.agents.sandbox import SandboxLimits, run_python
 from hybridflow.agents.tool_calls import load_parser
-from hybridflow.agents.tools import Tool, ToolOutcome, call_tool, load_tools
+from hybridflow.agents.tools import SandboxRunner, Tool, ToolOutcome, call_tool, load_tools
 from hybridflow.spec.agent import AgentSpec
 
 __all__ = [
@@ -94,10 +94,14 @@ def sandbox_limits(spec: AgentSpec) -> SandboxLimits:
 class ToolCallingLoop:
     """``loop: tools``: parse, call, insert the results; no call is the answer."""
 
-    def __init__(self, spec: AgentSpec, tools: Mapping[str, Tool] | None = None) -> None:
+    def __init__(
+        self, spec: AgentSpec, tools: Mapping[str, Tool] | None = None, runner: SandboxRunner = run_python
+    ) -> None:
         self.spec = spec
         self.parse = load_parser(spec.tool_parser)
-        self.tools = dict(tools) if tools is not None else load_tools(spec.tools, sandbox_limits(spec))
+        self.tools = (
+            dict(tools) if tools is not None else load_tools(spec.tools, sandbox_limits(spec), runner)
+        )
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool-call")
 
     def after_turn(self, context: TurnContext) -> Finish | Insert:
@@ -120,12 +124,15 @@ class ToolCallingLoop:
         return Insert(self.spec.tool_response_format.replace("{result}", results), outcomes)
 
 
-def load_agent_loop(spec: AgentSpec) -> AgentLoop | None:
-    """The job's loop: ``None`` for single-turn, the built-in, or the plugin the import path names."""
+def load_agent_loop(spec: AgentSpec, runner: SandboxRunner = run_python) -> AgentLoop | None:
+    """The job's loop: ``None`` for single-turn, the built-in, or the plugin the import path names.
+
+    ``runner`` runs the sandboxed tools' code (the job's sandbox workers, when it has any).
+    """
     if spec.loop == "single-turn":
         return None
     if spec.loop == "tools":
-        return ToolCallingLoop(spec)
+        return ToolCallingLoop(spec, runner=runner)
     module_name, _, attribute = spec.loop.partition(":")
     try:
         target: Any = importlib.import_module(module_name)

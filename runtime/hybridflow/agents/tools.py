@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from hybridflow.agents.sandbox import SandboxLimits, run_python
+from hybridflow.agents.sandbox import SandboxLimits, SandboxResult, run_python
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -133,28 +133,36 @@ class PythonTool:
         "required": ["code"],
     }
 
-    def __init__(self, limits: SandboxLimits | None = None) -> None:
+    def __init__(self, limits: SandboxLimits | None = None, runner: SandboxRunner = run_python) -> None:
         self.limits = limits or SandboxLimits()
+        self.runner = runner
 
     def __call__(self, arguments: dict[str, Any]) -> str:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise ValueError("'code' must be a string")
-        return run_python(code, self.limits).as_tool_text(RESULT_CHARACTERS)
+        return self.runner(code, self.limits).as_tool_text(RESULT_CHARACTERS)
 
 
-BUILTIN_TOOLS: Mapping[str, Callable[[SandboxLimits], Tool]] = {
-    "calculator": lambda limits: Calculator(),
+SandboxRunner = Callable[[str, SandboxLimits], SandboxResult]
+"""Runs code in the sandbox: :func:`run_python` here, or a sandbox worker (``sandbox_pool.py``)."""
+
+BUILTIN_TOOLS: Mapping[str, Callable[[SandboxLimits, SandboxRunner], Tool]] = {
+    "calculator": lambda limits, runner: Calculator(),
     "python": PythonTool,
 }
 
 
-def load_tools(names: tuple[str, ...] | list[str], sandbox: SandboxLimits | None = None) -> dict[str, Tool]:
+def load_tools(
+    names: tuple[str, ...] | list[str],
+    sandbox: SandboxLimits | None = None,
+    runner: SandboxRunner = run_python,
+) -> dict[str, Tool]:
     """The tools ``spec.agent.tools`` names, by their ``name``; errors name the entry and what is wrong."""
     tools: dict[str, Tool] = {}
     for entry in names:
         if entry in BUILTIN_TOOLS:
-            tool = BUILTIN_TOOLS[entry](sandbox or SandboxLimits())
+            tool = BUILTIN_TOOLS[entry](sandbox or SandboxLimits(), runner)
         else:
             tool = _import_tool(entry)
         if tool.name in tools:

@@ -17,11 +17,18 @@ from typing import Annotated
 from pydantic import Field
 
 from hybridflow.spec.base import SpecModel
+from hybridflow.spec.resources import MEMORY_QUANTITY_PATTERN
 from hybridflow.spec.rules import CrossFieldRule
 
 BUILTIN_LOOPS: tuple[str, ...] = ("single-turn", "tools")
 BUILTIN_TOOLS: tuple[str, ...] = ("calculator", "python")
 BUILTIN_TOOL_PARSERS: tuple[str, ...] = ("hermes",)
+SANDBOX_GROUP = "sandbox"
+"""The RayJob worker group of the sandbox pods (no resource pool may take the name)."""
+SANDBOX_RESOURCE = "hybridflow-sandbox"
+"""The Ray custom resource a sandbox pod advertises (one unit) and a sandbox worker asks for."""
+SANDBOXED_TOOLS: tuple[str, ...] = ("python",)
+"""Built-in tools whose calls run in the sandbox (on the sandbox workers, when there are any)."""
 
 _IMPORT_PATH = "^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
 
@@ -53,6 +60,26 @@ class SandboxSpec(SpecModel):
         ge=1,
         le=1024,
         description="Output returned to the model, KiB; writing past 64 times it stops the call.",
+    )
+    workers: int = Field(
+        default=2,
+        ge=0,
+        le=256,
+        description=(
+            "Sandbox workers, when a tool runs code ('python'): Ray workers that run the calls, each in "
+            "a confined process of its own; in the cluster, the pods of a CPU worker group 'sandbox' of "
+            "the job's RayJob, Pod Security restricted, egress denied. 0: the calls run beside the "
+            "controller."
+        ),
+    )
+    cpus_per_worker: int = Field(
+        default=1, ge=1, le=64, description="CPU cores requested and limited per sandbox pod. Cluster only."
+    )
+    memory_per_worker: str = Field(
+        default="2Gi",
+        pattern=MEMORY_QUANTITY_PATTERN,
+        max_length=32,
+        description="Memory requested and limited per sandbox pod, a Kubernetes quantity. Cluster only.",
     )
 
 
@@ -128,6 +155,13 @@ class AgentSpec(SpecModel):
     @property
     def multi_turn(self) -> bool:
         return self.loop != "single-turn"
+
+    @property
+    def sandbox_workers(self) -> int:
+        """Sandbox workers the job starts: ``sandbox.workers`` when a listed tool runs code, else none."""
+        return (
+            self.sandbox.workers if self.multi_turn and any(t in SANDBOXED_TOOLS for t in self.tools) else 0
+        )
 
 
 AGENT_RULES: tuple[CrossFieldRule[AgentSpec], ...] = (

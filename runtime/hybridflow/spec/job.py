@@ -15,7 +15,7 @@ from typing import Any, Literal, Self, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
-from hybridflow.spec.agent import AGENT_RULES, AgentSpec
+from hybridflow.spec.agent import AGENT_RULES, SANDBOX_GROUP, SANDBOXED_TOOLS, AgentSpec
 from hybridflow.spec.algorithm import (
     ALGORITHM_RULES,
     CRITIC_ALGORITHMS,
@@ -768,6 +768,24 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         observed=lambda spec: (
             f"'server' with roles.rollout {spec.roles.rollout!r} and roles.actor {spec.roles.actor!r}"
         ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="sandbox-group-name-is-free",
+        node_path="spec",
+        field_path=".resourcePools",
+        cel=(
+            "!(self.agent.loop != 'single-turn' && self.agent.tools.exists(t, t in "
+            f"{list(SANDBOXED_TOOLS)}) && self.agent.sandbox.workers > 0) || "
+            f"self.resourcePools.all(p, p.name != '{SANDBOX_GROUP}')"
+        ),
+        message=(
+            f"must not name a pool '{SANDBOX_GROUP}' while spec.agent runs sandbox workers: their RayJob "
+            "worker group has that name; rename the pool"
+        ),
+        holds=lambda spec: (
+            not spec.agent.sandbox_workers or all(pool.name != SANDBOX_GROUP for pool in spec.resource_pools)
+        ),
+        observed=lambda spec: f"{[pool.name for pool in spec.resource_pools]}",
     ),
     CrossFieldRule[RLHFJobSpec](
         name="multi-turn-needs-server-mode",

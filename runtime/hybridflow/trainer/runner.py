@@ -37,6 +37,8 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.agents.loop import load_agent_loop
+from hybridflow.agents.sandbox import run_python
+from hybridflow.agents.sandbox_pool import SandboxPool
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
 from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
 from hybridflow.algorithms.state import AlgorithmState
@@ -358,7 +360,14 @@ def rollout_service(
     def prompts_for(count: int) -> Batch:
         return Batch.from_dict(sampler.next_batch(count).to_batch_fields(), meta={"samples": samples})
 
-    loop = load_agent_loop(spec.agent)
+    sandboxes = (
+        SandboxPool(spec.agent.sandbox_workers, in_cluster=not simulated)
+        if spec.agent.sandbox_workers
+        else None
+    )
+    if sandboxes is not None:
+        log(f"sandbox workers: {spec.agent.sandbox_workers}; confinement: {sandboxes.isolation()[0]}")
+    loop = load_agent_loop(spec.agent, sandboxes.run if sandboxes is not None else run_python)
     trajectories = (
         None
         if loop is None
@@ -389,4 +398,6 @@ def rollout_service(
         service.shutdown()
         if trajectories is not None:
             trajectories.close()
+        if sandboxes is not None:
+            sandboxes.shutdown()
         placement.release()
