@@ -23,3 +23,20 @@ class ObservationLoop:
             f"<|im_start|>user\nobservation {context.turn}<|im_end|>\n<|im_start|>assistant\n",
             [ToolOutcome("ok", True, 0.01, 1)],
         )
+
+
+def chat_agent(base_url: str, api_key: str, row: dict) -> float:
+    """A black-box agent (``spec.agent.runner``): two turns through the job's chat endpoint with the
+    openai client, an observation between them; scores 1 if its last reply is not empty."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
+    messages: list[dict] = [{"role": "user", "content": str(row.get("prompt_text", "hello"))[:40]}]
+    content = ""
+    for turn in range(2):
+        reply = client.chat.completions.create(model="hybridflow-policy", messages=messages, max_tokens=6)
+        content = reply.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": content})
+        if turn == 0:
+            messages.append({"role": "user", "content": "observation"})
+    return 1.0 if content else 0.0

@@ -167,3 +167,19 @@ def test_sandbox_workers_run_calls_and_a_killed_one_is_an_error_then_restarted()
         assert first.ok and first.stdout == "after\n"
     finally:
         pool.shutdown()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_agent_driving_the_chat_endpoint_with_the_openai_client_trains_the_job(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """loop 'endpoint': ``agent_plugins.chat_agent`` runs each sample through the job's
+    /v1/chat/completions with the openai client, two turns; the sessions are what the job trains on."""
+    pytest.importorskip("openai", reason="the agent's client")
+    out = tmp_path / "endpoint"
+    path = manifest(tiny, out, loop="endpoint", runner="agent_plugins:chat_agent", tools=[])
+    summary = run_training(load_job_manifest(path).spec, simulated=True, on_step=lambda line: None)
+    assert summary.last_step == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["agent/turns_mean"] == 2 and row["agent/masked_token_fraction"] > 0

@@ -571,6 +571,10 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "['default', 'sandbox']",
     ),
+    "endpoint-loop-needs-a-runner": (
+        _all(_SERVER, _set("agent.loop", "endpoint")),
+        "None with loop 'endpoint'",
+    ),
     "multi-turn-needs-server-mode": (
         _all(_set("agent.loop", "tools"), _set("agent.tools", ["calculator"])),
         "'tools' with rollout.mode 'batch'",

@@ -153,6 +153,8 @@ class SampleResult:
     """A multi-turn trajectory's: 1 where the engine generated the token, 0 where it was inserted."""
     answer_span: tuple[int, int] | None = None
     """A multi-turn trajectory's last model turn, ``token_ids[start:end]`` (what its reward reads)."""
+    prompt_token_ids: list[int] | None = None
+    """A trajectory whose prompt is its own (an agent's first messages, ``rollout/endpoint.py``)."""
 
 
 @dataclass

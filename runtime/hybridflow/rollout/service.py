@@ -52,7 +52,7 @@ from hybridflow.engines.base import RolloutOutput, SamplingParams
 from hybridflow.engines.continuous import GenerationRequest, RequestResult, continuation_of
 from hybridflow.rollout.buffer import ReplayBuffer, informative, may_submit, staleness_histogram
 from hybridflow.rollout.routing import RequestRouter
-from hybridflow.rollout.trajectories import TrajectoryDriver, TrajectoryStats, trajectory_metrics
+from hybridflow.rollout.trajectories import TrajectorySource, TrajectoryStats, trajectory_metrics
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import pack_responses
 from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
@@ -180,7 +180,7 @@ class RolloutService:
         torch_threads: int = 1,
         log: Callable[[str], None] = print,
         setup_timeout_seconds: float = 600.0,
-        trajectories: TrajectoryDriver | None = None,
+        trajectories: TrajectorySource | None = None,
     ) -> None:
         self.spec = spec
         self.placement = placement
@@ -739,6 +739,8 @@ class RolloutService:
             else None
         )
         prompt_ids = [[int(t) for t in ids] for ids in prompts.non_tensors["prompt_token_ids"]]
+        if all(s.prompt_token_ids is not None for s in samples):  # each row its own prompt (an agent's)
+            prompt_ids = [list(cast(list[int], s.prompt_token_ids)) for s in samples]
         responses = pack_responses(
             self.spec,
             self.tokenizer,

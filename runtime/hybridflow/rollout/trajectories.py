@@ -27,14 +27,14 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from hybridflow.agents.loop import AgentLoop, Finish, Insert, TurnContext
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engines.continuous import GenerationRequest, RequestResult, SampleResult
 from hybridflow.spec.agent import AgentSpec
 
-__all__ = ["TrajectoryDriver", "TrajectoryStats", "trajectory_metrics"]
+__all__ = ["TrajectoryDriver", "TrajectorySource", "TrajectoryStats", "trajectory_metrics"]
 
 _MASK63 = (1 << 63) - 1
 
@@ -61,6 +61,21 @@ class TrajectoryStats:
             "finish_reason": self.finish_reason,
             "reward": self.reward,
         }
+
+
+class TrajectorySource(Protocol):
+    """What the service drives: :class:`TrajectoryDriver`, or the chat endpoint's sessions (``endpoint.py``)."""
+
+    def begin(self, request: GenerationRequest, row: Mapping[str, Any]) -> list[GenerationRequest]: ...
+
+    def turn_finished(self, result: RequestResult) -> None: ...
+
+    def advance(self) -> tuple[list[GenerationRequest], list[RequestResult]]: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

@@ -20,7 +20,7 @@ from hybridflow.spec.base import SpecModel
 from hybridflow.spec.resources import MEMORY_QUANTITY_PATTERN
 from hybridflow.spec.rules import CrossFieldRule
 
-BUILTIN_LOOPS: tuple[str, ...] = ("single-turn", "tools")
+BUILTIN_LOOPS: tuple[str, ...] = ("single-turn", "tools", "endpoint")
 BUILTIN_TOOLS: tuple[str, ...] = ("calculator", "python")
 BUILTIN_TOOL_PARSERS: tuple[str, ...] = ("hermes",)
 SANDBOX_GROUP = "sandbox"
@@ -92,8 +92,28 @@ class AgentSpec(SpecModel):
         max_length=256,
         description=(
             "'single-turn': one response per prompt. 'tools': the built-in tool-calling loop (needs "
-            "rollout.mode 'server' and at least one tool). Or an import path 'package.module:Loop' "
-            "naming an agent loop class (docs/agents.md has its API)."
+            "rollout.mode 'server' and at least one tool). 'endpoint': an agent of yours (agent.runner) "
+            "drives each sample through an OpenAI-compatible endpoint. Or an import path "
+            "'package.module:Loop' naming an agent loop class (docs/agents.md has its API)."
+        ),
+    )
+    runner: str | None = Field(
+        default=None,
+        max_length=256,
+        description=(
+            "With loop 'endpoint': the import path 'package.module:run' of a function run(base_url, "
+            "api_key, row) -> reward or None that drives one sample's session through the job's "
+            "OpenAI-compatible /v1/chat/completions endpoint (an existing agent framework, pointed at "
+            "base_url). docs/agents.md has the protocol."
+        ),
+    )
+    endpoint_port: int = Field(
+        default=8000,
+        ge=1024,
+        le=65535,
+        description=(
+            "With loop 'endpoint': the port of the chat endpoint on the controller's pod (a Service "
+            "<job>-agent that only the job's own pods reach). Cluster only; locally a free port."
         ),
     )
     max_turns: int = Field(
@@ -182,6 +202,17 @@ AGENT_RULES: tuple[CrossFieldRule[AgentSpec], ...] = (
         message="must contain '{result}', where the tool results go",
         holds=lambda agent: "{result}" in agent.tool_response_format,
         observed=lambda agent: repr(agent.tool_response_format[:80]),
+    ),
+    CrossFieldRule[AgentSpec](
+        name="endpoint-loop-needs-a-runner",
+        node_path="spec.agent",
+        field_path=".runner",
+        cel=f"self.loop != 'endpoint' || (has(self.runner) && self.runner.matches('{_IMPORT_PATH}'))",
+        message="must be an import path 'package.module:run' with loop 'endpoint': the agent that drives each session",
+        holds=lambda agent: (
+            agent.loop != "endpoint" or (agent.runner is not None and _is_import_path(agent.runner))
+        ),
+        observed=lambda agent: f"{agent.runner!r} with loop 'endpoint'",
     ),
     CrossFieldRule[AgentSpec](
         name="agent-tools-are-known",

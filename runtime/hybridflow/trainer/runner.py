@@ -39,6 +39,7 @@ from transformers import AutoTokenizer
 from hybridflow.agents.loop import load_agent_loop
 from hybridflow.agents.sandbox import run_python
 from hybridflow.agents.sandbox_pool import SandboxPool
+from hybridflow.agents.tools import SandboxRunner
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
 from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
 from hybridflow.algorithms.state import AlgorithmState
@@ -51,8 +52,9 @@ from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
+from hybridflow.rollout.endpoint import EndpointDriver, load_session_runner
 from hybridflow.rollout.service import RolloutService, ServedRollout
-from hybridflow.rollout.trajectories import TrajectoryDriver
+from hybridflow.rollout.trajectories import TrajectoryDriver, TrajectorySource
 from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.overlap import IN_FLIGHT_FILE, RolloutPipeline, load_in_flight, save_in_flight
 from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
@@ -337,6 +339,34 @@ def _save(
     checkpoints.publish(staging, step, controller)
 
 
+def _trajectory_source(
+    spec: RLHFJobSpec, tokenizer: Any, simulated: bool, sandbox: SandboxRunner
+) -> TrajectorySource | None:
+    """How multi-turn trajectories come about (``spec.agent``): the agent loop's driver, the chat endpoint, or none."""
+    if spec.agent.loop == "endpoint":
+        return EndpointDriver(
+            spec.agent,
+            load_session_runner(str(spec.agent.runner)),
+            tokenizer=tokenizer,
+            budget=spec.rollout.max_response_tokens,
+            max_prompt_tokens=spec.data.max_prompt_tokens,
+            temperature=spec.rollout.temperature,
+            # In the cluster agents in the job's other pods reach it through the Service <job>-agent.
+            host="127.0.0.1" if simulated else "0.0.0.0",
+            port=0 if simulated else spec.agent.endpoint_port,
+        )
+    loop = load_agent_loop(spec.agent, sandbox)
+    if loop is None:
+        return None
+    return TrajectoryDriver(
+        spec.agent,
+        loop,
+        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+        budget=spec.rollout.max_response_tokens,
+    )
+
+
 @contextmanager
 def rollout_service(
     spec: RLHFJobSpec,
@@ -367,18 +397,7 @@ def rollout_service(
     )
     if sandboxes is not None:
         log(f"sandbox workers: {spec.agent.sandbox_workers}; confinement: {sandboxes.isolation()[0]}")
-    loop = load_agent_loop(spec.agent, sandboxes.run if sandboxes is not None else run_python)
-    trajectories = (
-        None
-        if loop is None
-        else TrajectoryDriver(
-            spec.agent,
-            loop,
-            encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
-            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
-            budget=spec.rollout.max_response_tokens,
-        )
-    )
+    trajectories = _trajectory_source(spec, tokenizer, simulated, sandboxes.run if sandboxes else run_python)
     service = RolloutService(
         spec,
         placement=placement,
