@@ -113,6 +113,7 @@ class ApiCluster:
             "Role": lambda: self.rbac.read_namespaced_role(name, namespace),
             "RoleBinding": lambda: self.rbac.read_namespaced_role_binding(name, namespace),
             "NetworkPolicy": lambda: self.networking.read_namespaced_network_policy(name, namespace),
+            "Service": lambda: self.core.read_namespaced_service(name, namespace),
             "RayJob": lambda: self.custom.get_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name
             ),
@@ -132,6 +133,7 @@ class ApiCluster:
             "Role": lambda: self.rbac.create_namespaced_role(namespace, body),
             "RoleBinding": lambda: self.rbac.create_namespaced_role_binding(namespace, body),
             "NetworkPolicy": lambda: self.networking.create_namespaced_network_policy(namespace, body),
+            "Service": lambda: self.core.create_namespaced_service(namespace, body),
             "RayJob": lambda: self.custom.create_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, body
             ),
@@ -288,7 +290,7 @@ class ApiCluster:
     def list_children(
         self, namespaces: Sequence[str], label_selector: str, kinds: Sequence[str] | None = None
     ) -> list[dict[str, Any]]:
-        """Every object of the six child kinds (or ``kinds``) matching ``label_selector`` (all
+        """Every object of the seven child kinds (or ``kinds``) matching ``label_selector`` (all
         namespaces when ``namespaces`` is empty).
 
         One list per kind and namespace, at startup: the caches then hold every child before the
@@ -302,6 +304,7 @@ class ApiCluster:
             ("rbac.authorization.k8s.io/v1", "Role"),
             ("rbac.authorization.k8s.io/v1", "RoleBinding"),
             ("networking.k8s.io/v1", "NetworkPolicy"),
+            ("v1", "Service"),
             ("ray.io/v1", "RayJob"),
         )
         wanted = [(v, k) for v, k in every_kind if kinds is None or k in kinds]
@@ -358,6 +361,7 @@ class ApiCluster:
                 self.networking.list_namespaced_network_policy,
                 self.networking.list_network_policy_for_all_namespaces,
             ),
+            "Service": (self.core.list_namespaced_service, self.core.list_service_for_all_namespaces),
         }
         in_namespace, everywhere = listers[kind]
         if namespace:

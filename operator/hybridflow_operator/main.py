@@ -82,6 +82,7 @@ CHILD_KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
+    ("", "v1", "services", "Service"),
     ("ray.io", "v1", "rayjobs", "RayJob"),
 )
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"

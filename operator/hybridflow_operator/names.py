@@ -73,6 +73,8 @@ class ChildNames:
     """Admits to the job's Ray pods only the job's own pods (and KubeRay, and metrics scrapes)."""
     sandbox_network_policy: str
     """Lets the sandbox pods (``spec.agent``) reach the job's own pods and DNS, nothing else."""
+    agent_service: str
+    """The chat endpoint of ``spec.agent.loop: endpoint`` on the head pod (a DNS-1035 label)."""
 
 
 def child_names(job_name: str) -> ChildNames:
@@ -88,6 +90,7 @@ def child_names(job_name: str) -> ChildNames:
         sandbox_network_policy=_shorten(
             job_name, "-sandbox", MAX_OBJECT_NAME_LENGTH, job_name, rewritten=False
         ),
+        agent_service=_dns_label(job_name, "-agent", MAX_LABEL_VALUE_LENGTH),
     )
 
 
@@ -99,10 +102,15 @@ def rayjob_name(job_name: str, attempt: int) -> str:
     """
     if attempt < 1:
         raise ValueError(f"attempt numbers start at 1, got {attempt}")
+    return _dns_label(job_name, f"-{attempt}", MAX_RAYJOB_NAME_LENGTH)
+
+
+def _dns_label(job_name: str, suffix: str, limit: int) -> str:
+    """``<job><suffix>`` as a DNS-1035 label (RayJobs, Services): see :func:`rayjob_name`'s rewrites."""
     base = job_name.lower().replace(".", "-")
     if not base[:1].isalpha():
         base = _RAYJOB_PREFIX + base
-    return _shorten(base, f"-{attempt}", MAX_RAYJOB_NAME_LENGTH, job_name, rewritten=base != job_name)
+    return _shorten(base, suffix, limit, job_name, rewritten=base != job_name)
 
 
 def job_label_value(job_name: str) -> str:

@@ -108,9 +108,17 @@ def check_case(manifest: dict[str, Any], edits: list[str]) -> None:
         TALLY["operator_crashes"] += 1
         raise
     kinds = [child["kind"] for child in children]
-    assert kinds == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "RayJob"], (
-        f"{kinds}\n{story}"
-    )
+    agent = job.spec.agent
+    assert kinds == [
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "NetworkPolicy",
+        *(["NetworkPolicy"] if agent.sandbox_workers else []),
+        *(["Service"] if agent.loop == "endpoint" else []),
+        "RayJob",
+    ], f"{kinds}\n{story}"
     # The operator's pass itself (the pure reconcile on an in-memory cluster): it never raises,
     # makes every child (nothing partial) in one pass, and a second pass writes nothing.
     cluster = FakeCluster({**job.model_dump(by_alias=True, exclude_none=True), "status": {}})

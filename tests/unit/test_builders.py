@@ -471,14 +471,15 @@ def test_builders_are_deterministic(name: str) -> None:
     first, second = children(name), children(name)
     assert first == second
     assert yaml.safe_dump_all(first, sort_keys=False) == yaml.safe_dump_all(second, sort_keys=False)
-    sandbox_policy = ["NetworkPolicy"] if JOBS[name]().spec.agent.sandbox_workers else []
+    agent = JOBS[name]().spec.agent
     assert [child["kind"] for child in first] == [
         "ConfigMap",
         "ServiceAccount",
         "Role",
         "RoleBinding",
         "NetworkPolicy",
-        *sandbox_policy,
+        *(["NetworkPolicy"] if agent.sandbox_workers else []),
+        *(["Service"] if agent.loop == "endpoint" else []),
         "RayJob",
     ]
 
@@ -805,3 +806,26 @@ def test_sandbox_workers_are_a_restricted_cpu_group_whose_egress_reaches_only_th
     assert sum(child["kind"] == "NetworkPolicy" for child in plain) == 1
     plain_rayjob = next(child for child in plain if child["kind"] == "RayJob")["spec"]["rayClusterSpec"]
     assert [g["groupName"] for g in plain_rayjob["workerGroupSpecs"]] == ["train", "generate"]
+
+
+def test_a_chat_endpoint_job_gets_a_service_to_its_head_pod_only() -> None:
+    """loop 'endpoint': the Service <job>-agent selects the head pod (any attempt) on endpointPort,
+    which the head container declares; no Service otherwise."""
+    manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny-agent.yaml").read_text())
+    manifest["spec"]["agent"] = {"loop": "endpoint", "runner": "my_agents.swe:run", "endpointPort": 8100}
+    job = parse_job_manifest(in_cluster(manifest), "endpoint")
+    built = build_children(job, JobRef.of(job), attempt=2, defaults=DEFAULTS)
+    (service,) = [child for child in built if child["kind"] == "Service"]
+    assert service["metadata"]["name"] == "grpo-tiny-agent-agent"
+    assert service["spec"]["ports"] == [
+        {"name": "hf-agent", "protocol": "TCP", "port": 8100, "targetPort": 8100}
+    ]
+    rayjob = next(child for child in built if child["kind"] == "RayJob")["spec"]["rayClusterSpec"]
+    head = rayjob["headGroupSpec"]["template"]
+    assert _selects({"matchLabels": service["spec"]["selector"]}, head["metadata"]["labels"])
+    assert not any(
+        _selects({"matchLabels": service["spec"]["selector"]}, group["template"]["metadata"]["labels"])
+        for group in rayjob["workerGroupSpecs"]
+    )
+    assert {"name": "hf-agent", "containerPort": 8100} in head["spec"]["containers"][0]["ports"]
+    assert not [child for child in children("grpo-tiny-agent.yaml") if child["kind"] == "Service"]

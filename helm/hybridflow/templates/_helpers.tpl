@@ -66,7 +66,7 @@ permissions the job Role it creates grants, which it must hold itself): no more,
   resources: ["configmaps"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
-  resources: ["serviceaccounts"]
+  resources: ["serviceaccounts", "services"]
   verbs: ["get", "list", "watch", "create"]
 - apiGroups: [""]
   resources: ["events"]

@@ -14,6 +14,7 @@ from typing import Any
 from hybridflow.spec import RLHFJob
 from hybridflow_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_PATH, CONFIG_PATH, build_configmap
 from hybridflow_operator.builders.metadata import JobRef, owner_reference
+from hybridflow_operator.builders.agent_service import build_agent_service
 from hybridflow_operator.builders.network_policy import build_network_policy, build_sandbox_network_policy
 from hybridflow_operator.builders.rayjob import (
     ENTRYPOINT,
@@ -33,6 +34,7 @@ __all__ = [
     "RayJobDefaults",
     "build_children",
     "build_configmap",
+    "build_agent_service",
     "build_network_policy",
     "build_rayjob",
     "build_role",
@@ -66,6 +68,7 @@ def build_children(
         build_role_binding(owner),
         build_network_policy(owner, kuberay_pod_labels=dict(defaults.kuberay_pod_labels)),
         *([build_sandbox_network_policy(owner)] if job.spec.agent.sandbox_workers else []),
+        *([build_agent_service(job, owner)] if job.spec.agent.loop == "endpoint" else []),
         build_rayjob(
             job,
             owner,

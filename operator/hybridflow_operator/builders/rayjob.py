@@ -347,6 +347,12 @@ def _head_group(
         "ports": [
             *({"name": name, "containerPort": port} for name, port in RAY_HEAD_PORTS),
             {"name": "hf-metrics", "containerPort": CONTROLLER_METRICS_PORT},
+            # The chat endpoint of spec.agent (builders/agent_service.py), when the job serves one.
+            *(
+                [{"name": "hf-agent", "containerPort": spec.agent.endpoint_port}]
+                if spec.agent.loop == "endpoint"
+                else []
+            ),
         ],
         "resources": {
             "requests": {"cpu": defaults.head_cpu, "memory": defaults.head_memory},
