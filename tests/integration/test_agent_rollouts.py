@@ -5,8 +5,8 @@
   them gives the engine's log-probs at every model token (so the trainer scores the tokens the
   engine sampled, in the context the engine saw, tool turns included).
 * ``examples/grpo-tiny-agent.yaml`` (the tool-calling loop, calculator and sandboxed Python)
-  trains; with an observation loop (``agent_plugins.py``) a job trains on trajectories of several
-  turns, their inserted tokens masked.
+  trains; a job whose samples an openai-client agent drives through the chat endpoint trains on
+  sessions of two turns, the inserted tokens masked.
 """
 
 from __future__ import annotations
@@ -130,20 +130,19 @@ def manifest(tiny: Path, out: Path, **agent: Any) -> Path:
 
 
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("loop", ["tools", "agent_plugins:ObservationLoop"])
-def test_an_agentic_job_trains_on_its_trajectories(tiny: Path, tmp_path: Path, loop: str) -> None:
+def test_the_agent_example_trains(tiny: Path, tmp_path: Path) -> None:
+    """examples/grpo-tiny-agent.yaml as written (the tool loop, calculator and sandboxed Python on
+    two sandbox workers); the random model rarely calls a tool, so trajectories of several turns
+    in a real job are the chat-endpoint test's."""
     out = tmp_path / "agent"
-    path = manifest(tiny, out, loop=loop, maxTurnTokens=8)
+    path = manifest(tiny, out, maxTurnTokens=8)
     said: list[str] = []
     summary = run_training(load_job_manifest(path).spec, simulated=True, on_step=said.append)
     assert summary.last_step == 2
-    assert any(line.startswith("sandbox workers: 2;") for line in said)  # the example lists the python tool
+    assert any(line.startswith("sandbox workers: 2;") for line in said)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
-    for row in rows:
-        assert row["agent/turns_mean"] >= 1 and row["agent/trajectory_tokens_mean"] > 0
-        if loop != "tools":  # every turn but the last answered with an observation, masked
-            assert row["agent/turns_mean"] == 3 and row["agent/masked_token_fraction"] > 0
+    assert all(row["agent/turns_mean"] >= 1 and row["agent/trajectory_tokens_mean"] > 0 for row in rows)
 
 
 @pytest.mark.usefixtures("ray_cluster")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.agents.loop import Finish, Insert, ToolCallingLoop, TurnContext
+from hybridflow.agents.loop import Finish, Insert, ToolCallingLoop, TurnContext, load_agent_loop
 from hybridflow.agents.tool_calls import parse_hermes
 from hybridflow.agents.tools import Calculator, ToolOutcome, call_tool
 from hybridflow.engines.base import RolloutOutput, SamplingParams
@@ -243,3 +243,26 @@ def test_the_tool_loop_runs_the_calls_and_inserts_their_results_in_the_response_
     )
     assert isinstance(action, Insert) and action.text == "[42]" and action.tool_calls[0].ok
     assert isinstance(loop.after_turn(TurnContext(2, "It is 42.", {}, 40)), Finish)
+
+
+class PluginLoop:
+    """What ``spec.agent.loop: test_agent_loop:PluginLoop`` builds (with the job's AgentSpec)."""
+
+    def __init__(self, spec: AgentSpec) -> None:
+        self.spec = spec
+
+    def after_turn(self, context: TurnContext) -> Finish | Insert:
+        return Finish()
+
+
+def test_loops_load_by_name_or_import_path_and_bad_paths_say_what_is_wrong() -> None:
+    assert load_agent_loop(AgentSpec()) is None
+    assert isinstance(load_agent_loop(AgentSpec(loop="tools", tools=("calculator",))), ToolCallingLoop)
+    plugin = load_agent_loop(AgentSpec(loop="test_agent_loop:PluginLoop", max_turns=7))
+    assert isinstance(plugin, PluginLoop) and plugin.spec.max_turns == 7
+    with pytest.raises(
+        ValueError, match=r"spec.agent.loop: 'no_such_module:Loop': module 'no_such_module' could not"
+    ):
+        load_agent_loop(AgentSpec(loop="no_such_module:Loop"))
+    with pytest.raises(ValueError, match=r"has no after_turn"):
+        load_agent_loop(AgentSpec(loop="test_agent_loop:encode"))

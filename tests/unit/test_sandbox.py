@@ -20,7 +20,7 @@ from hybridflow.agents.sandbox import SandboxLimits, isolation, run_python
 
 pytestmark = pytest.mark.unit
 
-LIMITS = SandboxLimits(wall_seconds=3.0, cpu_seconds=1, memory_bytes=256 * 2**20, processes=8)
+LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=256 * 2**20, processes=8)
 
 
 @pytest.fixture(scope="module", autouse=True)

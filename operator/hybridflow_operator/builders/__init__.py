@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.spec import RLHFJob
+from hybridflow_operator.builders.agent_service import build_agent_service
 from hybridflow_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_PATH, CONFIG_PATH, build_configmap
 from hybridflow_operator.builders.metadata import JobRef, owner_reference
-from hybridflow_operator.builders.agent_service import build_agent_service
 from hybridflow_operator.builders.network_policy import build_network_policy, build_sandbox_network_policy
 from hybridflow_operator.builders.rayjob import (
     ENTRYPOINT,
@@ -32,9 +32,9 @@ __all__ = [
     "ENTRYPOINT",
     "JobRef",
     "RayJobDefaults",
+    "build_agent_service",
     "build_children",
     "build_configmap",
-    "build_agent_service",
     "build_network_policy",
     "build_rayjob",
     "build_role",

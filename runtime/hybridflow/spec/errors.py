@@ -22,6 +22,7 @@ from hybridflow.spec.job import LABEL_VALUE_PATTERN
 from hybridflow.spec.resources import DEVICE_COUNT_PATTERN, DNS_LABEL_PATTERN, MEMORY_QUANTITY_PATTERN
 from hybridflow.spec.rewards import REWARD_FUNCTION_PATTERN
 from hybridflow.spec.rules import RuleViolations, quoted_list
+from hybridflow.spec.security import CAPABILITY_PATTERN
 from hybridflow.spec.storage import ABSOLUTE_PATH_PATTERN, DNS_SUBDOMAIN_PATTERN, RELATIVE_PATH_PATTERN
 
 _PATTERN_MEANINGS: dict[str, str] = {
@@ -32,6 +33,7 @@ _PATTERN_MEANINGS: dict[str, str] = {
     REWARD_FUNCTION_PATTERN: "a registered reward name (lowercase, digits, '_') or an import path "
     "'package.module:function'",
     MEMORY_QUANTITY_PATTERN: "a memory quantity such as '64Gi' or '500M'",
+    CAPABILITY_PATTERN: "a Linux capability name in capitals such as 'ALL' or 'IPC_LOCK'",
     DEVICE_COUNT_PATTERN: "a whole number of devices such as '1' or '4' (extended resources are integers)",
     ABSOLUTE_PATH_PATTERN: "an absolute path",
     RELATIVE_PATH_PATTERN: "a relative path",

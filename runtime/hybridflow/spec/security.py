@@ -19,9 +19,9 @@ who may create RLHFJobs can place pods on any node those allow, as with pod crea
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from hybridflow.spec.base import SpecModel
 
@@ -29,6 +29,8 @@ DEFAULT_ALLOWED_CAPABILITIES: tuple[str, ...] = ("IPC_LOCK", "SYS_NICE")
 """``IPC_LOCK`` lets RDMA (InfiniBand, RoCE, EFA) pin memory; ``SYS_NICE`` lets NCCL and numactl
 bind memory and CPUs to the GPU's NUMA node. Everything else needs the chart's value."""
 CAPABILITY_PATTERN = r"^[A-Z][A-Z_]*$"
+CapabilityName = Annotated[str, StringConstraints(pattern=CAPABILITY_PATTERN, max_length=64)]
+"""Enforced here as in the CRD (a pattern only in the JSON schema let 'default' through locally)."""
 SELINUX_TYPES = ("container_t", "container_init_t", "container_kvm_t", "container_engine_t")
 """The SELinux types Pod Security "baseline" admits."""
 
@@ -36,20 +38,18 @@ SELINUX_TYPES = ("container_t", "container_init_t", "container_kvm_t", "containe
 class Capabilities(SpecModel):
     """Linux capabilities: the restricted default drops all; ``add`` only from the allow-list."""
 
-    add: tuple[str, ...] = Field(
+    add: tuple[CapabilityName, ...] = Field(
         default=(),
         max_length=16,
         description=(
             "Capabilities to add, only from the operator's allow-list (by default IPC_LOCK and SYS_NICE; "
             "the chart's podSecurity.allowedCapabilities widens it)."
         ),
-        json_schema_extra={"items": {"type": "string", "pattern": CAPABILITY_PATTERN, "maxLength": 64}},
     )
-    drop: tuple[str, ...] = Field(
+    drop: tuple[CapabilityName, ...] = Field(
         default=("ALL",),
         max_length=64,
         description="Capabilities to drop (default ALL, as Pod Security restricted requires).",
-        json_schema_extra={"items": {"type": "string", "pattern": CAPABILITY_PATTERN, "maxLength": 64}},
     )
 
 
