@@ -264,5 +264,28 @@ def test_loops_load_by_name_or_import_path_and_bad_paths_say_what_is_wrong() -> 
         ValueError, match=r"spec.agent.loop: 'no_such_module:Loop': module 'no_such_module' could not"
     ):
         load_agent_loop(AgentSpec(loop="no_such_module:Loop"))
-    with pytest.raises(ValueError, match=r"has no after_turn"):
+    with pytest.raises(ValueError, match=r"neither an agent loop"):
         load_agent_loop(AgentSpec(loop="test_agent_loop:encode"))
+
+
+class Countdown:
+    """An environment: two steps of reward 0.5 each, the observation says how many are left."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.left = int(row.get("steps", 2))
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.left -= 1
+        return f"left {self.left}", 0.5, self.left == 0
+
+
+def test_an_environment_class_runs_one_episode_per_trajectory_and_its_reward_is_the_trajectorys() -> None:
+    spec = AgentSpec(loop="test_agent_loop:Countdown", max_turns=4, tool_response_format="[{result}]")
+    loop = load_agent_loop(spec)
+    assert loop is not None
+    drive = TrajectoryDriver(spec, loop, encode=encode, decode=decode, budget=64)
+    _, done = run(drive, drive.begin(group(n=1), {"steps": 2}), ["go", "go"])
+    (sample,) = done[0].samples
+    assert decode(sample.token_ids) == "go[left 1]go"
+    (stats,) = done[0].request.tag
+    assert (stats.finish_reason, stats.reward, stats.turns) == ("answer", 1.0, 2)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +36,8 @@ from hybridflow.spec.agent import AgentSpec
 
 __all__ = [
     "AgentLoop",
+    "Environment",
+    "EnvironmentLoop",
     "Finish",
     "Insert",
     "ToolCallingLoop",
@@ -56,6 +59,8 @@ class TurnContext:
     """The prompt's dataset fields (``prompt``, ``ground_truth``, ``data_source``, ...)."""
     tokens_left: int
     """Response tokens the trajectory may still take (inserted and generated alike)."""
+    trajectory: str = ""
+    """The trajectory's id, the same at each of its turns (an environment's episode key)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,52 @@ class ToolCallingLoop:
         return Insert(self.spec.tool_response_format.replace("{result}", results), outcomes)
 
 
+class Environment(Protocol):
+    """A multi-turn task without tools (a game, a simulated user): one instance per trajectory.
+
+    ``reset(row)`` starts the episode for the prompt's dataset row (the model's first turn
+    answers the dataset's prompt); ``step(action)`` takes a model turn's text and returns the
+    observation the model reads next, the step's reward and whether the episode is over.
+    """
+
+    def reset(self, row: Mapping[str, Any]) -> None: ...
+
+    def step(self, action: str) -> tuple[str, float, bool]: ...
+
+
+class EnvironmentLoop:
+    """An :class:`Environment` class as an agent loop: observations inserted in
+    ``agent.toolResponseFormat``; the episode's summed reward is the trajectory's
+    (``Finish(reward=...)``: the reward function ``environment`` returns it)."""
+
+    def __init__(self, spec: AgentSpec, environment: Callable[[], Environment]) -> None:
+        self.spec = spec
+        self.environment = environment
+        self._episodes: dict[str, tuple[Environment, float]] = {}
+        self._lock = threading.Lock()
+
+    def after_turn(self, context: TurnContext) -> Finish | Insert:
+        with self._lock:
+            episode = self._episodes.get(context.trajectory)
+        if episode is None:
+            environment = self.environment()
+            environment.reset(context.row)
+            episode = (environment, 0.0)
+        environment, total = episode
+        observation, reward, done = environment.step(context.text)
+        total += float(reward)
+        with self._lock:
+            if (
+                done or context.turn >= self.spec.max_turns - 1
+            ):  # the service ends it after the next turn anyway
+                self._episodes.pop(context.trajectory, None)
+            else:
+                self._episodes[context.trajectory] = (environment, total)
+        if done:
+            return Finish("answer", reward=total)
+        return Insert(self.spec.tool_response_format.replace("{result}", str(observation)))
+
+
 def load_agent_loop(spec: AgentSpec, runner: SandboxRunner = run_python) -> AgentLoop | None:
     """The job's loop: ``None`` for single-turn, the built-in, or the plugin the import path names.
 
@@ -146,7 +197,16 @@ def load_agent_loop(spec: AgentSpec, runner: SandboxRunner = run_python) -> Agen
                 f"spec.agent.loop: {spec.loop!r}: {module_name!r} has no attribute {attribute!r}"
             )
         target = getattr(target, part)
+    if (
+        isinstance(target, type)
+        and callable(getattr(target, "reset", None))
+        and callable(getattr(target, "step", None))
+    ):
+        return EnvironmentLoop(spec, target)
     loop = target(spec) if isinstance(target, type) else target
     if not callable(getattr(loop, "after_turn", None)):
-        raise ValueError(f"spec.agent.loop: {spec.loop!r} has no after_turn(context) method (docs/agents.md)")
+        raise ValueError(
+            f"spec.agent.loop: {spec.loop!r} is neither an agent loop (after_turn(context)) nor an "
+            "environment (reset(row), step(action)): docs/agents.md has both APIs"
+        )
     return loop

@@ -154,6 +154,7 @@ class TrajectoryDriver:
                 text=self.decode(trajectory.token_ids[start:end]),
                 row=self._groups[sample.group_id].row,
                 tokens_left=trajectory.tokens_left,
+                trajectory=sample.session,
             )
             sample.pending = self._pool.submit(self.loop.after_turn, context)
 
