@@ -74,7 +74,9 @@ def spec_fields() -> tuple[tuple[Path_, dict[str, Any]], ...]:
 
 NAMES = ["default", "gpus", "rollout", "actor", "a", "x" * 64, "Bad_Name", "", "-x"]
 TEXT = st.one_of(st.sampled_from(NAMES), st.text(max_size=12))
-WRONG_TYPE = st.sampled_from([None, "7", 7, 2.5, True, [], {}, [1], {"a": 1}])
+# Fresh containers each draw (deep copies): a shared one, once inserted twice or edited through,
+# would make the manifest a cyclic graph that no API server could ever receive.
+WRONG_TYPE = st.sampled_from([None, "7", 7, 2.5, True, [], {}, [1], {"a": 1}]).map(copy.deepcopy)
 
 
 def value_for(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
@@ -99,9 +101,11 @@ def value_for(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
             TEXT, st.sampled_from(["/abs/path", "rel/path", "data.jsonl", "x.parquet"]), WRONG_TYPE
         )
     if kind == "array":
-        return st.one_of(st.just([]), WRONG_TYPE, st.lists(value_for(schema.get("items", {})), max_size=2))
+        return st.one_of(
+            st.builds(list), WRONG_TYPE, st.lists(value_for(schema.get("items", {})), max_size=2)
+        )
     if kind == "object":
-        return st.one_of(st.just({}), WRONG_TYPE)
+        return st.one_of(st.builds(dict), WRONG_TYPE)
     return WRONG_TYPE
 
 

@@ -135,8 +135,14 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
 
     killer = threading.Thread(target=kill_one_after_step_two, daemon=True)
     killer.start()
+    # A kill that lands in a weight push is seen when the push's collective times out, after
+    # replicaTimeoutSeconds: 30 keeps even that case inside the 60 s the issue sets.
     path = manifest(
-        tiny, out, totalSteps=400, miniBatchSize=8, rollout={"maxStaleness": 1, "onWeightUpdate": "abort"}
+        tiny,
+        out,
+        totalSteps=400,
+        miniBatchSize=8,
+        rollout={"maxStaleness": 1, "onWeightUpdate": "abort", "replicaTimeoutSeconds": 30},
     )
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["algorithm"].update({"name": "remax", "samplesPerPrompt": 2})
