@@ -25,8 +25,9 @@ Commands are pickled and broadcast (``broadcast_object_list``), a few hundred by
 beside a decode step's milliseconds.
 
 If a follower dies or its loop fails, the leader's next step waits in a collective that never
-completes: the controller watches every follower (:meth:`Follower.watch`) and replaces the
-whole replica, so the stall rule's timeout is the fallback, not the way it notices.
+completes: the controller keeps a ``watch()`` call outstanding on every follower (the replica's,
+``rollout/replica.py``) and probes every rank before a push, and replaces the whole replica; the
+stall rule's timeout is the fallback, not the way it notices.
 """
 
 from __future__ import annotations
