@@ -23,12 +23,12 @@ their results in ``agent.toolResponseFormat``; a turn without a call is the answ
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hybridflow.agents.plugins import import_attribute
 from hybridflow.agents.sandbox import SandboxLimits, run_python
 from hybridflow.agents.tool_calls import load_parser
 from hybridflow.agents.tools import SandboxRunner, Tool, ToolOutcome, call_tool, load_tools
@@ -184,19 +184,7 @@ def load_agent_loop(spec: AgentSpec, runner: SandboxRunner = run_python) -> Agen
         return None
     if spec.loop == "tools":
         return ToolCallingLoop(spec, runner=runner)
-    module_name, _, attribute = spec.loop.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"spec.agent.loop: {spec.loop!r}: module {module_name!r} could not be imported ({error})"
-        ) from error
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ValueError(
-                f"spec.agent.loop: {spec.loop!r}: {module_name!r} has no attribute {attribute!r}"
-            )
-        target = getattr(target, part)
+    target = import_attribute(spec.loop, "spec.agent.loop")
     if (
         isinstance(target, type)
         and callable(getattr(target, "reset", None))

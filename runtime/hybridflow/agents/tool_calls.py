@@ -9,12 +9,13 @@ to a function with the same signature.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridflow.agents.plugins import import_attribute
 
 __all__ = ["ParsedTurn", "ToolCall", "load_parser", "parse_hermes"]
 
@@ -76,20 +77,13 @@ def load_parser(name: str) -> Parser:
     """The parser ``spec.agent.toolParser`` names; errors name the value and what is wrong."""
     if name in BUILTIN_PARSERS:
         return BUILTIN_PARSERS[name]
-    module_name, separator, attribute = name.partition(":")
-    if not separator:
+    if ":" not in name:
         raise ValueError(
             f"spec.agent.toolParser: {name!r} is neither a built-in ({', '.join(BUILTIN_PARSERS)}) "
             "nor an import path 'package.module:parse'"
         )
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"spec.agent.toolParser: {name!r}: module {module_name!r} could not be imported ({error})"
-        ) from error
-    function = getattr(target, attribute, None)
+    function = import_attribute(name, "spec.agent.toolParser")
     if not callable(function):
-        raise ValueError(f"spec.agent.toolParser: {name!r}: {module_name!r} has no function {attribute!r}")
+        raise ValueError(f"spec.agent.toolParser: {name!r} is not a function")
     parser: Parser = function
     return parser

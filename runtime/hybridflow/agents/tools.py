@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
-import importlib
 import math
 import operator
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from hybridflow.agents.plugins import import_attribute
 from hybridflow.agents.sandbox import SandboxLimits, SandboxResult, run_python
 
 __all__ = [
@@ -172,17 +172,7 @@ def load_tools(
 
 
 def _import_tool(path: str) -> Tool:
-    module_name, _, attribute = path.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"spec.agent.tools: {path!r}: module {module_name!r} could not be imported ({error})"
-        ) from error
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"spec.agent.tools: {path!r}: {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
+    target = import_attribute(path, "spec.agent.tools")
     tool = target() if isinstance(target, type) else target
     missing = [field for field in ("name", "description", "parameters") if not hasattr(tool, field)]
     if missing or not callable(tool):

@@ -35,7 +35,6 @@ pods. Keys are random and valid for their session only.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import json
 import queue
 import secrets
@@ -47,10 +46,11 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from hybridflow.agents.plugins import import_attribute
 from hybridflow.agents.tool_calls import load_parser
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engines.continuous import GenerationRequest, RequestResult, SampleResult
-from hybridflow.rollout.trajectories import TrajectoryStats
+from hybridflow.rollout.trajectories import group_result
 from hybridflow.spec.agent import AgentSpec
 
 __all__ = ["EndpointDriver", "EndpointError", "SessionRunner", "load_session_runner"]
@@ -330,53 +330,26 @@ class EndpointDriver:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _result(self, group: _Group) -> RequestResult:
-        samples: list[SampleResult] = []
-        stats: list[TrajectoryStats] = []
+        trajectories = []
         for session in group.sessions:
             trajectory = session.trajectory or Trajectory(
                 list(group.request.prompt_token_ids), self.budget, 0.0
             )
-            reason = "answer" if session.failure is None else f"agent_error: {session.failure}"
-            samples.append(
-                SampleResult(
-                    list(trajectory.token_ids),
-                    list(trajectory.logprobs),
-                    list(trajectory.versions),
-                    "stop" if session.failure is None else "length",
-                    loss_mask=list(trajectory.loss_mask),
-                    answer_span=trajectory.last_turn,
-                    prompt_token_ids=list(trajectory.prompt_ids),
-                )
+            trajectory.finish_reason = (
+                "answer" if session.failure is None else f"agent_error: {session.failure}"
             )
-            stats.append(
-                TrajectoryStats(
-                    trajectory.turns,
-                    0,
-                    0,
-                    (),
-                    len(trajectory.token_ids),
-                    trajectory.masked_tokens,
-                    reason,
-                    session.reward,
-                )
-            )
+            trajectory.reward = session.reward
+            trajectories.append(trajectory)
             with self._lock:
                 self._sessions.pop(session.key, None)
-        return RequestResult(replace(group.request, tag=stats), samples)
+        return group_result(group.request, trajectories, own_prompts=True)
 
 
 def load_session_runner(path: str) -> SessionRunner:
     """The function ``spec.agent.runner`` names; errors name the value and what is wrong."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"spec.agent.runner: {path!r}: module {module_name!r} could not be imported ({error})"
-        ) from error
-    function = getattr(module, attribute, None)
+    function = import_attribute(path, "spec.agent.runner")
     if not callable(function):
-        raise ValueError(f"spec.agent.runner: {path!r}: {module_name!r} has no function {attribute!r}")
+        raise ValueError(f"spec.agent.runner: {path!r} is not a function")
     runner: SessionRunner = function
     return runner
 

@@ -34,7 +34,7 @@ from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engines.continuous import GenerationRequest, RequestResult, SampleResult
 from hybridflow.spec.agent import AgentSpec
 
-__all__ = ["TrajectoryDriver", "TrajectorySource", "TrajectoryStats", "trajectory_metrics"]
+__all__ = ["TrajectoryDriver", "TrajectorySource", "TrajectoryStats", "group_result", "trajectory_metrics"]
 
 _MASK63 = (1 << 63) - 1
 
@@ -237,34 +237,45 @@ class TrajectoryDriver:
         return all(sample.trajectory.finish_reason is not None for sample in group.samples)
 
     def _result(self, group: _Group) -> RequestResult:
-        samples: list[SampleResult] = []
-        stats: list[TrajectoryStats] = []
-        for sample in group.samples:
-            trajectory = sample.trajectory
-            reason = trajectory.finish_reason or "answer"
-            samples.append(
-                SampleResult(
-                    list(trajectory.token_ids),
-                    list(trajectory.logprobs),
-                    list(trajectory.versions),
-                    "stop" if reason == "answer" else "length",
-                    loss_mask=list(trajectory.loss_mask),
-                    answer_span=trajectory.last_turn,
-                )
+        return group_result(group.request, [sample.trajectory for sample in group.samples])
+
+
+def group_result(
+    request: GenerationRequest, trajectories: list[Trajectory], *, own_prompts: bool = False
+) -> RequestResult:
+    """The group's result from its ended trajectories: token-exact samples, their stats on ``tag``.
+
+    ``own_prompts``: each trajectory's prompt is its own (the chat endpoint's sessions), not the
+    group's; the samples carry it.
+    """
+    samples: list[SampleResult] = []
+    stats: list[TrajectoryStats] = []
+    for trajectory in trajectories:
+        reason = trajectory.finish_reason or "answer"
+        samples.append(
+            SampleResult(
+                list(trajectory.token_ids),
+                list(trajectory.logprobs),
+                list(trajectory.versions),
+                "stop" if reason == "answer" else "length",
+                loss_mask=list(trajectory.loss_mask),
+                answer_span=trajectory.last_turn,
+                prompt_token_ids=list(trajectory.prompt_ids) if own_prompts else None,
             )
-            stats.append(
-                TrajectoryStats(
-                    trajectory.turns,
-                    trajectory.tool_calls,
-                    trajectory.tool_errors,
-                    tuple(trajectory.tool_seconds),
-                    len(trajectory.token_ids),
-                    trajectory.masked_tokens,
-                    reason,
-                    trajectory.reward,
-                )
+        )
+        stats.append(
+            TrajectoryStats(
+                trajectory.turns,
+                trajectory.tool_calls,
+                trajectory.tool_errors,
+                tuple(trajectory.tool_seconds),
+                len(trajectory.token_ids),
+                trajectory.masked_tokens,
+                reason,
+                trajectory.reward,
             )
-        return RequestResult(replace(group.request, tag=stats), samples)
+        )
+    return RequestResult(replace(request, tag=stats), samples)
 
 
 def trajectory_metrics(stats: list[TrajectoryStats]) -> dict[str, float]:
