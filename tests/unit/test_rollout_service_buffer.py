@@ -123,6 +123,18 @@ def test_a_step_gets_the_oldest_groups_packed_with_their_oldest_token_version(
     assert len(svc.buffer) == 1
 
 
+def test_groups_dropped_as_stale_free_their_places_for_fresh_ones(model_dir: Path, tmp_path: Path) -> None:
+    """Rule 1 counts groups "accepted or on their way, not dropped". Counting the stale-dropped
+    ones shrank the window for good, and a run's last step then waited for groups never drawn."""
+    svc = service(model_dir, tmp_path, [])
+    svc._fill(trainer_version=0)  # maxStaleness 2, 2 groups a step: 6
+    for _ in range(6):
+        finish(svc)
+    assert svc.buffer.drop_stale(trainer_version=3) == 6  # version 0 is 3 updates old: past the bound
+    svc._fill(trainer_version=3)
+    assert len(svc._open) == (3 + 1 + 2) * 2  # the whole window again, none held by the dropped
+
+
 class Episode:
     """An environment: one observation after the first turn, then a score."""
 

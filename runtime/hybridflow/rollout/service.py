@@ -505,10 +505,13 @@ class RolloutService:
     def _fill(self, trainer_version: int) -> None:
         """Submit every group the gate allows (rule 1 of ``buffer.py``)."""
         counters = self.counters
+        # Groups dropped as stale count neither as trained nor as on their way: fresh ones take
+        # their places (counting them left the last step waiting forever for groups never drawn).
+        counted = counters.accepted - self.buffer.dropped_stale + self._groups_on_the_way()
         room = 0
         # Never more than the job trains on: the last steps' gate would reach past the end.
-        while counters.accepted + self._groups_on_the_way() + room < self.total_groups and may_submit(
-            accepted_or_on_the_way=counters.accepted + self._groups_on_the_way() + room,
+        while counted + room < self.total_groups and may_submit(
+            accepted_or_on_the_way=counted + room,
             trainer_version=trainer_version,
             max_staleness=self.max_staleness,
             groups_per_step=self.groups_per_step,
