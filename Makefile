@@ -60,6 +60,7 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/throughput.py
 	RAY_AUTH_MODE=disabled $(PY) bench/pipeline.py
 	RAY_AUTH_MODE=disabled $(PY) bench/async_rollout.py
+	RAY_AUTH_MODE=disabled $(PY) bench/agentic.py
 	$(PY) bench/resharding.py
 	$(PY) bench/operator_scale.py
 	$(PY) bench/scale.py
@@ -74,6 +75,7 @@ bench-smoke: setup
 	$(BENCH_QUICK) bench/throughput.py
 	$(BENCH_QUICK) bench/pipeline.py
 	$(BENCH_QUICK) bench/async_rollout.py
+	$(BENCH_QUICK) bench/agentic.py
 	$(BENCH_QUICK) bench/resharding.py
 	$(BENCH_QUICK) bench/operator_scale.py
 	$(BENCH_QUICK) bench/e2e.py

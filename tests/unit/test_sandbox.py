@@ -8,19 +8,22 @@ nothing outside its working directory.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from pathlib import Path
-
-import psutil
 import pytest
 
+from hybridflow.agents.escapes import ESCAPE_ATTEMPTS, EscapeAttempt, sandbox_processes, try_escapes
 from hybridflow.agents.sandbox import SandboxLimits, isolation, run_python
 
 pytestmark = pytest.mark.unit
 
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=256 * 2**20, processes=8)
+ESCAPE_LIMITS = SandboxLimits(
+    wall_seconds=3.0,
+    cpu_seconds=1,
+    memory_bytes=256 * 2**20,
+    processes=8,
+    file_bytes=2**20,
+    output_bytes=1000,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,14 +31,6 @@ def confined() -> None:
     applied = isolation()
     if applied is None or applied.landlock_abi < 4:
         pytest.skip(f"this kernel cannot confine the sandbox's files and sockets (Landlock: {applied})")
-
-
-def leftovers() -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if any("hybridflow-sandbox-" in part for part in process.info.get("cmdline") or []):
-            found.append(process)
-    return found
 
 
 @pytest.fixture(params=[True, False], ids=["namespaces", "no-namespaces"])
@@ -56,59 +51,23 @@ def test_an_exception_is_an_error_message_with_its_last_lines(namespaces: bool) 
     assert result.outcome == "error" and "ValueError: boom" in result.as_tool_text()
 
 
-def test_a_fork_bomb_is_stopped_and_leaves_no_process(namespaces: bool) -> None:
-    result = run_python("import os\nwhile True:\n    os.fork()", LIMITS, namespaces=namespaces)
-    assert not result.ok and result.as_tool_text().startswith("error:")
-    deadline = time.monotonic() + 5
-    while leftovers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not leftovers()
+@pytest.mark.parametrize("attempt", ESCAPE_ATTEMPTS, ids=lambda attempt: attempt.name.replace(" ", "-"))
+def test_each_escape_attempt_is_contained_and_reported(namespaces: bool, attempt: EscapeAttempt) -> None:
+    """The catalogue bench/agentic.py counts: an error for the model, the target untouched, no process left."""
+    [report] = try_escapes(ESCAPE_LIMITS, namespaces=namespaces, attempts=(attempt,))
+    assert report.contained, report
+    assert not sandbox_processes()
 
 
-def test_memory_exhaustion_is_a_memory_error(namespaces: bool) -> None:
-    result = run_python("x = bytearray(2 * 1024**3)", LIMITS, namespaces=namespaces)
-    assert result.outcome == "memory_limit" and "ran out of memory" in result.as_tool_text()
+def test_endless_output_is_cut_at_the_output_limit() -> None:
+    result = run_python("while True:\n    print('x' * 1000)", ESCAPE_LIMITS)
+    assert result.outcome == "output_limit" and len(result.stdout) == ESCAPE_LIMITS.output_bytes
 
 
-def test_an_infinite_loop_is_stopped(namespaces: bool) -> None:
-    result = run_python("while True:\n    pass", LIMITS, namespaces=namespaces)
-    assert result.outcome in ("cpu_limit", "timeout") and result.seconds < LIMITS.wall_seconds + 2
-
-
-def test_endless_output_is_cut_at_the_file_size_limit(namespaces: bool) -> None:
-    limits = SandboxLimits(wall_seconds=5.0, file_bytes=2**20, output_bytes=1000)
-    result = run_python("while True:\n    print('x' * 1000)", limits, namespaces=namespaces)
-    assert result.outcome == "output_limit" and len(result.stdout) == 1000
-
-
-def test_no_socket_reaches_even_this_host(namespaces: bool) -> None:
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    accepted: list[object] = []
-    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
-    try:
-        code = (
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
-        )
-        result = run_python(code, LIMITS, namespaces=namespaces)
-    finally:
-        server.close()
-    assert result.outcome == "error" and "connected" not in result.stdout and not accepted
-
-
-def test_files_outside_the_working_directory_can_be_neither_read_nor_written(
-    namespaces: bool, tmp_path: Path
-) -> None:
-    secret = tmp_path / "secret.txt"
-    secret.write_text("token")
-    target = tmp_path / "written.txt"
-    for code in (
-        f"print(open({str(secret)!r}).read())",
-        "print(open('/etc/passwd').read())",
-        f"open({str(target)!r}, 'w').write('x')",
-        "import os\nprint(os.listdir('/'))",
-    ):
-        result = run_python(code, LIMITS, namespaces=namespaces)
-        assert result.outcome == "error" and "PermissionError" in result.stderr, (code, result)
-        assert "token" not in result.stdout
-    assert not target.exists()
+def test_the_judge_counts_an_attempt_that_got_out_as_not_contained() -> None:
+    """The judge can fail: code that prints the secret's text (as if it had read it) and exits 0."""
+    leaked = EscapeAttempt("leak", lambda targets: f"print({targets.secret_text!r})", ("error",))
+    wrong_kind = EscapeAttempt("wrong kind", lambda targets: "raise ValueError('no')", ("error",), True)
+    reports = try_escapes(ESCAPE_LIMITS, namespaces=False, attempts=(leaked, wrong_kind))
+    assert [report.contained for report in reports] == [False, False]
+    assert "not as an error" in reports[0].reason and "PermissionError" in reports[1].reason
