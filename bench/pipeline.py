@@ -33,7 +33,8 @@ the ratio to ``step_seconds_split_sync``. ``overlap_reward_gain`` is the overlap
 reward over its last ``window`` steps minus over its first (target >= 0.3 over the full budget;
 the runs are seeded, so a repeat learns the same), ``sync_reward_gain`` the synchronous run's,
 for comparison. ``overlap_idle_fraction`` and ``sync_idle_fraction`` are the mean idle fraction
-per pool. ``--quick`` runs fewer candidates and steps. The last line printed is one JSON object.
+per pool. ``--quick`` runs fewer candidates and steps, each candidate once. The last line
+printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -178,8 +179,11 @@ def main() -> None:
         log_to_driver=False,
     )
     # Other load on the machine drifts over minutes: run the candidates forwards, then backwards
-    # (ABC CBA), so a linear drift adds the same time to every candidate's mean.
-    order = [*range(len(chosen)), *reversed(range(len(chosen)))]
+    # (ABC CBA), so a linear drift adds the same time to every candidate's mean. A quick run
+    # judges nothing: forwards only.
+    order = [*range(len(chosen))]
+    if not args.quick:
+        order += reversed(range(len(chosen)))
     seconds: dict[int, list[float]] = {index: [] for index in range(len(chosen))}
     phases: dict[int, list[dict[str, float]]] = {index: [] for index in range(len(chosen))}
     try:
