@@ -60,8 +60,8 @@ import lookup_task  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from hybridflow.agents.escapes import try_escapes  # noqa: E402
-from hybridflow.agents.sandbox import SandboxLimits, isolation, run_python  # noqa: E402
+from hybridflow.agents.escapes import ESCAPE_LIMITS, try_escapes  # noqa: E402
+from hybridflow.agents.sandbox import isolation, run_python  # noqa: E402
 from hybridflow.controller import init_local_ray  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
 from hybridflow.spec import RLHFJobSpec, load_job_manifest  # noqa: E402
@@ -77,14 +77,6 @@ CALL_REWARD = 0.1
 """Weight of ``lookup_task.called_lookup``: the format reward that keeps the model calling."""
 TOOL_TURN = "\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
 """ChatML's tool turn (Qwen2's template has the role): the letters sit 13 tokens before the answer."""
-SANDBOX_LIMITS = SandboxLimits(
-    wall_seconds=3.0,
-    cpu_seconds=1,
-    memory_bytes=256 * 2**20,
-    processes=8,
-    file_bytes=2**20,
-    output_bytes=1000,
-)
 
 
 def cold_start(model_dir: Path, out: Path, rows: list[dict[str, Any]], steps: int, *, tool: bool) -> Path:
@@ -204,11 +196,9 @@ def sandbox_figures(quick: bool) -> dict[str, Any]:
     modes = [False] if applied is None or not applied.namespaces else [True, False]
     if quick:
         modes = modes[:1]
-    reports = [
-        report for namespaces in modes for report in try_escapes(SANDBOX_LIMITS, namespaces=namespaces)
-    ]
+    reports = [report for namespaces in modes for report in try_escapes(ESCAPE_LIMITS, namespaces=namespaces)]
     latencies = sorted(
-        run_python("print(sum(range(1000)))", SANDBOX_LIMITS).seconds for _ in range(5 if quick else 20)
+        run_python("print(sum(range(1000)))", ESCAPE_LIMITS).seconds for _ in range(5 if quick else 20)
     )
     return {
         "isolation": None if applied is None else vars(applied),

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.agents.escapes import ESCAPE_ATTEMPTS, EscapeAttempt, sandbox_processes, try_escapes
+from hybridflow.agents.escapes import (
+    ESCAPE_ATTEMPTS,
+    ESCAPE_LIMITS,
+    EscapeAttempt,
+    sandbox_processes,
+    try_escapes,
+)
 from hybridflow.agents.sandbox import SandboxLimits, isolation, run_python
 
 pytestmark = pytest.mark.unit
 
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=256 * 2**20, processes=8)
-ESCAPE_LIMITS = SandboxLimits(
-    wall_seconds=3.0,
-    cpu_seconds=1,
-    memory_bytes=256 * 2**20,
-    processes=8,
-    file_bytes=2**20,
-    output_bytes=1000,
-)
 
 
 @pytest.fixture(scope="module", autouse=True)

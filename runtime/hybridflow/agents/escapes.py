@@ -31,7 +31,24 @@ from pathlib import Path
 
 from hybridflow.agents.sandbox import SandboxLimits, SandboxResult, run_python
 
-__all__ = ["ESCAPE_ATTEMPTS", "EscapeAttempt", "EscapeReport", "sandbox_processes", "try_escapes"]
+__all__ = [
+    "ESCAPE_ATTEMPTS",
+    "ESCAPE_LIMITS",
+    "EscapeAttempt",
+    "EscapeReport",
+    "sandbox_processes",
+    "try_escapes",
+]
+
+ESCAPE_LIMITS = SandboxLimits(
+    wall_seconds=3.0,
+    cpu_seconds=1,
+    memory_bytes=256 * 2**20,
+    processes=8,
+    file_bytes=2**20,
+    output_bytes=1000,
+)
+"""The limits the tests and the bench run the attempts under: small, so that each stops in seconds."""
 
 
 @dataclass(frozen=True)

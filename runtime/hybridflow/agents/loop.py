@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hybridflow.agents.plugins import import_attribute
 from hybridflow.agents.sandbox import SandboxLimits, run_python
 from hybridflow.agents.tool_calls import load_parser
 from hybridflow.agents.tools import SandboxRunner, Tool, ToolOutcome, call_tool, load_tools
+from hybridflow.plugins import import_attribute
 from hybridflow.spec.agent import AgentSpec
 
 __all__ = [

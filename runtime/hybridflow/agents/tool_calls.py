@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.agents.plugins import import_attribute
+from hybridflow.plugins import import_attribute
 
 __all__ = ["ParsedTurn", "ToolCall", "load_parser", "parse_hermes"]
 

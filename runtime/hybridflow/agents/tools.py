@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from hybridflow.agents.plugins import import_attribute
 from hybridflow.agents.sandbox import SandboxLimits, SandboxResult, run_python
+from hybridflow.plugins import import_attribute
 
 __all__ = [
     "BUILTIN_TOOLS",

@@ -16,11 +16,12 @@ that the reward actually goes up. ``make_toy_dataset`` writes their prompts.
 
 from __future__ import annotations
 
-import importlib
 import random
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from hybridflow.plugins import import_attribute
 
 RewardFunction = Callable[[str, str, str, Mapping[str, Any] | None], float]
 """``(data_source, response, ground_truth, extra_info) -> score``; see the module docstring."""
@@ -221,20 +222,7 @@ def resolve_reward_function(name_or_path: str) -> RewardFunction:
     module_name, separator, attribute_path = name_or_path.partition(":")
     if not separator or not module_name or not attribute_path:
         raise ValueError(f"reward function {name_or_path!r} is not known; use {allowed}")
-    try:
-        target: object = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"reward function {name_or_path!r}: module {module_name!r} could not be imported "
-            f"({error}); use {allowed}"
-        ) from error
-    resolved: list[str] = []
-    for attribute in attribute_path.split("."):
-        if not hasattr(target, attribute):
-            owner = f"{module_name}:{'.'.join(resolved)}" if resolved else f"module {module_name!r}"
-            raise ValueError(f"reward function {name_or_path!r}: {owner} has no attribute {attribute!r}")
-        target = getattr(target, attribute)
-        resolved.append(attribute)
+    target = import_attribute(name_or_path, "reward function")
     if not callable(target):
         raise ValueError(
             f"reward function {name_or_path!r}: {attribute_path!r} in {module_name!r} is a "

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hybridflow.agents.plugins import import_attribute
 from hybridflow.agents.tool_calls import load_parser
 from hybridflow.agents.trajectory import Trajectory
 from hybridflow.engines.continuous import GenerationRequest, RequestResult, SampleResult
+from hybridflow.plugins import import_attribute
 from hybridflow.rollout.trajectories import group_result
 from hybridflow.spec.agent import AgentSpec
 
