@@ -122,6 +122,7 @@ RUNTIME_LAYERS: tuple[tuple[str, ...], ...] = (
         "hybridflow.metrics",
         "hybridflow.checkpoint",
         "hybridflow.compilation",
+        "hybridflow.plugins",
     ),
     # torch-only SPMD code a worker process calls; no Ray
     ("hybridflow.backends", "hybridflow.engines", "hybridflow.resharding"),
