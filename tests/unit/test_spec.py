@@ -266,7 +266,7 @@ def test_unknown_field_lists_the_allowed_keys() -> None:
     assert problem.startswith(
         "spec.training.foo: unknown field (allowed: backend, totalSteps, promptsPerStep, "
     )
-    assert problem.endswith("pipelineParallelSize, seed)")
+    assert problem.endswith("pipelineParallelSize, seed, lora)")
 
 
 def test_unknown_top_level_field() -> None:
@@ -293,7 +293,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
         "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, packSequences, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
         "maxGradNorm, precision, activationCheckpointing, sharedPromptMinTokens, compile, fsdpUnitMinParameters, offloadDuringGeneration, tensorParallelSize, "
-        "pipelineParallelSize, seed)",
+        "pipelineParallelSize, seed, lora)",
     ]
 
 
@@ -646,6 +646,22 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "auto-placement-chooses-roles-and-sizes": (
         _all(_set("placement", "auto"), _set("roles.reference", "default")),
         "auto with roles.reference='default'",
+    ),
+    "lora-needs-fsdp": (
+        _all(_set("training.backend", "megatron"), _set("training.lora", {"rank": 8})),
+        "set with backend 'megatron'",
+    ),
+    "lora-reference-is-the-base": (
+        _all(_set("training.lora", {"rank": 8}), _set("models.reference", {"path": "/models/other"})),
+        "'/models/other' with training.lora set",
+    ),
+    "lora-rollout-whole-model": (
+        _all(
+            _set("training.lora", {"rank": 8}),
+            _set("rollout.tensorParallelSize", 2),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "2 with training.lora set",
     ),
     "volume-mount-paths-unique": (
         _set("volumes", [{"claimName": "a", "mountPath": "/m"}, {"claimName": "b", "mountPath": "/m"}]),

@@ -48,6 +48,7 @@ __all__ = [
     "needs_old_log_probs",
     "needs_reference",
     "needs_weight_sync",
+    "reference_from_actor",
 ]
 
 
@@ -66,13 +67,23 @@ class JobWorkers:
     cost_critic: WorkerGroup | None = None
 
     @classmethod
-    def of(cls, deployment: Deployment, rollout: Any = None) -> JobWorkers:
-        """The deployment's groups; ``rollout`` stands in for a rollout the deployment does not hold."""
+    def of(
+        cls, deployment: Deployment, rollout: Any = None, *, reference_from_actor: bool = False
+    ) -> JobWorkers:
+        """The deployment's groups; ``rollout`` stands in for a rollout the deployment does not hold.
+
+        ``reference_from_actor``: the actor's group answers the reference's calls (with
+        ``spec.training.lora`` the reference policy is the actor's base, its adapter switched off:
+        :func:`reference_from_actor`).
+        """
         groups = deployment.groups
+        reference = groups.get("reference")
+        if reference is None and reference_from_actor:
+            reference = groups["actor"]
         return cls(
             actor=groups["actor"],
             rollout=rollout if rollout is not None else groups["rollout"],
-            reference=groups.get("reference"),
+            reference=reference,
             critic=groups.get("critic"),
             reward=groups.get("reward"),
             cost=groups.get("cost"),
@@ -81,6 +92,11 @@ class JobWorkers:
 
 
 StepFunction = Callable[[JobWorkers, Batch, RewardScorer, AlgorithmState], dict[str, float]]
+
+
+def reference_from_actor(spec: RLHFJobSpec) -> bool:
+    """Whether the actor computes the reference's log-probs itself (a KL term with ``spec.training.lora``)."""
+    return needs_reference(spec) and spec.training.lora is not None
 
 
 def needs_reference(spec: RLHFJobSpec) -> bool:

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, Self
+from typing import TYPE_CHECKING, Literal, Self
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridflow.resharding.fingerprint import FingerprintPlan
 
 FinishReason = Literal["stop", "length"]
 """Why a response ended: ``"stop"``, it emitted an eos token (the last token of the
@@ -170,6 +173,18 @@ class RolloutEngine(ABC):
             self.load_weights(bucket)
             loaded += sum(t.numel() * t.element_size() for _, t in bucket)
         return loaded
+
+    def weight_fingerprint(
+        self, plan: FingerprintPlan, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, int | None]:
+        """Checksums of the weights this engine serves, by HF name, as ``plan`` selects (the sync check).
+
+        Read back from where the engine generates from, after a load (see
+        :mod:`hybridflow.resharding.fingerprint`): ``None`` for a tensor the engine cannot read
+        back, a missing name for one it does not hold. This default reads nothing back: every
+        tensor is unverified, which the check reports as such.
+        """
+        return {name: None for name in shapes}
 
     @abstractmethod
     def sleep(self) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -61,6 +61,8 @@ from hybridflow.engines.base import (
     SamplingParams,
     check_prompts,
 )
+from hybridflow.models.lora import LoRAConfig, apply_lora, initialize_adapters
+from hybridflow.resharding.fingerprint import FingerprintPlan, state_dict_fingerprint
 
 EngineState = Literal["awake", "asleep", "closed"]
 
@@ -153,6 +155,10 @@ class TorchRolloutEngine(RolloutEngine):
     ``compile_decode`` compiles the decode step (module docstring); ``cache_width`` is then the
     fixed width of the cache, the longest prompt plus ``max_new_tokens`` the caller will ask
     for (unset: rounded up to a multiple of 64 per call, a compile per distinct width).
+
+    ``lora`` (a directory only) adapts the loaded model's linears (:mod:`hybridflow.models.lora`)
+    with adapters at zero, the base model: a LoRA trainer's syncs then load the adapter's
+    tensors alone (``...q_proj.lora_A.weight``), and the forward pass applies them.
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class TorchRolloutEngine(RolloutEngine):
         *,
         compile_decode: bool = False,
         cache_width: int | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         module: nn.Module
         if isinstance(model, nn.Module):
@@ -179,6 +186,11 @@ class TorchRolloutEngine(RolloutEngine):
                 )
             # cast: transformers types PreTrainedModel.to through a decorator mypy misreads.
             module = cast(nn.Module, AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32))
+            if (
+                lora is not None
+            ):  # the base from the checkpoint; the adapter (zero until a sync) applied in forward
+                apply_lora(module, lora)
+                initialize_adapters(module, seed=0)
             module.to(device or "cpu")
         first_parameter = next(module.parameters(), None)
         if first_parameter is None:
@@ -467,6 +479,14 @@ class TorchRolloutEngine(RolloutEngine):
                     )
                 target.copy_(tensor)
                 self._discarded.discard(name)
+
+    def weight_fingerprint(
+        self, plan: FingerprintPlan, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, int | None]:
+        """See :meth:`RolloutEngine.weight_fingerprint`: read from the module's own parameters and buffers."""
+        model = self._awake_model("weight_fingerprint")
+        with torch.no_grad():
+            return state_dict_fingerprint(model.state_dict(), plan, shapes)
 
     def sleep(self, *, level: int = 1) -> None:
         """Release the engine's accelerator memory between generations.

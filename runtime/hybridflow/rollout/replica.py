@@ -64,9 +64,10 @@ from hybridflow.engines.base import RolloutEngine
 from hybridflow.engines.continuous import ContinuousBatcher, GenerationRequest, RequestResult
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.resharding.bucket_broadcast import receive_buckets
+from hybridflow.resharding.fingerprint import FingerprintReport
 from hybridflow.rollout.lockstep import Follower, LockstepBatcher
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
+from hybridflow.workers.weight_push import WEIGHTS_BRIDGE, verify_pushed
 
 if TYPE_CHECKING:
     from hybridflow.engines.vllm_continuous import VLLMContinuousBatcher
@@ -115,6 +116,8 @@ class ReplicaStats:
     running_samples: int
     version: int
     weight_load_seconds: float
+    weight_check_seconds: float = 0.0
+    """Seconds spent on the weight-sync check (``spec.rollout.weightSyncCheck``), within the loads'."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class RolloutReplica:
         self._stepping = False
         self._busy_seconds = 0.0
         self._load_seconds = 0.0
+        self._check_seconds = 0.0
         self._started = time.monotonic()
         self._bridge: Bridge | None = None
         self._failure: BaseException | None = None
@@ -348,6 +352,7 @@ class RolloutReplica:
             running_samples=batcher.running_samples,
             version=batcher.version,
             weight_load_seconds=self._load_seconds,
+            weight_check_seconds=self._check_seconds,
         )
 
     def join_bridge(
@@ -381,9 +386,11 @@ class RolloutReplica:
                 batcher.pause()
         started = time.monotonic()
         try:
+            trailer: dict[str, Any] = {}
             loaded = self._engine.load_weight_buckets(
-                receive_buckets(self._bridge, root=0, device=self.device)
+                receive_buckets(self._bridge, root=0, device=self.device, trailer=trailer)
             )
+            self._record_check(verify_pushed(self._engine, trailer))
         finally:
             with self._condition:
                 self._load_seconds += time.monotonic() - started
@@ -392,13 +399,23 @@ class RolloutReplica:
                 self._condition.notify_all()
         return loaded, aborted
 
+    def _record_check(self, report: FingerprintReport | None) -> None:
+        """Count a passed weight-sync check's seconds (a failed one has raised WeightSyncMismatch)."""
+        if report is not None:
+            self._check_seconds += report.seconds
+
     def _follower_receives(self, version: int) -> int:
         """A follower's load: once its leader's ``pause`` arrived, the same buckets, then resume."""
         assert self._follower is not None and self._engine is not None and self._bridge is not None
         self._follower.wait_for_pause(float(self.spec.rollout.replica_timeout_seconds))
         started = time.monotonic()
         try:
-            return self._engine.load_weight_buckets(receive_buckets(self._bridge, root=0, device=self.device))
+            trailer: dict[str, Any] = {}
+            loaded = self._engine.load_weight_buckets(
+                receive_buckets(self._bridge, root=0, device=self.device, trailer=trailer)
+            )
+            self._record_check(verify_pushed(self._engine, trailer))
+            return loaded
         finally:
             self._load_seconds += time.monotonic() - started
             self._follower.batcher.version = version

@@ -741,6 +741,32 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         ),
     ),
     CrossFieldRule[RLHFJobSpec](
+        name="lora-reference-is-the-base",
+        node_path="spec",
+        field_path=".models.reference",
+        cel="!has(self.training.lora) || !has(self.models.reference)",
+        message=(
+            "must be unset with training.lora: the reference policy is the actor's base model with the "
+            "adapter switched off, so no other reference model is loaded"
+        ),
+        holds=lambda spec: spec.training.lora is None or spec.models.reference is None,
+        observed=lambda spec: (
+            f"{spec.models.reference.path if spec.models.reference else None!r} with training.lora set"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="lora-rollout-whole-model",
+        node_path="spec",
+        field_path=".rollout.tensorParallelSize",
+        cel="!has(self.training.lora) || self.rollout.tensorParallelSize == 1",
+        message=(
+            "must be 1 with training.lora: adapters are synced to engines that hold the whole model "
+            "(a tensor-parallel engine would need each rank's slice of every adapter)"
+        ),
+        holds=lambda spec: spec.training.lora is None or spec.rollout.tensor_parallel_size == 1,
+        observed=lambda spec: f"{spec.rollout.tensor_parallel_size} with training.lora set",
+    ),
+    CrossFieldRule[RLHFJobSpec](
         name="staleness-needs-own-rollout-pool",
         node_path="spec",
         field_path=".rollout.maxStaleness",

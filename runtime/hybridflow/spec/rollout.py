@@ -260,6 +260,18 @@ class RolloutSpec(SpecModel):
             "compile (docs/benchmarks.md). vLLM compiles on its own."
         ),
     )
+    weight_sync_check: Literal["off", "sampled", "full"] = Field(
+        default="sampled",
+        description=(
+            "After every weight sync, the engine checksums the weights it now serves and compares them "
+            "with the trainer's checksums of what it sent, in the engine's dtype; a difference fails the "
+            "step with WeightSyncMismatch naming the tensor. 'sampled': every 1-D tensor whole and 4 rows "
+            "of each other tensor, different rows each sync (catches a tensor undelivered, stale or "
+            "mis-mapped as a whole; reads a few thousandths of the weights). 'full': every element (a "
+            "pass over all weights on both sides). 'off': no check. Tensors an engine cannot read "
+            "back (vLLM-cpu's repacked linear weights) are counted as unverified. docs/weight-sync.md."
+        ),
+    )
     importance_sampling: ImportanceSamplingSpec = Field(
         default=ImportanceSamplingSpec(),
         description=(

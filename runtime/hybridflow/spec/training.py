@@ -73,6 +73,48 @@ class OffloadSpec(SpecModel):
     )
 
 
+class LoRASpec(SpecModel):
+    """A low-rank adapter trained on a frozen base (docs/lora.md)."""
+
+    rank: int = Field(
+        ge=1,
+        le=1024,
+        description="Rank r of each adapter: A is [r, in], B is [out, r]. 8 to 64 is usual; 16 a good start.",
+    )
+    alpha: float = Field(
+        default=32.0,
+        gt=0,
+        description="The adapter's output is scaled by alpha / rank (PEFT's lora_alpha).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description=(
+            "Names of the linear modules to adapt (the last part of their path): by default every "
+            "linear of a decoder layer. A name that matches no linear of the model fails the job at "
+            "load, naming the model's linears. The LM head is never adapted."
+        ),
+    )
+    dropout: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on each adapter's input while training (0: none; log-prob passes never drop).",
+    )
+    critic: bool = Field(
+        default=False,
+        description=(
+            "Also train the critic (ppo, safe-rlhf) as an adapter on its frozen backbone, with its value "
+            "head trained whole; otherwise the critic trains all its weights."
+        ),
+    )
+
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear of a Qwen2/Llama decoder layer (``hybridflow.models.lora.DEFAULT_TARGET_MODULES``;
+the spec does not import torch)."""
+
+
 class TrainingSpec(SpecModel):
     """Steps, batch sizes, optimizer, precision and training-time parallelism."""
 
@@ -231,6 +273,15 @@ class TrainingSpec(SpecModel):
         ge=0,
         description="Seed of weight initialization (critic value head) and of sampling during rollouts.",
     )
+    lora: LoRASpec | None = Field(
+        default=None,
+        description=(
+            "Train the actor (and optionally the critic) as a LoRA adapter on its frozen base: only the "
+            "adapter's parameters train and hold optimizer state, the reference policy is the base with "
+            "the adapter switched off (no reference model is loaded), and each weight sync moves the "
+            "adapter alone. backend 'fsdp' only. docs/lora.md."
+        ),
+    )
 
 
 TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
@@ -260,6 +311,15 @@ TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
         message="is supported with backend 'fsdp' only (megatron's pipeline needs equal micro-batch shapes)",
         holds=lambda training: training.backend == "fsdp" or not training.pack_sequences,
         observed=lambda training: f"true with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="lora-needs-fsdp",
+        node_path="spec.training",
+        field_path=".lora",
+        cel="self.backend == 'fsdp' || !has(self.lora)",
+        message="is supported with backend 'fsdp' only (megatron-core's LoRA is not wired to the 3D-HybridEngine)",
+        holds=lambda training: training.backend == "fsdp" or training.lora is None,
+        observed=lambda training: f"set with backend {training.backend!r}",
     ),
     CrossFieldRule[TrainingSpec](
         name="warmup-within-total-steps",

@@ -77,7 +77,8 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     The rollout shares the actor's pool unless ``spec.roles.rollout`` names another; there it
     generates with the whole model on every rank (the spec allows no other layout) and receives
     the weights over the bridge of :func:`job_bridges`. The reference is deployed only when a KL term
-    reads it (``kl.coef > 0``). With ``spec.training.backend: megatron`` the
+    reads it (``kl.coef > 0``), and not with ``spec.training.lora``, where the actor's base model
+    (its adapter switched off) is the reference. With ``spec.training.backend: megatron`` the
     actor, reference and critic train/score under ``DeviceMesh.training(pp, tp)`` of their pools, and
     (``t*p > 1``) the rollout generates under the HybridFlow generation mesh derived from the
     actor's. The actor, reference and critic classes are the same for every backend (they look
@@ -117,7 +118,7 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     roles = {"actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs)}
     if spec.rollout.mode == "batch":  # server mode: replicas of the rollout service (hybridflow.rollout)
         roles["rollout"] = RoleSpec(rollout_cls, spec.pool("rollout").name, mesh=rollout_mesh, kwargs=kwargs)
-    if needs_reference(spec):
+    if needs_reference(spec) and spec.training.lora is None:  # with LoRA the actor's base is the reference
         roles["reference"] = RoleSpec(
             ReferenceWorker, spec.pool("reference").name, mesh=reference_mesh, kwargs=kwargs
         )

@@ -41,7 +41,7 @@ from hybridflow.agents.sandbox import run_python
 from hybridflow.agents.sandbox_pool import SandboxPool
 from hybridflow.agents.tools import SandboxRunner
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
-from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function
+from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function, reference_from_actor
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import recording_controller_work, unmeasured_seconds
 from hybridflow.checkpoint import CheckpointManager
@@ -156,7 +156,7 @@ def run_training(
         rollout_service(spec, deployment, pools, tokenizer, sampler, scorer, on_step, simulated) as service,
     ):
         served = ServedRollout(service) if service is not None else None
-        workers = JobWorkers.of(deployment, rollout=served)
+        workers = JobWorkers.of(deployment, rollout=served, reference_from_actor=reference_from_actor(spec))
         total = spec.training.total_steps
         pipeline = (
             RolloutPipeline(workers, max_staleness=spec.rollout.max_staleness, total_steps=total)
@@ -291,7 +291,8 @@ def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     ``reshard/seconds`` is train -> generate (packing included) plus generate -> train on the
     slowest rank (the step waits for it); the ``*_per_rank`` figures are the largest of any
     rank; ``reshard/rank<r>/<figure>`` are each rank's own (seconds, bytes sent and received,
-    peak memory, redundant bytes), as measured by the rollout (``workers/hybrid_rollout.py``).
+    peak memory, redundant bytes), as measured by the rollout (``workers/hybrid_rollout.py``);
+    ``weight_sync/*`` are the sync check's figures (``spec.rollout.weightSyncCheck``).
     """
     ranks = [(rank, stats) for rank, stats in enumerate(per_rank) if stats]
     if not ranks:
@@ -313,6 +314,11 @@ def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         values = [s[figure] for _, s in ranks if figure in s]
         if values:
             metrics[f"reshard/{figure}_per_rank"] = max(values)
+    checks = [s for _, s in ranks if "sync_check_seconds" in s]
+    if checks:  # spec.rollout.weightSyncCheck (hybridflow.resharding.fingerprint)
+        metrics["weight_sync/check_seconds"] = max(s["sync_check_seconds"] for s in checks)
+        metrics["weight_sync/checked_tensors"] = min(s["sync_checked_tensors"] for s in checks)
+        metrics["weight_sync/unverified_tensors"] = max(s["sync_unverified_tensors"] for s in checks)
     return metrics
 
 

@@ -50,6 +50,8 @@ from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
 from hybridflow.metrics.catalogue import combine_values
 from hybridflow.metrics.device import device_metrics
+from hybridflow.models.lora import adapters_disabled
+from hybridflow.resharding.fingerprint import FingerprintPlan
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
 from hybridflow.resharding.transfer import TrainingShard
@@ -147,6 +149,22 @@ class ActorWorker(_PolicyModel):
     def compute_log_probs(self, batch: Batch) -> Batch:
         """Log-probs of the responses under the current policy (the PPO "old" log-probs)."""
         return self._score(batch, "old_log_probs")
+
+    @register(DP_SPLIT)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """The reference's log-probs with ``spec.training.lora``: this model with its adapter switched off.
+
+        The base model is the frozen initial policy exactly (the adapter starts at zero), so no
+        reference model is loaded; :func:`hybridflow.algorithms.api.JobWorkers.of` sends the
+        reference's calls here when the job has no reference role.
+        """
+        if self.spec.training.lora is None:
+            raise RuntimeError(
+                "the actor computes reference log-probs only with spec.training.lora; this job has a "
+                "reference role for them"
+            )
+        with adapters_disabled(self.model):
+            return self._score(batch, "ref_log_probs")
 
     @register(DP_SPLIT_EXACT)
     def update_policy(self, batch: Batch) -> dict[str, float]:
@@ -256,7 +274,8 @@ class ActorWorker(_PolicyModel):
         every rank holds the whole model.
         """
         buckets = self.weight_buckets(WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx))
-        return send_pushed_weights(self.ctx, buckets)
+        plan = FingerprintPlan(self.spec.rollout.weight_sync_check, self.policy_version)
+        return send_pushed_weights(self.ctx, buckets, plan)
 
     def local_parameter_bytes(self) -> int:
         """Bytes of this rank's own parameter shards (what it keeps aside while an engine holds a full copy)."""

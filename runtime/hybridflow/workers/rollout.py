@@ -49,9 +49,16 @@ from hybridflow.engines.base import RolloutEngine, RolloutOutput, SamplingParams
 from hybridflow.engines.layout import response_tensors
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.engines.vllm_engine import VLLMRolloutEngine  # the module imports vLLM only when one is built
+from hybridflow.models.lora import lora_config
+from hybridflow.resharding.fingerprint import FingerprintPlan, SentFingerprint, verify_served
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.weight_push import WEIGHT_BUCKET_BYTES, engine_dtype, receive_pushed_weights
+from hybridflow.workers.weight_push import (
+    WEIGHT_BUCKET_BYTES,
+    engine_dtype,
+    receive_pushed_weights,
+    verify_pushed,
+)
 
 __all__ = ["RolloutWorker", "actor_offloaded", "pack_responses", "prompt_token_ids", "sampling_params"]
 
@@ -119,6 +126,7 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
             spec.models.actor.path,
             device=ctx.torch_device,
             dtype=engine_dtype(spec, ctx),
+            lora=lora_config(spec.training.lora),
             **torch_engine_options(spec),
         )
 
@@ -188,12 +196,18 @@ class RolloutWorker(Worker):
         self._synced = True
         wire_before = self.meter.total
         start = time.perf_counter()
+        sent = SentFingerprint(
+            FingerprintPlan(self.spec.rollout.weight_sync_check, int(actor.policy_version))
+        )
         with PeakMemory(self.ctx.torch_device) as probe:
             loaded = self.engine.load_weight_buckets(
-                actor.weight_buckets(
-                    WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx), meter=self.meter
+                sent.watch(
+                    actor.weight_buckets(
+                        WEIGHT_BUCKET_BYTES, dtype=engine_dtype(self.spec, self.ctx), meter=self.meter
+                    )
                 )
             )
+        check = verify_served(self.engine, sent.to_json(), sender_seconds=sent.seconds)
         wire = self.meter.total - wire_before
         self._stats = {
             "to_generation_seconds": time.perf_counter() - start,
@@ -205,6 +219,8 @@ class RolloutWorker(Worker):
         }
         if probe.bytes is not None:
             self._stats["peak_memory_bytes"] = float(probe.bytes)
+        if check is not None:
+            self._stats.update(check.stats())
         return loaded
 
     @register(BROADCAST)
@@ -218,8 +234,10 @@ class RolloutWorker(Worker):
         self.engine.wake_up()
         loaded = 0
         start = time.perf_counter()
+        trailer: dict[str, Any] = {}
         with PeakMemory(self.ctx.torch_device) as probe:
-            loaded = self.engine.load_weight_buckets(receive_pushed_weights(self.ctx))
+            loaded = self.engine.load_weight_buckets(receive_pushed_weights(self.ctx, trailer))
+        check = verify_pushed(self.engine, trailer)
         self.policy_version = version
         self._synced = True
         self._stats = {
@@ -231,6 +249,8 @@ class RolloutWorker(Worker):
         }
         if probe.bytes is not None:
             self._stats["peak_memory_bytes"] = float(probe.bytes)
+        if check is not None:
+            self._stats.update(check.stats())
         return loaded
 
     def _current_policy_version(self) -> int:
@@ -256,7 +276,11 @@ class RolloutWorker(Worker):
             version = self._current_policy_version()
             if self.standalone:
                 pass  # nothing else needs this pool's memory: stay awake with the weights loaded
-            elif isinstance(self.engine, (VLLMRolloutEngine, TorchRolloutEngine)) and not self.shared:
+            elif (
+                isinstance(self.engine, (VLLMRolloutEngine, TorchRolloutEngine))
+                and not self.shared
+                and self.spec.training.lora is None  # a LoRA sync reloads the adapter only: keep the base
+            ):
                 # Level 2: the engine's weights (and vLLM's KV cache) go, with no copy to the host;
                 # the next step's sync reloads every weight anyway.
                 self.engine.sleep(level=2)

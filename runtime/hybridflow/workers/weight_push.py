@@ -24,12 +24,20 @@ which turns ``spec.rollout.importanceSampling: auto`` on (``RolloutSpec.corrects
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
 from hybridflow.controller import WorkerContext
+from hybridflow.engines.base import RolloutEngine
 from hybridflow.resharding.bucket_broadcast import receive_buckets, send_buckets
+from hybridflow.resharding.fingerprint import (
+    FingerprintPlan,
+    FingerprintReport,
+    SentFingerprint,
+    verify_served,
+)
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = [
@@ -41,6 +49,7 @@ __all__ = [
     "receive_pushed_weights",
     "send_pushed_weights",
     "trainer_dtype",
+    "verify_pushed",
 ]
 
 WEIGHTS_BRIDGE = "weights"
@@ -98,12 +107,14 @@ def dtypes_differ(spec: RLHFJobSpec, ctx: WorkerContext) -> bool:
 
 
 def send_pushed_weights(
-    ctx: WorkerContext, buckets: Iterable[list[tuple[str, torch.Tensor]]]
+    ctx: WorkerContext, buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: FingerprintPlan
 ) -> dict[str, float]:
     """The actor's side: walk every bucket (collective); the bridge's member broadcasts them.
 
-    Returns this rank's figures: ``push_seconds`` and ``push_bytes_sent`` (0 on ranks that are
-    not on the bridge: they only take part in the gathers).
+    The member checksums what it sends as ``plan`` says and sends the fingerprint after the
+    buckets (:mod:`hybridflow.resharding.fingerprint`); every receiver compares its engine with
+    it (:func:`verify_pushed`). Returns this rank's figures: ``push_seconds`` and
+    ``push_bytes_sent`` (0 on ranks that are not on the bridge: they only take part in the gathers).
     """
     started = time.perf_counter()
     bridge = ctx.bridges.get(WEIGHTS_BRIDGE)
@@ -113,8 +124,15 @@ def send_pushed_weights(
         sent = 0
     else:
         walking = iter(buckets)
+        fingerprint = SentFingerprint(plan)
         try:
-            sent = send_buckets(bridge, walking, root=_ROOT, device=ctx.torch_device)
+            sent = send_buckets(
+                bridge,
+                fingerprint.watch(walking),
+                root=_ROOT,
+                device=ctx.torch_device,
+                trailer=fingerprint.to_json,
+            )
         except Exception:
             # A receiver died mid-push (server mode replaces it and pushes again). The other
             # actor ranks are still gathering: finish the walk with them before raising, so that
@@ -125,12 +143,26 @@ def send_pushed_weights(
     return {"push_seconds": time.perf_counter() - started, "push_bytes_sent": float(sent)}
 
 
-def receive_pushed_weights(ctx: WorkerContext) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """The rollout's side: the buckets the actor sends, one at a time (load each before the next)."""
+def receive_pushed_weights(
+    ctx: WorkerContext, trailer: dict[str, Any]
+) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """The rollout's side: the buckets the actor sends, one at a time (load each before the next).
+
+    Once they are exhausted, ``trailer`` holds the sender's fingerprint (for :func:`verify_pushed`).
+    """
     bridge = ctx.bridges.get(WEIGHTS_BRIDGE)
     if bridge is None:
         raise LookupError(
             f"role {ctx.role!r} on pool {ctx.pool!r} is not on the {WEIGHTS_BRIDGE!r} bridge: the weights "
             "are pushed only to a rollout on a pool of its own (spec.roles.rollout)"
         )
-    return receive_buckets(bridge, root=_ROOT, device=ctx.torch_device)
+    return receive_buckets(bridge, root=_ROOT, device=ctx.torch_device, trailer=trailer)
+
+
+def verify_pushed(engine: RolloutEngine, trailer: Mapping[str, Any]) -> FingerprintReport | None:
+    """The receiver's check after loading a push (``None``: the sender checked nothing).
+
+    Raises :class:`~hybridflow.resharding.fingerprint.WeightSyncMismatch` when the engine's
+    weights differ from what the sender checksummed.
+    """
+    return verify_served(engine, trailer)

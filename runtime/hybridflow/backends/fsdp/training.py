@@ -47,6 +47,7 @@ from hybridflow.backends.fsdp.sharded_load import (
 )
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
 from hybridflow.compilation import use_compile_cache
+from hybridflow.models.lora import LoRAConfig, apply_lora, initialize_adapters, is_adapter_name, lora_config
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
 from hybridflow.resharding.transfer import TrainingShard
@@ -88,6 +89,7 @@ class FSDPTrainingBackend:
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.load_report: ShardedLoadReport | None = None  # None: loaded by the plain path
+        self.lora: LoRAConfig | None = None  # set by load() when this model trains an adapter
 
     # ------------------------------------------------------------------ loading
 
@@ -105,6 +107,12 @@ class FSDPTrainingBackend:
         else:
             loaded = load_value_model(model_path, attn_implementation=attention)
         self.kind = kind
+        self.lora = self._lora_for(kind, trained=trained)
+        if self.lora is not None:
+            apply_lora(loaded, self.lora)
+            if kind == "value":  # the head maps the backbone's output to a value: it trains whole
+                for name, parameter in loaded.named_parameters():
+                    parameter.requires_grad_(is_adapter_name(name) or name.startswith("value_head."))
         self.activation_checkpointing = trained and self.spec.training.activation_checkpointing
         self._model = shard_model(
             loaded,
@@ -116,6 +124,8 @@ class FSDPTrainingBackend:
         )
         if sharded:
             self.load_report = materialize_and_load(self._model, model_path, kind=kind, device=self.device)
+        if self.lora is not None:  # after loading: the checkpoint has no adapter to read
+            initialize_adapters(self._model, seed=self.spec.training.seed)
         if learning_rate is None:
             self._model.requires_grad_(False)
             return
@@ -127,6 +137,13 @@ class FSDPTrainingBackend:
             total_steps=training.total_steps,
             schedule=training.lr_schedule,
         )
+
+    def _lora_for(self, kind: ModelKind, *, trained: bool) -> LoRAConfig | None:
+        """The adapter this model trains (``spec.training.lora``): the actor's, and the critic's if asked."""
+        lora = self.spec.training.lora
+        if lora is None or not trained or (kind == "value" and not lora.critic):
+            return None
+        return lora_config(lora)
 
     @property
     def model(self) -> nn.Module:
@@ -289,8 +306,15 @@ class FSDPTrainingBackend:
     def weight_buckets(
         self, bucket_bytes: int, *, dtype: torch.dtype | None, meter: TrafficMeter | None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The all-gathers of the shards, cast to ``dtype`` before gathering; ``meter`` counts their bytes."""
-        return iter_full_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, meter=meter)
+        """The all-gathers of the shards, cast to ``dtype`` before gathering; ``meter`` counts their bytes.
+
+        With a LoRA adapter, the adapter's tensors alone: the engine holds the frozen base already
+        (loaded from the same checkpoint) and applies the adapter itself.
+        """
+        keep = is_adapter_name if self.lora is not None else None
+        return iter_full_weight_buckets(
+            self.model, bucket_bytes=bucket_bytes, dtype=dtype, meter=meter, keep=keep
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().cpu() for name, tensor in full_state_dict(self.model).items()}

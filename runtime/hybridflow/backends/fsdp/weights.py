@@ -34,7 +34,7 @@ worker on every rank):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -149,13 +149,16 @@ def iter_full_weight_buckets(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
     meter: TrafficMeter | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of ``(HF name, full tensor)`` of at most ``bucket_bytes`` each, in a fixed order.
 
     A tensor larger than ``bucket_bytes`` forms a bucket of its own. ``dtype`` (default: keep
     each tensor's own) converts the weights for an engine that serves in another precision, and
-    is what the byte budget counts. See the module docstring for the collective protocol and
-    for when a bucket's tensors are released. Works on an unsharded model too (no collectives).
+    is what the byte budget counts. ``keep`` (default: all) selects tensors by HF name, e.g. a
+    LoRA adapter's alone; it decides from names only, so every rank gathers the same tensors.
+    See the module docstring for the collective protocol and for when a bucket's tensors are
+    released. Works on an unsharded model too (no collectives).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
@@ -164,6 +167,8 @@ def iter_full_weight_buckets(
     plan: list[list[tuple[str, torch.Tensor]]] = []
     planned_bytes = 0
     for name, tensor in model.state_dict().items():
+        if keep is not None and not keep(hf_name(name)):
+            continue
         size = _full_bytes(tensor, dtype)
         if not plan or (plan[-1] and planned_bytes + size > bucket_bytes):
             plan.append([])

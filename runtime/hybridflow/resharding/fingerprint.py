@@ -1,0 +1,297 @@
+"""Weight-sync fingerprints: proof, after every sync, that the engine serves what the trainer sent.
+
+A sync that silently fails to deliver (an adapter never applied, weights not reloaded after a
+sleep, a loader that maps a fused tensor wrongly after an upgrade) trains on samples from the
+wrong policy for as long as nobody looks. So every sync ends with a comparison: the trainer's
+side checksums each tensor as it streams out, in the dtype the engine stores (the buckets are
+already cast to it), and the engine checksums the same elements of its own copy, read back from
+where it serves them. Any difference is a :class:`WeightSyncMismatch` that names the tensor and
+fails the step.
+
+**The checksum** of a set of elements is ``sum(bits(x_i) * w(i)) mod 2**64``: ``bits`` is the
+element's bit pattern as an integer (so -0.0 and 0.0, or two NaNs, differ as they do in memory),
+``i`` its flat index in the HF tensor and ``w`` an odd multiplicative hash of it, so that moved
+elements (a transposed or permuted tensor) change the sum too. Integer addition modulo 2**64 is
+exact and order-free: every device and reduction order gives the same number, and the checksum of
+a tensor is the sum of the checksums of any split of its elements (an engine holding a tensor in
+pieces can add its pieces up).
+
+**What is checked** (``spec.rollout.weightSyncCheck``, a :class:`FingerprintPlan`):
+
+* ``sampled`` (the default): the whole of every 1-D tensor (norms, biases) and
+  :data:`SAMPLED_ROWS` rows of every other tensor, chosen by a generator seeded with the policy
+  version and the tensor's name, so successive syncs look at different rows. It catches
+  whatever corrupts or misses a tensor as a whole (an undelivered tensor, a stale one, a wrong
+  mapping, a dtype or layout mix-up) and, over many syncs, partial damage too; it reads a few
+  thousandths of the bytes. A change confined to rows it did not draw passes that sync.
+* ``full``: every element of every tensor; a pass over all weights on both sides.
+* ``off``: nothing.
+
+**Who does what.** The trainer's side is :class:`SentFingerprint`, a pass-through over the
+bucket stream. The engine's side is the engine's ``weight_fingerprint(plan, shapes)``
+(:mod:`hybridflow.engines`), which returns a checksum per name, or ``None`` for a tensor the
+engine cannot read back (vLLM's CPU backend repacks linear weights into an opaque format): such
+tensors are counted as unverified, never passed off as checked. :func:`compare_fingerprints`
+decides. Over a bridge, the sender's fingerprint follows the buckets as one more message
+(:mod:`hybridflow.resharding.bucket_broadcast`) and every receiver compares its own engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "SAMPLED_ROWS",
+    "CheckMode",
+    "FingerprintPlan",
+    "FingerprintReport",
+    "SentFingerprint",
+    "WeightSyncMismatch",
+    "compare_fingerprints",
+    "tensor_checksum",
+]
+
+CheckMode = Literal["off", "sampled", "full"]
+
+SAMPLED_ROWS = 4
+"""Rows (along dim 0) a ``sampled`` fingerprint reads of each tensor with more than one dimension."""
+
+_WEIGHT_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)
+"""An odd 64-bit constant (the golden ratio's), as a signed int64: ``w(i) = i * M + 1`` wraps modulo
+2**64 and is odd, hence never zero, for every index."""
+
+_CHUNK_ELEMENTS = 1 << 22
+"""Elements checksummed at once: the pass holds two int64 copies of a chunk (64 MiB), not of a tensor."""
+
+_BIT_VIEWS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class WeightSyncMismatch(RuntimeError):
+    """The engine does not hold what the trainer sent; names the first tensor that differs."""
+
+    def __init__(self, message: str, *, tensor: str, version: int) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.version = version
+
+
+@dataclass(frozen=True)
+class FingerprintPlan:
+    """Which elements of each tensor a sync's fingerprint covers; the same on both sides."""
+
+    mode: CheckMode
+    version: int
+    """The policy version the sync delivers; seeds the sampled rows."""
+
+    def rows(self, name: str, shape: Sequence[int]) -> list[int] | None:
+        """The dim-0 indices checked of tensor ``name``, or ``None`` for all of it."""
+        if self.mode == "full" or len(shape) <= 1 or shape[0] <= SAMPLED_ROWS:
+            return None
+        seed = int.from_bytes(hashlib.sha256(f"{self.version}/{name}".encode()).digest()[:8], "little")
+        return sorted(random.Random(seed).sample(range(shape[0]), SAMPLED_ROWS))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "version": self.version}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FingerprintPlan:
+        return cls(mode=data["mode"], version=int(data["version"]))
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns as int64, flat."""
+    view = _BIT_VIEWS.get(values.element_size())
+    if view is None:
+        raise ValueError(f"cannot checksum elements of {values.element_size()} bytes ({values.dtype})")
+    flat = values.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(view).to(torch.int64)
+
+
+def _span_checksum(values: torch.Tensor, first_index: int) -> int:
+    """Checksum of ``values`` (any shape) whose elements sit at flat indices ``first_index, first_index+1, ...``."""
+    total = torch.zeros((), dtype=torch.int64, device=values.device)
+    flat = values.reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        chunk = flat[start : start + _CHUNK_ELEMENTS]
+        index = torch.arange(
+            first_index + start, first_index + start + chunk.numel(), dtype=torch.int64, device=values.device
+        )
+        total += (_bits(chunk) * (index * _WEIGHT_MULTIPLIER + 1)).sum()
+    return int(total.item())
+
+
+def tensor_checksum(tensor: torch.Tensor, rows: Sequence[int] | None = None) -> int:
+    """The checksum of ``tensor`` (all of it) or of its dim-0 ``rows``, by their flat indices in ``tensor``.
+
+    Signed 64-bit. Reading only the rows keeps a sampled fingerprint from touching the rest.
+    """
+    if rows is None:
+        return _span_checksum(tensor, 0)
+    row_numel = tensor[0].numel() if tensor.dim() > 0 and tensor.shape[0] else 0
+    total = 0
+    for row in rows:
+        total += _span_checksum(tensor[row], row * row_numel)
+    return _wrap(total)
+
+
+def _wrap(value: int) -> int:
+    """``value`` modulo 2**64, as a signed 64-bit integer (sums of checksums stay comparable)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def rows_checksum(rows: Mapping[int, torch.Tensor], row_numel: int) -> int:
+    """The checksum of an HF tensor's rows read from elsewhere (an engine's fused or padded copy).
+
+    ``rows`` maps each row's index in the HF tensor to its values; equals :func:`tensor_checksum`
+    of those rows of the HF tensor when the values are equal.
+    """
+    return _wrap(sum(_span_checksum(values, index * row_numel) for index, values in rows.items()))
+
+
+@dataclass
+class SentFingerprint:
+    """The trainer's side: checksums of the tensors a sync streams, taken as they pass.
+
+    Protocol: wrap the bucket stream with :meth:`watch` and hand it to the engine (or the
+    bridge); once the stream has ended, :attr:`checksums` and :attr:`shapes` hold every tensor
+    sent, and :attr:`seconds` the time the checksums took.
+    """
+
+    plan: FingerprintPlan
+    checksums: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def watch(
+        self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]
+    ) -> Iterator[Sequence[tuple[str, torch.Tensor]]]:
+        for bucket in buckets:
+            if self.plan.mode != "off":
+                started = time.perf_counter()
+                for name, tensor in bucket:
+                    self.checksums[name] = tensor_checksum(tensor, self.plan.rows(name, tensor.shape))
+                    self.shapes[name] = tuple(tensor.shape)
+                self.seconds += time.perf_counter() - started
+            yield bucket
+
+    def to_json(self) -> dict[str, Any]:
+        """The message a bridge carries after the buckets (``{}`` when the check is off)."""
+        if self.plan.mode == "off":
+            return {}
+        return {
+            "plan": self.plan.to_json(),
+            "checksums": self.checksums,
+            "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+        }
+
+
+@dataclass(frozen=True)
+class FingerprintReport:
+    """What a passed check covered: tensors compared, and tensors the engine could not read back."""
+
+    checked: int
+    unverified: tuple[str, ...]
+    seconds: float
+
+    def stats(self) -> dict[str, float]:
+        """The figures a rollout's ``transition_stats`` carry into the step's metrics."""
+        return {
+            "sync_check_seconds": self.seconds,
+            "sync_checked_tensors": float(self.checked),
+            "sync_unverified_tensors": float(len(self.unverified)),
+        }
+
+
+def compare_fingerprints(
+    sent: Mapping[str, int],
+    served: Mapping[str, int | None],
+    *,
+    version: int,
+    engine: str,
+    seconds: float = 0.0,
+) -> FingerprintReport:
+    """Raise :class:`WeightSyncMismatch` unless ``served`` (the engine's) agrees with ``sent`` (the trainer's).
+
+    A name the engine lacks is a mismatch; a ``None`` from the engine is an unverified tensor,
+    listed in the report. The error names the first differing tensor (in sorted order) and how
+    many others differ.
+    """
+    wrong: list[str] = []
+    unverified: list[str] = []
+    for name in sorted(sent):
+        if name not in served:
+            wrong.append(name)
+        elif served[name] is None:
+            unverified.append(name)
+        elif served[name] != sent[name]:
+            wrong.append(name)
+    if wrong:
+        first = wrong[0]
+        found = "no tensor of that name" if first not in served else f"checksum {served[first]:#x}"
+        others = f"; {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else ""
+        raise WeightSyncMismatch(
+            f"weight sync to policy version {version}: the {engine} engine does not serve what the trainer "
+            f"sent for {first!r} (trainer checksum {sent[first]:#x}, engine {found}){others}. The step "
+            "stops rather than generate from weights nobody trained",
+            tensor=first,
+            version=version,
+        )
+    return FingerprintReport(
+        checked=len(sent) - len(unverified), unverified=tuple(unverified), seconds=seconds
+    )
+
+
+def state_dict_fingerprint(
+    tensors: Mapping[str, torch.Tensor], plan: FingerprintPlan, shapes: Mapping[str, Sequence[int]]
+) -> dict[str, int | None]:
+    """An engine's side for engines that hold HF-named tensors (the torch engine): one checksum per name.
+
+    Names the engine does not hold are left out (a mismatch for :func:`compare_fingerprints`);
+    a tensor of another shape than the one sent gets a checksum that cannot match.
+    """
+    result: dict[str, int | None] = {}
+    for name, shape in shapes.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        rows = plan.rows(name, shape)
+        if tuple(tensor.shape) != tuple(shape):
+            result[name] = _wrap(tensor_checksum(tensor) + 1)  # a different tensor: never equal by accident
+            continue
+        result[name] = tensor_checksum(tensor, rows)
+    return result
+
+
+def verify_served(
+    engine: Any, sent: Mapping[str, Any], *, sender_seconds: float = 0.0
+) -> FingerprintReport | None:
+    """Compare ``engine``'s copy with the sender's fingerprint (:meth:`SentFingerprint.to_json`, or a
+    bridge's trailer); ``None`` when the sender checked nothing (``weightSyncCheck: off``).
+
+    Called right after the engine loaded the sync, before it generates from it. The report's
+    seconds are both sides' (``sender_seconds`` is the trainer's, when it ran in this process).
+    """
+    if not sent:
+        return None
+    plan = FingerprintPlan.from_json(sent["plan"])
+    shapes = {name: tuple(shape) for name, shape in sent["shapes"].items()}
+    started = time.perf_counter()
+    served = engine.weight_fingerprint(plan, shapes)
+    seconds = time.perf_counter() - started + sender_seconds
+    return compare_fingerprints(
+        {name: int(value) for name, value in sent["checksums"].items()},
+        served,
+        version=plan.version,
+        engine=type(engine).__name__,
+        seconds=seconds,
+    )

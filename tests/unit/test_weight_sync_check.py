@@ -1,0 +1,130 @@
+"""The weight-sync check: checksums, plans, the comparison, and a torch engine that drops a tensor.
+
+Rules (``hybridflow.resharding.fingerprint``): a checksum is a pure function of an HF tensor's
+elements' bits and positions; splitting a tensor changes nothing (sum of parts); a flipped bit,
+moved elements or another dtype change it; a sampled plan is the same on both sides and differs
+between versions; the engine side reads what it serves, so an engine that did not load a tensor
+fails the check with an error that names it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from hybridflow.engines.torch_engine import TorchRolloutEngine
+from hybridflow.models import write_tiny_model
+from hybridflow.resharding.fingerprint import (
+    SAMPLED_ROWS,
+    FingerprintPlan,
+    SentFingerprint,
+    WeightSyncMismatch,
+    compare_fingerprints,
+    rows_checksum,
+    tensor_checksum,
+    verify_served,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_checksums_see_every_bit_and_position_and_add_up_over_splits() -> None:
+    weight = torch.randn(6, 5)
+    reference = tensor_checksum(weight)
+    assert tensor_checksum(weight.clone()) == reference
+    flipped = weight.clone()
+    flipped.view(torch.int32)[3, 2] ^= 1  # the lowest mantissa bit of one element
+    assert tensor_checksum(flipped) != reference
+    assert tensor_checksum(weight.flip(0)) != reference  # same elements, other places
+    assert tensor_checksum(torch.zeros(4)) != tensor_checksum(-torch.zeros(4))  # bits, not values
+    assert tensor_checksum(weight.to(torch.bfloat16)) != reference
+    rows = [1, 4]
+    assert tensor_checksum(weight, rows) == rows_checksum({row: weight[row] for row in rows}, 5)
+    halves = rows_checksum({row: weight[row] for row in range(3)}, 5) + rows_checksum(
+        {row: weight[row] for row in range(3, 6)}, 5
+    )
+    assert rows_checksum({row: weight[row] for row in range(6)}, 5) == reference
+    assert (halves - reference) % (1 << 64) == 0  # a sum of parts is the whole, modulo 2**64
+
+
+def test_a_sampled_plan_reads_whole_vectors_and_a_few_rows_that_change_with_the_version() -> None:
+    plan = FingerprintPlan("sampled", version=3)
+    assert plan.rows("model.norm.weight", (64,)) is None
+    assert plan.rows("small", (SAMPLED_ROWS, 8)) is None
+    rows = plan.rows("model.embed_tokens.weight", (1000, 64))
+    assert rows is not None and len(rows) == SAMPLED_ROWS and rows == sorted(set(rows))
+    assert rows == FingerprintPlan("sampled", version=3).rows("model.embed_tokens.weight", (1000, 64))
+    assert rows != FingerprintPlan("sampled", version=4).rows("model.embed_tokens.weight", (1000, 64))
+    assert FingerprintPlan("full", version=3).rows("model.embed_tokens.weight", (1000, 64)) is None
+
+
+def test_the_comparison_names_the_tensor_counts_the_rest_and_reports_the_unreadable() -> None:
+    sent = {"a.weight": 1, "b.weight": 2, "c.weight": 3}
+    report = compare_fingerprints(sent, {"a.weight": 1, "b.weight": 2, "c.weight": None}, version=7, engine="vllm")
+    assert report.checked == 2 and report.unverified == ("c.weight",)
+    with pytest.raises(WeightSyncMismatch, match=r"version 7.*'a.weight'.*1 more tensors differ") as caught:
+        compare_fingerprints(sent, {"a.weight": 9, "c.weight": 3}, version=7, engine="vllm")
+    assert caught.value.tensor == "a.weight" and caught.value.version == 7
+    with pytest.raises(WeightSyncMismatch, match="no tensor of that name"):
+        compare_fingerprints(sent, {"a.weight": 1, "b.weight": 2}, version=7, engine="vllm")
+
+
+class DroppingEngine(TorchRolloutEngine):
+    """A torch engine whose loader silently skips one tensor, as a buggy sync path would."""
+
+    dropped = "model.layers.1.mlp.up_proj.weight"
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((name, tensor) for name, tensor in named_tensors if name != self.dropped)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("sync-check") / "model")
+
+
+def _trained_weights(model_dir: Path) -> list[list[tuple[str, torch.Tensor]]]:
+    """The tiny model's weights, each moved a little (a trained policy), in two buckets."""
+    engine = TorchRolloutEngine(str(model_dir), device=torch.device("cpu"))
+    state = [(name, tensor + 0.01) for name, tensor in engine.model.state_dict().items()]
+    engine.close()
+    return [state[: len(state) // 2], state[len(state) // 2 :]]
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_a_delivered_sync_passes_and_an_undelivered_tensor_fails_naming_it(model_dir: Path, mode: str) -> None:
+    buckets = _trained_weights(model_dir)
+    honest = TorchRolloutEngine(str(model_dir), device=torch.device("cpu"))
+    sent = SentFingerprint(FingerprintPlan(mode, version=5))  # type: ignore[arg-type]
+    honest.load_weight_buckets(sent.watch(buckets))
+    report = verify_served(honest, sent.to_json(), sender_seconds=sent.seconds)
+    assert report is not None and report.checked == len(sent.checksums) and not report.unverified
+    assert report.seconds >= sent.seconds > 0
+
+    dropping = DroppingEngine(str(model_dir), device=torch.device("cpu"))
+    sent = SentFingerprint(FingerprintPlan(mode, version=5))  # type: ignore[arg-type]
+    dropping.load_weight_buckets(sent.watch(buckets))
+    with pytest.raises(WeightSyncMismatch, match=DroppingEngine.dropped.replace(".", r"\.")) as caught:
+        verify_served(dropping, sent.to_json())
+    assert caught.value.tensor == DroppingEngine.dropped
+
+
+def test_one_corrupted_engine_tensor_fails_the_check_and_an_off_check_reads_nothing(model_dir: Path) -> None:
+    buckets = _trained_weights(model_dir)
+    engine = TorchRolloutEngine(str(model_dir), device=torch.device("cpu"))
+    sent = SentFingerprint(FingerprintPlan("sampled", version=1))
+    engine.load_weight_buckets(sent.watch(buckets))
+    with torch.no_grad():  # the engine's copy of one tensor goes wrong after the load
+        engine.model.get_parameter("model.layers.0.self_attn.k_proj.weight").mul_(-1)
+    with pytest.raises(WeightSyncMismatch, match="k_proj"):
+        verify_served(engine, sent.to_json())
+    off = SentFingerprint(FingerprintPlan("off", version=1))
+    engine.load_weight_buckets(off.watch(buckets))
+    assert off.to_json() == {} and verify_served(engine, off.to_json()) is None and off.seconds == 0
