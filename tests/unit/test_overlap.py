@@ -150,7 +150,9 @@ def test_weight_buckets_reach_every_rollout_rank_over_a_gloo_bridge() -> None:
             device = torch.device("cpu")
             if rank == 0:
                 trailer = {"plan": {"mode": "full", "version": 2}, "checksums": {"lm_head.weight": -5}}
-                results[rank] = send_buckets(bridge, iter(buckets), root=0, device=device, trailer=lambda: trailer)
+                results[rank] = send_buckets(
+                    bridge, iter(buckets), root=0, device=device, trailer=lambda: trailer
+                )
             else:
                 received: dict[str, Any] = {}
                 results[rank] = [

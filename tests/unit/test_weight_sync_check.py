@@ -67,7 +67,9 @@ def test_a_sampled_plan_reads_whole_vectors_and_a_few_rows_that_change_with_the_
 
 def test_the_comparison_names_the_tensor_counts_the_rest_and_reports_the_unreadable() -> None:
     sent = {"a.weight": 1, "b.weight": 2, "c.weight": 3}
-    report = compare_fingerprints(sent, {"a.weight": 1, "b.weight": 2, "c.weight": None}, version=7, engine="vllm")
+    report = compare_fingerprints(
+        sent, {"a.weight": 1, "b.weight": 2, "c.weight": None}, version=7, engine="vllm"
+    )
     assert report.checked == 2 and report.unverified == ("c.weight",)
     with pytest.raises(WeightSyncMismatch, match=r"version 7.*'a.weight'.*1 more tensors differ") as caught:
         compare_fingerprints(sent, {"a.weight": 9, "c.weight": 3}, version=7, engine="vllm")
@@ -99,7 +101,9 @@ def _trained_weights(model_dir: Path) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 @pytest.mark.parametrize("mode", ["sampled", "full"])
-def test_a_delivered_sync_passes_and_an_undelivered_tensor_fails_naming_it(model_dir: Path, mode: str) -> None:
+def test_a_delivered_sync_passes_and_an_undelivered_tensor_fails_naming_it(
+    model_dir: Path, mode: str
+) -> None:
     buckets = _trained_weights(model_dir)
     honest = TorchRolloutEngine(str(model_dir), device=torch.device("cpu"))
     sent = SentFingerprint(FingerprintPlan(mode, version=5))  # type: ignore[arg-type]
