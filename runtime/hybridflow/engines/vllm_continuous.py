@@ -133,6 +133,7 @@ class VLLMContinuousBatcher:
                 vllm_id,
                 TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + list(tokens)),
                 self.engine.vllm_params(remaining, remaining.seed),
+                lora_request=self.engine.lora_request,
             )
         self._close_if_done(request.request_id)
 

@@ -118,7 +118,9 @@ import gc
 import hashlib
 import logging
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -135,7 +137,15 @@ from hybridflow.engines.base import (
     check_prompts,
 )
 from hybridflow.engines.vllm_groups import mapped_group_ranks, vllm_rank_order
+from hybridflow.engines.vllm_lora import (
+    adapter_reads,
+    adapter_shapes,
+    read_adapter_fingerprints,
+    vllm_max_lora_rank,
+    write_peft_adapter,
+)
 from hybridflow.engines.vllm_shards import VLLMShardParam, vllm_shard_modules
+from hybridflow.models.lora import LoRAConfig, is_adapter_name
 from hybridflow.resharding.fingerprint import FingerprintPlan, rows_checksum, tensor_checksum
 
 if TYPE_CHECKING:
@@ -448,6 +458,7 @@ class VLLMRolloutEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         tensor_parallel_groups: Sequence[Sequence[int]] | None = None,
         prefix_caching: bool = True,
+        lora: LoRAConfig | None = None,
     ) -> None:
         path = Path(model)
         if tensor_parallel_size < 1:
@@ -504,6 +515,10 @@ class VLLMRolloutEngine(RolloutEngine):
             memory["gpu_memory_utilization"] = DEFAULT_GPU_MEMORY_UTILIZATION
         else:
             memory["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        if lora is not None:  # one adapter slot: a sync replaces the adapter, it never serves two at once
+            if tensor_parallel_size > 1:
+                raise ValueError("a LoRA engine holds the whole model: tensor_parallel_size must be 1")
+            memory.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1)
 
         if tensor_parallel_size > 1:
             # vLLM's GPU worker reads its device from LOCAL_RANK under external_launcher and
@@ -533,6 +548,14 @@ class VLLMRolloutEngine(RolloutEngine):
             lambda module: dict(getattr(module, "packed_modules_mapping", {}))
         )[0]
         self._layer_of = {name: vllm_layer_of(name, packed) for name in self._parameter_shapes}
+        self._packed = packed
+        self._model_path = str(path)
+        self._lora = lora
+        self._adapter_shapes = adapter_shapes(self._parameter_shapes, lora) if lora is not None else {}
+        self._staged_adapter: dict[str, torch.Tensor] = {}
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="hybridflow-lora-")) if lora is not None else None
+        self._adapter_version = 0
+        self._lora_request: Any = None  # the LoRARequest every generation names (None: the base model)
         self._layer_members: dict[str, set[str]] = {}
         for name, layer in self._layer_of.items():
             self._layer_members.setdefault(layer, set()).add(name)
@@ -673,7 +696,7 @@ class VLLMRolloutEngine(RolloutEngine):
             vllm_params = [
                 self.vllm_params(params, _prompt_seed(params.seed, index)) for index in range(len(prompts))
             ]
-        request_outputs = llm.generate(prompts, vllm_params, use_tqdm=False)
+        request_outputs = llm.generate(prompts, vllm_params, use_tqdm=False, lora_request=self._lora_request)
 
         responses: list[list[int]] = []
         finish_reasons: list[FinishReason] = []
@@ -741,6 +764,7 @@ class VLLMRolloutEngine(RolloutEngine):
         weights.
         """
         llm = self._awake_llm("load_weights")
+        named_tensors = self._stage_adapter(named_tensors)
         staged = {**self._pending, **self._checked(named_tensors)}
         by_layer: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in staged.items():
@@ -754,12 +778,14 @@ class VLLMRolloutEngine(RolloutEngine):
                 pending.update(tensors)
         self._pending = pending
         if not ready:
+            self._publish_adapter_if_complete()
             return
         with _quiet_reload_warnings():
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(ready)})
         self.reload_passes += 1
         self._discarded -= {self._layer_of[name] for name, _ in ready}
         self._forget_prefixes(llm)
+        self._publish_adapter_if_complete()
 
     def _forget_prefixes(self, llm: LLM) -> None:
         """Drop the prefixes cached with the old weights (nothing to drop without prefix caching).
@@ -796,6 +822,8 @@ class VLLMRolloutEngine(RolloutEngine):
         engine then refuses every call and must be rebuilt.
         """
         llm = self._awake_llm("load_weights")
+        if self._lora is not None:
+            return self._load_adapter_buckets(buckets)
         loaded = [0]
         delivered: set[str] = set()
         failure: list[BaseException] = []
@@ -858,7 +886,88 @@ class VLLMRolloutEngine(RolloutEngine):
             if name in where
         ]
         found: dict[str, int | None] = llm.apply_model(lambda model: _read_fingerprints(model, requests))[0]
+        adapter = {name: shape for name, shape in shapes.items() if is_adapter_name(name)}
+        if adapter and self._lora is not None and self._lora_request is not None:
+            reads = adapter_reads(plan, adapter, self._layer_of, self._packed)
+            scaling = self._lora.scaling
+            found.update(llm.apply_model(lambda model: read_adapter_fingerprints(model, reads, scaling))[0])
         return found
+
+    # ------------------------------------------------------------------ LoRA (vllm_lora.py)
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` of the adapter served now (``None``: the base model, or no LoRA)."""
+        return self._lora_request
+
+    def _stage_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Keep the adapter's tensors aside (copied: buckets are reused); return the base model's."""
+        base: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in named_tensors:
+            if not is_adapter_name(name):
+                base.append((name, tensor))
+                continue
+            expected = self._adapter_shapes.get(name)
+            if expected is None:
+                where = (
+                    "this engine has no LoRA adapter" if self._lora is None else "no adapted module holds it"
+                )
+                raise ValueError(f"load_weights: adapter tensor {name!r}: {where}")
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {expected} in the adapter, got {tuple(tensor.shape)}"
+                )
+            self._staged_adapter[name] = tensor.detach().to("cpu", copy=True)
+        return base
+
+    def _load_adapter_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
+        """A LoRA engine's sync: the adapter staged and published, base tensors (if any) reloaded."""
+        loaded = 0
+        base: list[tuple[str, torch.Tensor]] = []
+        for bucket in buckets:
+            loaded += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            base.extend(self._stage_adapter(bucket))
+        if base:
+            self.load_weights(base)  # publishes the adapter after the base
+        else:
+            self._publish_adapter_if_complete()
+        return loaded
+
+    def _publish_adapter_if_complete(self) -> None:
+        """Once every adapter tensor has arrived: write version ``n + 1``, make vLLM serve it, drop ``n``.
+
+        A 1-token generation with the new request makes vLLM load the adapter into its LoRA
+        slot now, so that the sync check reads what generation will use.
+        """
+        if self._lora is None or not self._staged_adapter:
+            return
+        if self._staged_adapter.keys() != self._adapter_shapes.keys():
+            return  # more to come in a later call
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        assert self._adapter_root is not None
+        llm = self._awake_llm("load_weights")
+        version = self._adapter_version + 1
+        directory = write_peft_adapter(
+            self._adapter_root / f"v{version}", self._staged_adapter, self._lora, base_model=self._model_path
+        )
+        request = LoRARequest(f"policy-adapter-{version}", version, str(directory))
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=[self._eos_token_ids[0] if self._eos_token_ids else 0])],
+            VLLMSamplingParams(max_tokens=1, detokenize=False),
+            use_tqdm=False,
+            lora_request=request,
+        )
+        previous, self._lora_request, self._adapter_version = self._lora_request, request, version
+        self._staged_adapter = {}
+        if previous is not None:
+            llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self._forget_prefixes(llm)
 
     def _shard_layout(self) -> list[VLLMShardParam]:
         if self._shard_params is None:
@@ -984,6 +1093,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._state = "closed"
         self._llm = None
         self._pending = {}
+        self._staged_adapter = {}
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
         gc.collect()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()

@@ -64,6 +64,7 @@ from hybridflow.engines.base import RolloutEngine
 from hybridflow.engines.continuous import ContinuousBatcher, GenerationRequest, RequestResult
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.resharding.bucket_broadcast import receive_buckets
+from hybridflow.models.lora import lora_config
 from hybridflow.resharding.fingerprint import FingerprintReport
 from hybridflow.rollout.lockstep import Follower, LockstepBatcher
 from hybridflow.spec import RLHFJobSpec
@@ -202,6 +203,7 @@ class RolloutReplica:
                 # 'keep' lets responses run through a reload, and vLLM can clear its prefix cache
                 # only with none running: the replica then caches no prefixes (see docs/rollout.md).
                 prefix_caching=spec.rollout.on_weight_update == "abort",
+                lora=lora_config(spec.training.lora),
             )
             self._engine = vllm_engine
             batcher = VLLMContinuousBatcher(vllm_engine)
@@ -213,7 +215,9 @@ class RolloutReplica:
                 self._follower = Follower(batcher, commands)
                 return self.node_id, str(self.device)
         else:
-            torch_engine = TorchRolloutEngine(spec.models.actor.path, device=self.device, dtype=dtype)
+            torch_engine = TorchRolloutEngine(
+                spec.models.actor.path, device=self.device, dtype=dtype, lora=lora_config(spec.training.lora)
+            )
             self._engine = torch_engine
             self._batcher = ContinuousBatcher(
                 torch_engine.model,

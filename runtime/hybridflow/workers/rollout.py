@@ -141,6 +141,7 @@ def build_engine(spec: RLHFJobSpec, ctx: WorkerContext) -> RolloutEngine:
         # "unset unless the manifest says so": the API server fills in the CRD's defaults.
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         seed=spec.training.seed * 1000 + ctx.rank,  # each rank its own stream for unseeded calls
+        lora=lora_config(spec.training.lora),
     )
 
 
