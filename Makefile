@@ -61,7 +61,9 @@ bench: setup
 	RAY_AUTH_MODE=disabled $(PY) bench/pipeline.py
 	RAY_AUTH_MODE=disabled $(PY) bench/async_rollout.py
 	RAY_AUTH_MODE=disabled $(PY) bench/agentic.py
+	RAY_AUTH_MODE=disabled $(PY) bench/lora.py
 	$(PY) bench/resharding.py
+	$(PY) bench/sequence_parallel.py
 	$(PY) bench/operator_scale.py
 	$(PY) bench/scale.py
 	RAY_AUTH_MODE=disabled $(PY) bench/e2e.py
@@ -76,7 +78,9 @@ bench-smoke: setup
 	$(BENCH_QUICK) bench/pipeline.py
 	$(BENCH_QUICK) bench/async_rollout.py
 	$(BENCH_QUICK) bench/agentic.py
+	$(BENCH_QUICK) bench/lora.py
 	$(BENCH_QUICK) bench/resharding.py
+	$(BENCH_QUICK) bench/sequence_parallel.py
 	$(BENCH_QUICK) bench/operator_scale.py
 	$(BENCH_QUICK) bench/e2e.py
 	$(BENCH_QUICK) bench/scale.py

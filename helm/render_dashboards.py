@@ -83,6 +83,15 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 width=4,
             ),
             Panel(
+                "Export parity gap",
+                "Largest log-prob gap of each export against the trainer (spec.checkpoint.export); passed: 1, refused: 0.",
+                (
+                    series("hybridflow_export_parity_max_abs_diff", "gap {{rlhfjob}}"),
+                    series("hybridflow_export_passed", "passed {{rlhfjob}}"),
+                    series("hybridflow_export_seconds", "seconds {{rlhfjob}}"),
+                ),
+            ),
+            Panel(
                 "ETA",
                 "Estimated time to the last step.",
                 (series("hybridflow_eta_seconds"),),

@@ -6,10 +6,11 @@ Who writes what. The status has two writers that never touch each other's keys:
   bookkeeping (``attempts``, ``rayJobName``, ``startTime``, ``completionTime``), the
   mirrors of the current RayJob (``jobDeploymentStatus``, ``jobStatus``, ``reason``,
   ``message``) and ``observedGeneration``;
-* the controller in the head pod owns ``progress`` and merge-patches only that key, through
-  the ServiceAccount the RBAC builder grants (get/patch on this one job's status).
+* the controller in the head pod owns ``progress`` and ``artifacts`` (the exports that passed
+  their parity gate) and merge-patches only those keys, through the ServiceAccount the RBAC
+  builder grants (get/patch on this one job's status).
 
-So :func:`status_patch` never emits ``progress``, and :func:`desired_status` copies it
+So :func:`status_patch` never emits them, and :func:`desired_status` copies them
 through untouched. The models below are also the source of the CRD's status schema
 (``hybridflow_operator.crd``), so the keys the controller writes are documented and
 validated by the API server; the controller must use the camelCase keys of
@@ -307,6 +308,24 @@ class Progress(StatusModel):
     )
 
 
+class Artifact(StatusModel):
+    """One export of the actor that passed its parity gate (``spec.checkpoint.export``), written by the controller."""
+
+    step: int = Field(ge=0, description="The training step exported.")
+    kind: Literal["full", "merged", "adapter"] = Field(
+        description="full or merged: a plain Hugging Face model; adapter: a PEFT LoRA adapter."
+    )
+    path: str = Field(max_length=4096, description="The export's directory on the checkpoint volume.")
+    manifest_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the export's hybridflow-export.json, which lists every file with its own sha256.",
+    )
+    parity_max_abs_diff: float = Field(
+        ge=0,
+        description="Largest log-prob gap (nats) between the export, loaded with transformers, and the trainer.",
+    )
+
+
 class RLHFJobStatus(StatusModel):
     """Observed state of an RLHFJob: phase, conditions, attempts, the current RayJob, and progress."""
 
@@ -372,6 +391,14 @@ class RLHFJobStatus(StatusModel):
     progress: Progress | None = Field(
         default=None, description="Training progress, written by the controller in the head pod."
     )
+    artifacts: tuple[Artifact, ...] = Field(
+        default=(),
+        max_length=1000,
+        description=(
+            "Exports of the actor that passed their parity gate (spec.checkpoint.export), oldest first; "
+            "written by the controller in the head pod."
+        ),
+    )
 
     @classmethod
     def from_body(cls, status: object) -> RLHFJobStatus:
@@ -398,10 +425,15 @@ class RLHFJobStatus(StatusModel):
         return next((c for c in self.conditions if c.type == condition_type), None)
 
 
+CONTROLLER_OWNED_KEYS = ("progress", "artifacts")
+"""Top-level status keys the controller in the head pod writes (``runtime/hybridflow/incluster/status.py``)."""
+
 OPERATOR_OWNED_KEYS: tuple[str, ...] = tuple(
-    field.alias or name for name, field in RLHFJobStatus.model_fields.items() if name != "progress"
+    field.alias or name
+    for name, field in RLHFJobStatus.model_fields.items()
+    if (field.alias or name) not in CONTROLLER_OWNED_KEYS
 )
-"""Top-level status keys the operator writes; ``progress`` belongs to the controller."""
+"""Top-level status keys the operator writes; :data:`CONTROLLER_OWNED_KEYS` belong to the controller."""
 
 
 ACTIVE_TIME_ANNOTATION = "hybridflow.io/active-time"
@@ -1179,7 +1211,7 @@ def status_patch(current: RLHFJobStatus, desired: RLHFJobStatus) -> dict[str, An
 
     Empty when nothing changed, so a level-triggered reconcile that finds the world as it
     wants it writes nothing. A key that ``desired`` unsets is sent as null (merge-patch
-    deletion). ``progress`` is never included: the controller owns it.
+    deletion). ``progress`` and ``artifacts`` are never included: the controller owns them.
     """
     old, new = current.to_json(), desired.to_json()
     return {key: new.get(key) for key in OPERATOR_OWNED_KEYS if old.get(key) != new.get(key)}

@@ -25,7 +25,6 @@ from hybridflow.export import (
     MANIFEST_FILE,
     ExportParityError,
     ExportVerificationError,
-    LoraSettings,
     build_probe_token_ids,
     check_export_parity,
     check_vllm_export_parity,
@@ -35,11 +34,12 @@ from hybridflow.export import (
     vllm_available,
 )
 from hybridflow.export import hf as hf_module
+from hybridflow.models.lora import LoRAConfig
 from hybridflow.models.tiny import build_tokenizer, write_tiny_model
 
 pytestmark = pytest.mark.unit
 
-LORA = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), dropout=0.05)
+LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), dropout=0.05)
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
@@ -277,9 +277,9 @@ def test_lora_tensors_must_fit_the_settings(
     with pytest.raises(
         ValueError, match=r"adapts 'model.layers.0.self_attn.q_proj'.*target_modules=\['v_proj'\]"
     ):
-        export(state, tmp_path / "a", source, kind="merged", lora=LoraSettings(4, 8.0, ("v_proj",)))
+        export(state, tmp_path / "a", source, kind="merged", lora=LoRAConfig(4, 8.0, ("v_proj",)))
     with pytest.raises(ValueError, match=r"with rank 8 .* must be \[8, 64\] and \[64, 8\]"):
-        export(state, tmp_path / "b", source, kind="adapter", lora=LoraSettings(8, 8.0, ("q_proj", "v_proj")))
+        export(state, tmp_path / "b", source, kind="adapter", lora=LoRAConfig(8, 8.0, ("q_proj", "v_proj")))
     with pytest.raises(ValueError, match=r"no LoRA tensors.*kind='full'"):
         export(base_state, tmp_path / "c", source, kind="merged", lora=LORA)
     with pytest.raises(ValueError, match=r"needs lora="):

@@ -266,7 +266,7 @@ def test_unknown_field_lists_the_allowed_keys() -> None:
     assert problem.startswith(
         "spec.training.foo: unknown field (allowed: backend, totalSteps, promptsPerStep, "
     )
-    assert problem.endswith("pipelineParallelSize, seed, lora)")
+    assert problem.endswith("pipelineParallelSize, sequenceParallelSize, seed, lora)")
 
 
 def test_unknown_top_level_field() -> None:
@@ -293,7 +293,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
         "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, packSequences, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
         "maxGradNorm, precision, activationCheckpointing, sharedPromptMinTokens, compile, fsdpUnitMinParameters, offloadDuringGeneration, tensorParallelSize, "
-        "pipelineParallelSize, seed, lora)",
+        "pipelineParallelSize, sequenceParallelSize, seed, lora)",
     ]
 
 
@@ -445,6 +445,47 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     "pipeline-parallel-needs-megatron": (
         _all(_set("training.pipelineParallelSize", 2), _set("resourcePools", [_pool("default", 2)])),
         "2 with backend 'fsdp'",
+    ),
+    "sequence-parallel-needs-fsdp": (
+        _all(
+            _set("training.backend", "megatron"),
+            _set("training.sequenceParallelSize", 2),
+            _set("rollout.engine", "torch"),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "2 with backend 'megatron'",
+    ),
+    "sequence-parallel-not-with-packing": (
+        _all(
+            _set("training.sequenceParallelSize", 2),
+            _set("training.packSequences", True),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "2 with packSequences true",
+    ),
+    "sequence-parallel-not-with-compile": (
+        _all(
+            _set("training.sequenceParallelSize", 2),
+            _set("training.compile", True),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "2 with compile true",
+    ),
+    "sequence-parallel-divides-policy-pools": (
+        _all(
+            _set("training.sequenceParallelSize", 2),
+            _set("resourcePools", [_pool("default", 2), _pool("ref", 3)]),
+            _set("roles.reference", "ref"),
+        ),
+        "2 with pool 'ref' of 3 GPUs",
+    ),
+    "sequence-parallel-without-critic": (
+        _all(
+            _PPO_WITH_CRITIC,
+            _set("training.sequenceParallelSize", 2),
+            _set("resourcePools", [_pool("default", 2)]),
+        ),
+        "2 with algorithm.name 'ppo' and a critic",
     ),
     "pool-names-unique": (
         _set("resourcePools", [_pool("default", 1), _pool("default", 1)]),
@@ -663,6 +704,14 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
         ),
         "2 with training.lora set",
     ),
+    "lora-vllm-server-aborts": (
+        _all(_SERVER, _set("training.lora", {"rank": 8}), _set("rollout.engine", "vllm")),
+        "'keep' with training.lora and engine 'vllm' in server mode",
+    ),
+    "export-kind-matches-lora": (
+        _set("checkpoint.export", {"kind": "adapter"}),
+        "'adapter' with training.lora unset",
+    ),
     "volume-mount-paths-unique": (
         _set("volumes", [{"claimName": "a", "mountPath": "/m"}, {"claimName": "b", "mountPath": "/m"}]),
         "repeated: '/m'",
@@ -741,8 +790,27 @@ def test_vllm_server_replicas_may_span_gpus_and_keep_responses() -> None:
     assert (spec.rollout.tensor_parallel_size, spec.rollout.on_weight_update) == (2, "keep")
 
 
+def sequence_parallel_manifest() -> Manifest:
+    """GRPO with a reference model on 4 GPUs in sequence-parallel pairs: 2 data-parallel ranks."""
+    manifest = minimal_manifest()
+    manifest["spec"]["training"].update(sequenceParallelSize=2, miniBatchSize=2)
+    manifest["spec"]["resourcePools"] = [{"name": "default", "gpusPerNode": 4}]
+    return manifest
+
+
+def test_sequence_parallel_pairs_share_rows_in_the_mini_batch_rule() -> None:
+    # 4 GPUs in pairs are 2 data-parallel ranks: a mini-batch of 2 splits into one row each.
+    spec = parse_job_manifest(sequence_parallel_manifest(), "test").spec
+    assert spec.training.sequence_parallel_size == 2
+    manifest = sequence_parallel_manifest()
+    manifest["spec"]["training"]["microBatchSizePerGpu"] = 2
+    [problem] = spec_errors(manifest)
+    assert problem.startswith("spec.training.miniBatchSize: ") and "data-parallel size 2" in problem, problem
+
+
 VALID_MANIFESTS: dict[str, Callable[[], Manifest]] = {
     "minimal": minimal_manifest,
+    "sequence-parallel": sequence_parallel_manifest,
     "vllm-server": vllm_server_manifest,
     "full": full_manifest,
     "safe-rlhf": safe_rlhf_manifest,

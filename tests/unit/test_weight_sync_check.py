@@ -23,10 +23,12 @@ from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.models import write_tiny_model
 from hybridflow.resharding.fingerprint import (
     SAMPLED_ROWS,
+    WHOLE_TENSOR_ELEMENTS,
     FingerprintPlan,
     SentFingerprint,
     WeightSyncMismatch,
     compare_fingerprints,
+    fingerprint_tensors,
     rows_checksum,
     tensor_checksum,
     verify_served,
@@ -57,12 +59,28 @@ def test_checksums_see_every_bit_and_position_and_add_up_over_splits() -> None:
 def test_a_sampled_plan_reads_whole_vectors_and_a_few_rows_that_change_with_the_version() -> None:
     plan = FingerprintPlan("sampled", version=3)
     assert plan.rows("model.norm.weight", (64,)) is None
+    assert 16 * 896 <= WHOLE_TENSOR_ELEMENTS < 1000 * 128
     assert plan.rows("small", (SAMPLED_ROWS, 8)) is None
-    rows = plan.rows("model.embed_tokens.weight", (1000, 64))
+    assert plan.rows("model.layers.0.q_proj.lora_A.weight", (16, 896)) is None  # small: read whole
+    rows = plan.rows("model.embed_tokens.weight", (1000, 128))
     assert rows is not None and len(rows) == SAMPLED_ROWS and rows == sorted(set(rows))
-    assert rows == FingerprintPlan("sampled", version=3).rows("model.embed_tokens.weight", (1000, 64))
-    assert rows != FingerprintPlan("sampled", version=4).rows("model.embed_tokens.weight", (1000, 64))
-    assert FingerprintPlan("full", version=3).rows("model.embed_tokens.weight", (1000, 64)) is None
+    assert rows == FingerprintPlan("sampled", version=3).rows("model.embed_tokens.weight", (1000, 128))
+    assert rows != FingerprintPlan("sampled", version=4).rows("model.embed_tokens.weight", (1000, 128))
+    assert FingerprintPlan("full", version=3).rows("model.embed_tokens.weight", (1000, 128)) is None
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_the_batched_fingerprint_equals_one_checksum_per_tensor(mode: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    named = [
+        ("norm", torch.randn(64, generator=generator)),
+        ("lora_A", torch.randn(16, 96, generator=generator)),  # small: whole
+        ("embed", torch.randn(600, 128, generator=generator).to(torch.bfloat16)),  # large: rows when sampled
+        ("flag", torch.tensor([True, False, True])),
+    ]
+    plan = FingerprintPlan(mode, version=9)  # type: ignore[arg-type]
+    batched = fingerprint_tensors(named, plan)
+    assert batched == {name: tensor_checksum(tensor, plan.rows(name, tensor.shape)) for name, tensor in named}
 
 
 def test_the_comparison_names_the_tensor_counts_the_rest_and_reports_the_unreadable() -> None:

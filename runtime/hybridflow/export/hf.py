@@ -67,6 +67,8 @@ from typing import Any, Literal, get_args
 import torch
 from safetensors.torch import save_file
 
+from hybridflow.models.lora import LoRAConfig
+
 __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
@@ -79,7 +81,6 @@ __all__ = [
     "ExportDtype",
     "ExportKind",
     "ExportVerificationError",
-    "LoraSettings",
     "Manifest",
     "ManifestFile",
     "export_hf",
@@ -141,44 +142,6 @@ _LORA_B_SUFFIX = ".lora_B.weight"
 # --------------------------------------------------------------------------- settings
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """The LoRA hyper-parameters an adapter was trained with.
-
-    ``target_modules`` are module names matched the way PEFT matches a list: a module is
-    targeted when its full name equals an entry or ends with ``"." + entry`` (``"q_proj"``
-    targets ``model.layers.0.self_attn.q_proj``). ``dropout`` only applies in training; it is
-    recorded in the adapter config for completeness.
-    """
-
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora.rank={self.rank!r} must be a positive integer")
-        if not self.alpha > 0:
-            raise ValueError(f"lora.alpha={self.alpha!r} must be positive")
-        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
-            raise ValueError(
-                f"lora.target_modules={list(self.target_modules)!r} must be a non-empty list of "
-                "module names (e.g. ['q_proj', 'v_proj'])"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
-
-    @property
-    def scaling(self) -> float:
-        """``alpha / rank``: the factor of ``B @ A`` (plain LoRA; rsLoRA is not supported)."""
-        return self.alpha / self.rank
-
-    def targets(self, module: str) -> bool:
-        return any(module == target or module.endswith("." + target) for target in self.target_modules)
-
-
 # --------------------------------------------------------------------------- manifest
 
 
@@ -200,7 +163,7 @@ class Manifest:
     step: int
     dtype: ExportDtype
     files: tuple[ManifestFile, ...]
-    lora: LoraSettings | None = None
+    lora: LoRAConfig | None = None
 
     def to_json(self) -> str:
         body: dict[str, Any] = {
@@ -248,7 +211,7 @@ class Manifest:
         lora = None
         if lora_body is not None:
             try:
-                lora = LoraSettings(
+                lora = LoRAConfig(
                     rank=lora_body["rank"],
                     alpha=lora_body["alpha"],
                     target_modules=tuple(lora_body["target_modules"]),
@@ -382,7 +345,7 @@ def _split_lora(
 
 
 def _check_adapters(
-    base: Mapping[str, torch.Tensor], adapters: Mapping[str, _Adapter], lora: LoraSettings
+    base: Mapping[str, torch.Tensor], adapters: Mapping[str, _Adapter], lora: LoRAConfig
 ) -> None:
     """Every LoRA pair sits on a targeted module with a base weight, at ``lora.rank``, shapes agreeing."""
     if not adapters:
@@ -587,7 +550,7 @@ def _copy_tokenizer(staging: Path, tokenizer_dir: Path) -> None:
                     _copy(source, staging / name / source.name)
 
 
-def _adapter_config(lora: LoraSettings, base_model_name_or_path: str) -> dict[str, Any]:
+def _adapter_config(lora: LoRAConfig, base_model_name_or_path: str) -> dict[str, Any]:
     """PEFT's ``LoraConfig`` fields for a plain LoRA adapter.
 
     vLLM's ``PEFTHelper`` requires ``r``, ``lora_alpha`` and ``target_modules``, computes the
@@ -657,7 +620,7 @@ def export_hf(
     source_model_dir: str | os.PathLike[str],
     tokenizer_dir: str | os.PathLike[str],
     dtype: ExportDtype,
-    lora: LoraSettings | None = None,
+    lora: LoRAConfig | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     base_model_name_or_path: str | None = None,
 ) -> Manifest:

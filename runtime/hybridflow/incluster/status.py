@@ -1,7 +1,8 @@
-"""Pushing training progress into the RLHFJob's ``status.progress`` from the controller.
+"""Pushing training progress into the RLHFJob's ``status.progress`` (and ``status.artifacts``) from the controller.
 
-Protocol with the operator: the controller owns ``status.progress`` (and nothing else in the
-status); the operator owns phase, conditions and attempts and never writes ``progress``. The
+Protocol with the operator: the controller owns ``status.progress`` and ``status.artifacts`` (the
+exports that passed their parity gate, ``spec.checkpoint.export``) and nothing else in the status;
+the operator owns phase, conditions and attempts and never writes those two. The
 controller patches through the status subresource with the job's own ServiceAccount, whose Role
 allows ``get``/``patch`` on this one RLHFJob's status only.
 
@@ -10,7 +11,8 @@ attempt starts (:meth:`StatusPusher.push_placement`) and carried in every later 
 so one lost push is repaired by the next.
 
 Pushes are throttled (at most one per ``min_interval_seconds``, except the final step,
-checkpoint steps, and a step after which a server-mode job's rollout replica was replaced) so that a fast loop does not load the API server. A failed push is logged and
+checkpoint steps, a step that published an export, and a step after which a server-mode job's
+rollout replica was replaced) so that a fast loop does not load the API server. A failed push is logged and
 retried at the next report: progress is advisory, and a training run never dies because the API
 server was briefly unreachable.
 """
@@ -87,7 +89,10 @@ def progress_status(
         progress["placement"] = placement
     if report.rollout is not None:
         progress["rollout"] = report.rollout
-    return {"status": {"progress": progress}}
+    status: dict[str, Any] = {"progress": progress}
+    if report.artifacts:
+        status["artifacts"] = list(report.artifacts)
+    return {"status": status}
 
 
 class StatusPusher:
@@ -110,6 +115,7 @@ class StatusPusher:
         self._last_push: float | None = None
         self._last_checkpoint: int | None = None
         self._last_replaced: Any = 0
+        self._last_artifacts = 0
         self.failures = 0
 
     def __call__(self, report: StepReport) -> None:
@@ -120,7 +126,8 @@ class StatusPusher:
         replaced = (
             report.rollout is not None and report.rollout.get("replicasReplaced") != self._last_replaced
         )
-        if not (due or final or checkpointed or replaced):
+        exported = len(report.artifacts) != self._last_artifacts
+        if not (due or final or checkpointed or replaced or exported):
             return
         try:
             self._patch(progress_status(report, self._now(), self.placement))
@@ -132,6 +139,7 @@ class StatusPusher:
         self._last_checkpoint = report.last_checkpoint_step
         if report.rollout is not None:
             self._last_replaced = report.rollout.get("replicasReplaced")
+        self._last_artifacts = len(report.artifacts)
 
     def push_placement(self) -> None:
         """Push the chosen plan now (before the first step); failures are logged, as for progress."""

@@ -204,6 +204,28 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "Step of the newest complete checkpoint.",
         "progress",
     ),
+    # Exports (spec.checkpoint.export), on export steps only.
+    _gauge(
+        "hybridflow_export_seconds",
+        "seconds",
+        "export/seconds",
+        "Writing, hashing and parity-checking the step's export; after the step, not part of its seconds.",
+        "progress",
+    ),
+    _gauge(
+        "hybridflow_export_parity_max_abs_diff",
+        "nats",
+        "export/parity_max_abs_diff",
+        "Largest log-prob gap between the export (loaded with transformers) and the trainer on the probes.",
+        "progress",
+    ),
+    _gauge(
+        "hybridflow_export_passed",
+        "bool",
+        "export/passed",
+        "1 when the step's export passed its parity gate and was listed in status.artifacts, 0 when refused.",
+        "progress",
+    ),
     # Throughput and the step breakdown.
     _gauge(
         "hybridflow_tokens_per_second",

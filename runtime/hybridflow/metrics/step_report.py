@@ -19,3 +19,5 @@ class StepReport:
     last_checkpoint_step: int | None
     rollout: dict[str, Any] | None = field(default=None)
     """Server mode: the replicas' health in the status's camelCase form (``RolloutService.health``)."""
+    artifacts: tuple[dict[str, Any], ...] = ()
+    """``spec.checkpoint.export``: every export published so far, in ``status.artifacts``' form."""

@@ -74,9 +74,28 @@ class LoRAConfig:
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     dropout: float = 0.0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lora.rank={self.rank!r} must be a positive integer")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha!r} must be positive")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ValueError(
+                f"lora.target_modules={list(self.target_modules)!r} must be a non-empty list of "
+                "module names (e.g. ['q_proj', 'v_proj'])"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
+
     @property
     def scaling(self) -> float:
+        """``alpha / rank``: the factor of ``B @ A`` (plain LoRA; rsLoRA is not supported)."""
         return self.alpha / self.rank
+
+    def targets(self, module: str) -> bool:
+        """Whether the module at path ``module`` is adapted: its last component is a target (PEFT's matching)."""
+        return any(module == target or module.endswith("." + target) for target in self.target_modules)
 
 
 def lora_config(spec: LoRASpec | None) -> LoRAConfig | None:
@@ -103,6 +122,7 @@ class LoRALinear(nn.Linear):
 
     lora_A: nn.Linear
     lora_B: nn.Linear
+    lora_dropout: nn.Module
     scaling: float
     enabled: bool
 

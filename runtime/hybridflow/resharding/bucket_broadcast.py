@@ -24,7 +24,7 @@ latency, not one per parameter.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -63,7 +63,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def encode_header(bucket: Bucket) -> bytes:
+def encode_header(bucket: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     """The header of ``bucket``: JSON ``[[name, shape, dtype], ...]`` in UTF-8."""
     entries = []
     for name, tensor in bucket:
@@ -126,7 +126,7 @@ def _receive_header(group: BroadcastGroup, root: int, device: torch.device) -> b
 
 def send_buckets(
     group: BroadcastGroup,
-    buckets: Iterable[Bucket],
+    buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
     *,
     root: int,
     device: torch.device,

@@ -63,8 +63,8 @@ from hybridflow.devices import device_environment, view_of_process
 from hybridflow.engines.base import RolloutEngine
 from hybridflow.engines.continuous import ContinuousBatcher, GenerationRequest, RequestResult
 from hybridflow.engines.torch_engine import TorchRolloutEngine
-from hybridflow.resharding.bucket_broadcast import receive_buckets
 from hybridflow.models.lora import lora_config
+from hybridflow.resharding.bucket_broadcast import receive_buckets
 from hybridflow.resharding.fingerprint import FingerprintReport
 from hybridflow.rollout.lockstep import Follower, LockstepBatcher
 from hybridflow.spec import RLHFJobSpec

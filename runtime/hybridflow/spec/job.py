@@ -235,6 +235,10 @@ class RLHFJobSpec(SpecModel):
 # names a missing pool breaks only the rule about that name, not every rule that reads the pool.
 
 _TRAIN_MODEL_PARALLEL = "(self.training.tensorParallelSize * self.training.pipelineParallelSize)"
+_TRAIN_ACTOR_REPLICA = (
+    "(self.training.tensorParallelSize * self.training.pipelineParallelSize * "
+    "self.training.sequenceParallelSize)"
+)
 _ROLLOUT_MODEL_PARALLEL = "(self.rollout.tensorParallelSize * self.rollout.pipelineParallelSize)"
 _POOL_GPUS = "(p.nodes * p.gpusPerNode)"
 
@@ -329,16 +333,24 @@ def _training_fits_pool_rule(role: Literal["actor", "critic"]) -> CrossFieldRule
 def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[RLHFJobSpec]:
     """Each data-parallel rank of the trained model must get a whole number of micro-batches.
 
-    Skipped when the parallel sizes do not tile the pool: ``training-fits-*-pool`` reports that,
-    and the data-parallel size is undefined until it is fixed.
+    The actor's data-parallel ranks are its replicas of ``t * p * sp`` ranks (the ranks of a
+    sequence-parallel group share their rows); the critic runs without sequence parallelism.
+    Skipped when the parallel sizes do not tile the pool: ``training-fits-*-pool`` and
+    ``sequence-parallel-divides-policy-pools`` report that, and the data-parallel size is
+    undefined until it is fixed.
     """
     # Under placement auto the one pool is the budget, not the role's pool: the planner sizes the pools.
     guard = "self.placement == 'auto' || " + (
         "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
     )
+    replica_cel = _TRAIN_ACTOR_REPLICA if role == "actor" else _TRAIN_MODEL_PARALLEL
+
+    def replica(spec: RLHFJobSpec) -> int:
+        sequence = spec.training.sequence_parallel_size if role == "actor" else 1
+        return _train_model_parallel(spec) * sequence
 
     def data_parallel_size(spec: RLHFJobSpec, pool: ResourcePoolSpec) -> int:
-        return pool.world_size // _train_model_parallel(spec)
+        return pool.world_size // replica(spec)
 
     def holds(spec: RLHFJobSpec) -> bool:
         if spec.placement == "auto":
@@ -347,7 +359,7 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
             return True
         training = spec.training
         return all(
-            pool.world_size % _train_model_parallel(spec) != 0
+            pool.world_size % replica(spec) != 0
             or training.mini_batch_size % (training.micro_batch_size_per_gpu * data_parallel_size(spec, pool))
             == 0
             for pool in _pools_named(spec, spec.roles.pool_of(role))
@@ -367,14 +379,18 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
         field_path=".training.miniBatchSize",
         cel=(
             f"{guard}self.resourcePools.all(p, p.name != self.roles.{role} || "
-            f"{_POOL_GPUS} % {_TRAIN_MODEL_PARALLEL} != 0 || "
+            f"{_POOL_GPUS} % {replica_cel} != 0 || "
             f"self.training.miniBatchSize % (self.training.microBatchSizePerGpu * "
-            f"({_POOL_GPUS} / {_TRAIN_MODEL_PARALLEL})) == 0)"
+            f"({_POOL_GPUS} / {replica_cel})) == 0)"
         ),
         message=(
             f"must be a multiple of microBatchSizePerGpu times the data-parallel size of the {role}'s "
-            "pool (GPUs / (tensorParallelSize * pipelineParallelSize)), so every rank gets whole "
-            "micro-batches"
+            + (
+                "pool (GPUs / (tensorParallelSize * pipelineParallelSize * sequenceParallelSize))"
+                if role == "actor"
+                else "pool (GPUs / (tensorParallelSize * pipelineParallelSize))"
+            )
+            + ", so every rank gets whole micro-batches"
         ),
         holds=holds,
         observed=observed,
@@ -428,6 +444,16 @@ def _rollout_parallel_needs_megatron_rule(kind: Literal["tensor", "pipeline"]) -
     )
 
 
+def _pools_sequence_parallel_does_not_divide(spec: RLHFJobSpec) -> list[ResourcePoolSpec]:
+    """The actor's and the reference's pools whose GPUs ``training.sequenceParallelSize`` does not divide."""
+    names = {spec.roles.actor, spec.roles.pool_of("reference")}
+    return [
+        pool
+        for pool in spec.resource_pools
+        if pool.name in names and pool.world_size % spec.training.sequence_parallel_size
+    ]
+
+
 def _auto_placement_settings(spec: RLHFJobSpec) -> list[str]:
     """The settings ``placement: auto`` would override, as ``field=value`` (empty: none set)."""
     found = [
@@ -436,6 +462,7 @@ def _auto_placement_settings(spec: RLHFJobSpec) -> list[str]:
     sizes = {
         "training.tensorParallelSize": spec.training.tensor_parallel_size,
         "training.pipelineParallelSize": spec.training.pipeline_parallel_size,
+        "training.sequenceParallelSize": spec.training.sequence_parallel_size,
         "rollout.tensorParallelSize": spec.rollout.tensor_parallel_size,
         "rollout.pipelineParallelSize": spec.rollout.pipeline_parallel_size,
     }
@@ -767,6 +794,50 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         observed=lambda spec: f"{spec.rollout.tensor_parallel_size} with training.lora set",
     ),
     CrossFieldRule[RLHFJobSpec](
+        name="lora-vllm-server-aborts",
+        node_path="spec",
+        field_path=".rollout.onWeightUpdate",
+        cel=(
+            "!has(self.training.lora) || self.rollout.engine != 'vllm' || self.rollout.mode != 'server' "
+            "|| self.rollout.onWeightUpdate == 'abort'"
+        ),
+        message=(
+            "must be 'abort' with training.lora on vLLM replicas: vLLM binds a running request to the "
+            "adapter version it started with, so 'keep' could not move it to the new adapter"
+        ),
+        holds=lambda spec: (
+            spec.training.lora is None
+            or spec.rollout.engine != "vllm"
+            or spec.rollout.mode != "server"
+            or spec.rollout.on_weight_update == "abort"
+        ),
+        observed=lambda spec: (
+            f"{spec.rollout.on_weight_update!r} with training.lora and engine 'vllm' in server mode"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="export-kind-matches-lora",
+        node_path="spec",
+        field_path=".checkpoint.export.kind",
+        cel=(
+            "!has(self.checkpoint.export) || !has(self.checkpoint.export.kind) || "
+            "(has(self.training.lora) ? self.checkpoint.export.kind != 'full' : self.checkpoint.export.kind == 'full')"
+        ),
+        message=(
+            "must be 'merged' or 'adapter' with training.lora (a LoRA actor is a base plus an adapter), and "
+            "'full' without it"
+        ),
+        holds=lambda spec: (
+            spec.checkpoint.export is None
+            or spec.checkpoint.export.kind is None
+            or (spec.checkpoint.export.kind != "full") == (spec.training.lora is not None)
+        ),
+        observed=lambda spec: (
+            f"{spec.checkpoint.export.kind if spec.checkpoint.export else None!r} with training.lora "
+            f"{'set' if spec.training.lora is not None else 'unset'}"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
         name="staleness-needs-own-rollout-pool",
         node_path="spec",
         field_path=".rollout.maxStaleness",
@@ -860,6 +931,43 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         observed=lambda spec: "true with the torch engine on a one-GPU actor pool",
     ),
     CrossFieldRule[RLHFJobSpec](
+        name="sequence-parallel-divides-policy-pools",
+        node_path="spec",
+        field_path=".training.sequenceParallelSize",
+        cel=(
+            "self.placement == 'auto' || self.resourcePools.all(p, (p.name != self.roles.actor && "
+            "(!has(self.roles.reference) || p.name != self.roles.reference)) || "
+            f"{_POOL_GPUS} % self.training.sequenceParallelSize == 0)"
+        ),
+        message=(
+            "must divide the GPUs of the actor's and the reference's pools (nodes * gpusPerNode): they "
+            "split into sequence-parallel groups of this many ranks"
+        ),
+        holds=lambda spec: spec.placement == "auto" or not _pools_sequence_parallel_does_not_divide(spec),
+        observed=lambda spec: (
+            f"{spec.training.sequence_parallel_size} with "
+            + ", ".join(
+                f"pool {pool.name!r} of {_gpus(pool.world_size)}"
+                for pool in _pools_sequence_parallel_does_not_divide(spec)
+            )
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="sequence-parallel-without-critic",
+        node_path="spec",
+        field_path=".training.sequenceParallelSize",
+        cel="self.training.sequenceParallelSize == 1 || !has(self.models.critic)",
+        message=(
+            "must be 1 with a critic (spec.models.critic: ppo, safe-rlhf): sequence parallelism splits the "
+            "actor's and the reference's passes, and the value models run data-parallel over whole "
+            "sequences, where the lengths it makes room for would not fit"
+        ),
+        holds=lambda spec: spec.training.sequence_parallel_size == 1 or spec.models.critic is None,
+        observed=lambda spec: (
+            f"{spec.training.sequence_parallel_size} with algorithm.name {spec.algorithm.name!r} and a critic"
+        ),
+    ),
+    CrossFieldRule[RLHFJobSpec](
         name="auto-placement-one-pool",
         node_path="spec",
         field_path=".resourcePools",
@@ -876,12 +984,13 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
             "self.placement != 'auto' || ("
             + " && ".join(f"!has(self.roles.{role})" for role in _ROLES[1:])
             + " && self.training.tensorParallelSize == 1 && self.training.pipelineParallelSize == 1"
+            " && self.training.sequenceParallelSize == 1"
             " && self.rollout.tensorParallelSize == 1 && self.rollout.pipelineParallelSize == 1)"
         ),
         message=(
             "auto chooses the roles' pools and the parallel sizes: leave spec.roles (other than actor), "
-            "training.tensorParallelSize/pipelineParallelSize and rollout.tensorParallelSize/"
-            "pipelineParallelSize unset"
+            "training.tensorParallelSize/pipelineParallelSize/sequenceParallelSize and "
+            "rollout.tensorParallelSize/pipelineParallelSize unset"
         ),
         holds=lambda spec: spec.placement != "auto" or _auto_placement_left_open(spec),
         observed=lambda spec: "auto with " + ", ".join(_auto_placement_settings(spec)),

@@ -7,6 +7,8 @@ run keeps its checkpoints on the head pod's disk and loses them with the pod.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from hybridflow.spec.base import SpecModel
@@ -38,6 +40,58 @@ class VolumeClaimMount(SpecModel):
     )
 
 
+DEFAULT_PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
+"""Largest absolute log-prob gap (nats) the export's parity gate accepts by default, per saved dtype.
+float32: the kernels' rounding alone. bfloat16: rounding every weight to 8 mantissa bits (measured
+on the tiny model: 8e-4), with room for a large model's deeper stack; a wrong export (a missing or
+mis-mapped tensor) is off by whole nats."""
+
+
+class ExportSpec(SpecModel):
+    """Hugging Face exports of the actor, each checked and listed in ``status.artifacts`` (docs/export.md)."""
+
+    kind: Literal["full", "merged", "adapter"] | None = Field(
+        default=None,
+        description=(
+            "'full': the whole model as HF safetensors (training.lora unset). 'merged': the LoRA adapter "
+            "folded into the base weights, a plain HF model. 'adapter': the LoRA adapter alone, in PEFT's "
+            "format (adapter_config.json, adapter_model.safetensors), for vLLM's --lora-modules or PEFT. "
+            "Unset: 'merged' with training.lora, else 'full'."
+        ),
+    )
+    interval_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Export every this many steps as well as after the last step; unset: after the last step only.",
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        default="bfloat16",
+        description="The dtype of the saved weights: bfloat16 as released checkpoints are, or float32 as trained.",
+    )
+    parity_tolerance: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "The parity gate: the export is loaded with transformers and its log-probs on a fixed probe set "
+            "compared with the trainer's; an export off by more than this many nats on any token is refused "
+            "(kept aside as <step>.rejected, reported in the log and the metrics, not listed). Unset: 1e-3 "
+            "for float32, 0.1 for bfloat16."
+        ),
+    )
+
+    def resolved_kind(self, lora: bool) -> Literal["full", "merged", "adapter"]:
+        if self.kind is not None:
+            return self.kind
+        return "merged" if lora else "full"
+
+    def tolerance(self) -> float:
+        return (
+            self.parity_tolerance
+            if self.parity_tolerance is not None
+            else DEFAULT_PARITY_TOLERANCE[self.dtype]
+        )
+
+
 class CheckpointSpec(SpecModel):
     """When checkpoints are written, how many are kept, and where."""
 
@@ -58,6 +112,14 @@ class CheckpointSpec(SpecModel):
         description=(
             "Directory of the checkpoints, relative to volume.mountPath when a volume is set, else to "
             "spec.outputDir."
+        ),
+    )
+    export: ExportSpec | None = Field(
+        default=None,
+        description=(
+            "Write the actor as a Hugging Face model (or LoRA adapter) beside the checkpoints, in "
+            "exports/step-<N>, with a sha256 manifest, the tokenizer and the config; each export that passes "
+            "its parity gate is listed in status.artifacts. Unset: no export."
         ),
     )
     volume: VolumeClaimMount | None = Field(

@@ -4,7 +4,8 @@ Batch sizes count sequences (one prompt plus one response), except ``promptsPerS
 samples ``promptsPerStep`` prompts, generates ``samplesPerPrompt`` responses for each, and
 splits those sequences into optimizer mini-batches of ``miniBatchSize``, each processed in
 micro-batches of ``microBatchSizePerGpu`` per data-parallel rank. The parallel sizes apply to
-every trained model (actor and critic); data parallelism fills the rest of the role's pool.
+every trained model (actor and critic), except ``sequenceParallelSize``, which applies to the actor
+and the reference (the causal LMs) only; data parallelism fills the rest of the role's pool.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ class OffloadSpec(SpecModel):
     )
 
 
+DEFAULT_LORA_TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""Every linear of a Qwen2/Llama decoder layer (``hybridflow.models.lora.DEFAULT_TARGET_MODULES``;
+the spec does not import torch)."""
+
+
 class LoRASpec(SpecModel):
     """A low-rank adapter trained on a frozen base (docs/lora.md)."""
 
@@ -110,19 +124,15 @@ class LoRASpec(SpecModel):
     )
 
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Every linear of a Qwen2/Llama decoder layer (``hybridflow.models.lora.DEFAULT_TARGET_MODULES``;
-the spec does not import torch)."""
-
-
 class TrainingSpec(SpecModel):
     """Steps, batch sizes, optimizer, precision and training-time parallelism."""
 
     backend: Literal["fsdp", "megatron"] = Field(
         default="fsdp",
         description=(
-            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism only; the training and rollout "
-            "tensorParallelSize and pipelineParallelSize must be 1) or 'megatron' (Megatron-core: "
+            "Training backend: 'fsdp' (PyTorch FSDP2: data parallelism, and Ulysses sequence parallelism "
+            "with sequenceParallelSize; the training and rollout tensorParallelSize and pipelineParallelSize "
+            "must be 1) or 'megatron' (Megatron-core: "
             "tensor and pipeline parallelism; with tensorParallelSize * pipelineParallelSize > 1 the "
             "3D-HybridEngine reshards to the rollout's layout and generates with rollout.engine 'torch')."
         ),
@@ -268,6 +278,22 @@ class TrainingSpec(SpecModel):
         ge=1,
         description="Pipeline-parallel size of each trained model; above 1 needs backend 'megatron'.",
     )
+    sequence_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "backend 'fsdp': Ulysses sequence parallelism for the actor and the reference. Groups of this "
+            "many consecutive ranks get the same rows and split every sequence's columns between them "
+            "(attention swaps heads for columns with two all-to-alls per layer), so each rank holds the "
+            "activations of 1/size of the tokens: longer responses fit in the same memory. The data-parallel "
+            "size becomes the pool's GPUs / size; FSDP still shards the weights over the whole pool. Same "
+            "results as size 1 up to floating-point summation order. Must divide the actor's (and the "
+            "reference's) pool and the model's attention and key-value head counts (checked at load). "
+            "Not with packSequences, compile or a critic (value models run data-parallel over whole "
+            "sequences); the reward and cost models score whole sequences, and sharedPromptMinTokens is "
+            "not used. docs/sequence-parallel.md."
+        ),
+    )
     seed: int = Field(
         default=0,
         ge=0,
@@ -320,6 +346,42 @@ TRAINING_RULES: tuple[CrossFieldRule[TrainingSpec], ...] = (
         message="is supported with backend 'fsdp' only (megatron-core's LoRA is not wired to the 3D-HybridEngine)",
         holds=lambda training: training.backend == "fsdp" or training.lora is None,
         observed=lambda training: f"set with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="sequence-parallel-needs-fsdp",
+        node_path="spec.training",
+        field_path=".sequenceParallelSize",
+        cel="self.backend == 'fsdp' || self.sequenceParallelSize == 1",
+        message=(
+            "must be 1 with backend 'megatron'; Ulysses sequence parallelism is implemented for backend "
+            "'fsdp' (megatron splits long sequences with its tensor parallelism instead)"
+        ),
+        holds=lambda training: training.backend == "fsdp" or training.sequence_parallel_size == 1,
+        observed=lambda training: f"{training.sequence_parallel_size} with backend {training.backend!r}",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="sequence-parallel-not-with-packing",
+        node_path="spec.training",
+        field_path=".sequenceParallelSize",
+        cel="self.sequenceParallelSize == 1 || !self.packSequences",
+        message=(
+            "must be 1 with packSequences: Ulysses attention splits the columns of padded rows under one "
+            "causal mask, and packed rows would need each sequence's boundaries across the ranks' slices"
+        ),
+        holds=lambda training: training.sequence_parallel_size == 1 or not training.pack_sequences,
+        observed=lambda training: f"{training.sequence_parallel_size} with packSequences true",
+    ),
+    CrossFieldRule[TrainingSpec](
+        name="sequence-parallel-not-with-compile",
+        node_path="spec.training",
+        field_path=".sequenceParallelSize",
+        cel="self.sequenceParallelSize == 1 || !self.compile",
+        message=(
+            "must be 1 with compile: Ulysses attention (all-to-alls inside every layer, a context installed "
+            "per micro-batch) is not supported under torch.compile"
+        ),
+        holds=lambda training: training.sequence_parallel_size == 1 or not training.compile,
+        observed=lambda training: f"{training.sequence_parallel_size} with compile true",
     ),
     CrossFieldRule[TrainingSpec](
         name="warmup-within-total-steps",

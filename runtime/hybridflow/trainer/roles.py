@@ -84,6 +84,12 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
     actor's. The actor, reference and critic classes are the same for every backend (they look
     ``spec.training.backend`` up in :func:`hybridflow.backends.api.training_backend`, which imports
     only that backend: megatron-core is not installed everywhere FSDP runs); only the meshes differ.
+
+    With FSDP and ``spec.training.sequenceParallelSize`` ``P > 1``, the actor and the reference
+    run under ``DeviceMesh.training(world, tp=P)``: its ``tp`` axis holds the Ulysses groups
+    (ranks ``k*P .. k*P+P-1``, the groups the FSDP backend builds from the same mesh), so
+    ``DP_SPLIT`` hands the ``P`` ranks of a group the same rows and collects from the first of
+    them, and the workers' data-parallel size is ``world / P``. Every other role stays pure DP.
     """
     kwargs = {"spec": spec}
     training = spec.training
@@ -107,13 +113,18 @@ def job_roles(spec: RLHFJobSpec) -> dict[str, RoleSpec]:
             rollout_mesh = DeviceMesh.generation(
                 actor_mesh, pp=spec.rollout.pipeline_parallel_size, tp=spec.rollout.tensor_parallel_size
             )
-    elif uses_sharded_vllm(spec):
-        from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker
+    else:
+        if training.sequence_parallel_size > 1:
+            sp = training.sequence_parallel_size
+            actor_mesh = DeviceMesh.training(_pool_size(spec, "actor"), tp=sp)
+            reference_mesh = DeviceMesh.training(_pool_size(spec, "reference"), tp=sp)
+        if uses_sharded_vllm(spec):
+            from hybridflow.workers.vllm_rollout import ShardedVLLMRolloutWorker
 
-        rollout_cls = ShardedVLLMRolloutWorker
-        rollout_mesh = DeviceMesh.fsdp_generation(
-            _pool_size(spec, "actor"), tp=spec.rollout.tensor_parallel_size
-        )
+            rollout_cls = ShardedVLLMRolloutWorker
+            rollout_mesh = DeviceMesh.fsdp_generation(
+                _pool_size(spec, "actor"), tp=spec.rollout.tensor_parallel_size
+            )
     actor_pool = spec.pool("actor").name
     roles = {"actor": RoleSpec(ActorWorker, actor_pool, mesh=actor_mesh, kwargs=kwargs)}
     if spec.rollout.mode == "batch":  # server mode: replicas of the rollout service (hybridflow.rollout)

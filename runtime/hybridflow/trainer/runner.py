@@ -48,6 +48,8 @@ from hybridflow.checkpoint import CheckpointManager
 from hybridflow.controller import Batch, Deployment, deploy
 from hybridflow.controller.resource_pool import ResourcePool, place_pool
 from hybridflow.data import PromptDataset, PromptSampler
+from hybridflow.export.parity import build_probe_token_ids
+from hybridflow.export.publish import Artifact, export_directory, read_artifacts, record_artifact
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
@@ -143,6 +145,9 @@ def run_training(
     history: list[dict[str, float]] = []
     job_gpus = sum(pool.nodes * pool.gpus_per_node for pool in spec.resource_pools)
     actor_parameters = model_parameter_count(spec.models.actor.path)
+    # spec.checkpoint.export: the artifacts of earlier attempts, and the parity gate's fixed probes.
+    artifacts = read_artifacts(spec.checkpoint_dir) if spec.checkpoint.export is not None else []
+    probes = build_probe_token_ids(tokenizer) if spec.checkpoint.export is not None else []
     # The scorer's process pool starts while the workers deploy, not in the first step.
     with (
         RewardScorer(spec, None) as scorer,
@@ -262,6 +267,12 @@ def run_training(
                 metrics["timing/checkpoint"] = time.monotonic() - bookkeeping_started
                 deployment.busy_reports()  # the next step's busy window starts with its seconds
                 bookkeeping_started = time.monotonic()
+            export = spec.checkpoint.export
+            if export is not None and (
+                step == total or (export.interval_steps and step % export.interval_steps == 0)
+            ):
+                artifacts = _export(spec, workers, step, probes, metrics, on_step) or artifacts
+                bookkeeping_started = time.monotonic()
             preempted = should_stop is not None and should_stop()
             if preempted and last_checkpoint != step:
                 _save(checkpoints, workers, step, sampler, state, pipeline, service)
@@ -271,7 +282,13 @@ def run_training(
             done = step - start + 1
             eta = (time.monotonic() - began) / done * (total - step)
             report = StepReport(
-                step, total, metrics, eta, last_checkpoint, service.health() if service is not None else None
+                step,
+                total,
+                metrics,
+                eta,
+                last_checkpoint,
+                service.health() if service is not None else None,
+                artifacts=tuple(artifact.status() for artifact in artifacts),
             )
             if on_report is not None:
                 on_report(report)
@@ -283,6 +300,37 @@ def run_training(
                 return RunSummary(start, step, resumed, history, preempted=True)
     writer.close()
     return RunSummary(start, last, resumed, history)
+
+
+def _export(
+    spec: RLHFJobSpec,
+    workers: JobWorkers,
+    step: int,
+    probes: list[list[int]],
+    metrics: dict[str, float],
+    on_step: Callable[[str], None],
+) -> list[Artifact] | None:
+    """Export the actor after ``step`` (``spec.checkpoint.export``); the artifacts list when it passed the gate.
+
+    The export's seconds and gate figures go into the step's metrics (after the step proper, like the
+    checkpoint's); a refused export is reported in the log and returns ``None``: training goes on.
+    """
+    started = time.monotonic()
+    directory = export_directory(spec.checkpoint_dir, step)
+    outcome = workers.actor.export_hf(str(directory), step, probes)[0]
+    report = outcome.report
+    metrics["export/seconds"] = time.monotonic() - started
+    metrics["export/parity_max_abs_diff"] = report.max_abs_diff
+    metrics["export/passed"] = 1.0 if outcome.artifact is not None else 0.0
+    if outcome.artifact is None:
+        on_step(
+            f"export of step {step} refused by the parity gate: log-probs off by {report.max_abs_diff:.4g} "
+            f"(tolerance {report.tolerance:g}) at probe {report.worst_probe} token {report.worst_position}; "
+            f"kept aside at {outcome.directory}"
+        )
+        return None
+    on_step(f"exported step {step} to {outcome.directory} (parity: max gap {report.max_abs_diff:.3g})")
+    return record_artifact(spec.checkpoint_dir, outcome.artifact)
 
 
 def reshard_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -9,7 +9,9 @@ The model itself lives in a :class:`~hybridflow.backends.api.TrainingBackend` na
 ``spec.training.backend``: FSDP2 over a data-parallel mesh, or megatron-core over
 :meth:`DeviceMesh.training` with the job's TP/PP sizes (deployed by
 :func:`hybridflow.trainer.roles.job_roles`), where ``DP_SPLIT`` gives every rank of one DP
-group (its TP and PP ranks) the same rows and collects from TP rank 0 of the last stage.
+group (its TP and PP ranks) the same rows and collects from TP rank 0 of the last stage. FSDP
+with ``spec.training.sequenceParallelSize`` ``P > 1`` is deployed the same way with
+``tp = P``: the ``P`` ranks of a Ulysses group get the same rows and split their columns.
 
 Protocol, on every rank of the pool: the constructor loads this rank's shard (collective:
 FSDP shards, megatron initialises its parallel state, which roles colocated in one process
@@ -48,9 +50,10 @@ from torch import nn
 from hybridflow.backends.api import TrainingBackend, training_backend
 from hybridflow.backends.offload import DeviceOffload, OffloadStats
 from hybridflow.controller import BROADCAST, DP_SPLIT, DP_SPLIT_EXACT, Batch, Worker, WorkerContext, register
+from hybridflow.export.publish import ExportOutcome, export_checked
 from hybridflow.metrics.catalogue import combine_values
 from hybridflow.metrics.device import device_metrics
-from hybridflow.models.lora import adapters_disabled
+from hybridflow.models.lora import adapters_disabled, lora_config
 from hybridflow.resharding.fingerprint import FingerprintPlan
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
@@ -90,6 +93,15 @@ class _PolicyModel(Worker):
     ) -> None:
         super().__init__(ctx)
         self.spec = spec
+        sequence_parallel = spec.training.sequence_parallel_size
+        if spec.training.backend == "fsdp" and ctx.mesh.tp_size != sequence_parallel:
+            # The backend's Ulysses groups are the mesh's tp groups; any other mesh would hand the
+            # ranks of a group different rows (or count each row several times in the loss).
+            raise RuntimeError(
+                f"the {ctx.role} role runs under {ctx.mesh.describe()}, but spec.training.sequenceParallelSize "
+                f"is {sequence_parallel}: deploy it with DeviceMesh.training(world, tp={sequence_parallel}) "
+                "(hybridflow.trainer.roles.job_roles)"
+            )
         seed_everything(spec.training.seed + ctx.rank)
         self.backend: TrainingBackend = training_backend(spec.training.backend)(spec, ctx.torch_device)
         self.backend.load(model_path, kind="causal-lm", learning_rate=learning_rate)
@@ -288,6 +300,58 @@ class ActorWorker(_PolicyModel):
         For checks and export, not the training loop: every rank assembles and returns the whole model.
         """
         return self.backend.full_state_dict()
+
+    def probe_log_probs(self, probes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The trainer's next-token log-probs of each probe (temperature 1), one probe per pass (collective).
+
+        The parity gate's reference (:func:`hybridflow.export.probe_log_probs` is the same for an HF
+        model): a probe is one row, its first token the prompt and the rest the response, unpadded.
+        """
+        results = []
+        for probe in probes:
+            ids = torch.tensor([list(probe)], dtype=torch.long)
+            batch = {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "position_ids": torch.arange(ids.shape[1]).unsqueeze(0),
+                "responses": ids[:, 1:],
+                "response_mask": torch.ones(1, ids.shape[1] - 1, dtype=torch.long),
+            }
+            log_probs, _ = self.backend.log_probs(batch, temperature=1.0, with_entropy=False)
+            results.append(log_probs[0].float().cpu())
+        return results
+
+    @register(BROADCAST)
+    def export_hf(self, directory: str, step: int, probes: list[list[int]]) -> ExportOutcome | None:
+        """``spec.checkpoint.export``: the actor as an HF model (or adapter) in ``directory``, gated (collective).
+
+        Every rank gathers the full weights and scores the probes (both collective); rank 0 writes
+        the export and runs the parity gate (:mod:`hybridflow.export.publish`) and returns its
+        outcome, the other ranks ``None``. Holds the whole model on every rank's host for the
+        duration, as :meth:`full_state_dict` does.
+        """
+        export = self.spec.checkpoint.export
+        if export is None:
+            raise RuntimeError("export_hf needs spec.checkpoint.export")
+        state = self.backend.full_state_dict()
+        expected = self.probe_log_probs(probes)
+        if self.ctx.rank != 0:
+            return None
+        lora = self.spec.training.lora
+        actor = self.spec.models.actor
+        return export_checked(
+            state,
+            Path(directory),
+            step=step,
+            kind=export.resolved_kind(lora=lora is not None),
+            dtype=export.dtype,
+            source_model_dir=actor.path,
+            tokenizer_dir=actor.tokenizer_path or actor.path,
+            lora=lora_config(lora),
+            probes=probes,
+            trainer_log_probs=expected,
+            tolerance=export.tolerance(),
+        )
 
     @register(BROADCAST)
     def save_checkpoint(self, directory: str) -> None:

@@ -25,6 +25,8 @@ the same sums, reduced in bigger pieces.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,13 +34,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hybridflow.compilation import compiled_module
+from hybridflow.mesh import DeviceMesh
 from hybridflow.spec.training import DEFAULT_FSDP_UNIT_MIN_PARAMETERS, fsdp_units
 
 __all__ = [
+    "SequenceParallelGroups",
     "compile_regions",
     "decoder_layers",
     "enable_activation_checkpointing",
     "fsdp_units",
+    "sequence_parallel_groups",
     "shard_model",
 ]
 
@@ -187,3 +192,39 @@ def shard_model(
     if compile_forward:
         compile_regions(model, device=device, layers_are_units=bool(units))
     return model
+
+
+@dataclass(frozen=True)
+class SequenceParallelGroups:
+    """This rank's two process groups under Ulysses sequence parallelism of ``size`` ranks.
+
+    ``sequence``: the ``size`` consecutive ranks that share rows and split their columns
+    (:mod:`~hybridflow.backends.fsdp.ulysses`); ``data``: one rank of every such group, the
+    same position in each, over which the workers sum their loss counts (each row counted once).
+    FSDP itself still shards over the whole default group (:func:`shard_model`).
+    """
+
+    size: int
+    sequence: dist.ProcessGroup
+    data: dist.ProcessGroup
+
+
+def sequence_parallel_groups(size: int) -> SequenceParallelGroups:
+    """Build the Ulysses and data-parallel groups of ``size`` over the default group; this rank's pair.
+
+    Collective: every rank of the default group calls it, in the same order relative to its
+    other group creations (``new_group`` is collective even for non-members). The groups are
+    the ``tp`` and ``dp`` groups of ``DeviceMesh.training(world, tp=size)``, the mesh the
+    controller dispatches the actor's and reference's rows by (``trainer/roles.py``): its
+    ``DP_SPLIT`` gives every rank of one ``tp`` group the same rows. Raises
+    :class:`~hybridflow.mesh.MeshError` when ``size`` does not divide the world.
+    """
+    rank = dist.get_rank()
+    mesh = DeviceMesh.training(dist.get_world_size(), tp=size)
+    mine: dict[str, dist.ProcessGroup] = {}
+    for axis in ("tp", "dp"):
+        for ranks in mesh.groups(axis):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = group
+    return SequenceParallelGroups(size=size, sequence=mine["tp"], data=mine["dp"])

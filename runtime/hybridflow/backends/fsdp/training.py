@@ -10,17 +10,34 @@ master weights).
 FSDP has no model-parallel slices: :meth:`FSDPTrainingBackend.training_shard` raises (the
 3D-HybridEngine needs megatron); a colocated rollout reads the full weights through
 :meth:`FSDPTrainingBackend.weight_buckets` or, with ``t_g = 1`` on one rank, the module itself.
+
+Sequence parallelism (``spec.training.sequenceParallelSize`` ``P > 1``, causal LMs only: the
+actor and the reference). :meth:`FSDPTrainingBackend.load` checks the model's heads split ``P``
+ways, switches it to Ulysses attention before sharding and builds the Ulysses and data-parallel
+groups (:func:`~hybridflow.backends.fsdp.parallelize.sequence_parallel_groups`, the ``tp`` and
+``dp`` groups of ``DeviceMesh.training(world, tp=P)``, the mesh ``trainer/roles.py`` deploys
+these roles with, so the ``P`` ranks of a group receive the same rows). Every pass then runs
+each micro-batch on all ``P`` ranks together, each on its slice of the columns, inside
+:func:`~hybridflow.backends.fsdp.ulysses.ulysses_context` from the forward through the
+backward; every rank gets the whole micro-batch's results. FSDP still shards over the whole
+world, so its gradient mean divides by ``dp * P`` and each loss is multiplied by
+:func:`~hybridflow.backends.fsdp.ulysses.fsdp_loss_scale`; the workers sum their loss counts over
+:meth:`FSDPTrainingBackend.dp_group` (one rank per group: each row once). At ``P = 1`` none of
+this runs: no groups, no context, no scaling.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
 
 from hybridflow.backends.api import LossFn, ModelKind, Tensors, UnsupportedByBackend
 from hybridflow.backends.fsdp.checkpoint import load_train_state, save_train_state
@@ -38,15 +55,23 @@ from hybridflow.backends.fsdp.optim import (
     clip_grad_norm_and_step,
     offload_tensors,
 )
-from hybridflow.backends.fsdp.parallelize import shard_model
+from hybridflow.backends.fsdp.parallelize import SequenceParallelGroups, sequence_parallel_groups, shard_model
 from hybridflow.backends.fsdp.sharded_load import (
     ShardedLoadReport,
     build_on_meta,
     materialize_and_load,
     sharded_load_supported,
 )
+from hybridflow.backends.fsdp.ulysses import (
+    check_ulysses_layout,
+    fsdp_loss_scale,
+    ulysses_context,
+    ulysses_token_logprobs_and_entropy,
+    use_ulysses_attention,
+)
 from hybridflow.backends.fsdp.weights import full_state_dict, iter_full_weight_buckets
 from hybridflow.compilation import use_compile_cache
+from hybridflow.mesh import MeshError
 from hybridflow.models.lora import LoRAConfig, apply_lora, initialize_adapters, is_adapter_name, lora_config
 from hybridflow.resharding.layout import Block
 from hybridflow.resharding.meter import TrafficMeter
@@ -59,6 +84,34 @@ _NO_SHARD = (
     "the FSDP backend has no model-parallel training shard: the 3D-HybridEngine reshards megatron's "
     "slices and needs spec.training.backend 'megatron' (the FSDP actor syncs through weight_buckets)"
 )
+
+
+def _use_sequence_parallelism(model: nn.Module, model_path: str, size: int) -> SequenceParallelGroups:
+    """Switch ``model`` to Ulysses attention for ``size`` ranks and build the groups (collective).
+
+    Called on every rank after the model is built and before it is sharded. The head counts come
+    from the model itself (the spec cannot know them), so a size that does not split them fails
+    here, naming the field, the value and the model's counts.
+    """
+    config = cast(PretrainedConfig, model.config)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    try:
+        check_ulysses_layout(heads, kv_heads, size)
+    except ValueError as err:
+        raise ValueError(
+            f"spec.training.sequenceParallelSize: {size} does not split the attention heads of {model_path} "
+            f"({err}); allowed: a size that divides both num_attention_heads={heads} and "
+            f"num_key_value_heads={kv_heads}"
+        ) from None
+    use_ulysses_attention(model, size)
+    try:
+        return sequence_parallel_groups(size)
+    except MeshError:
+        raise ValueError(
+            f"spec.training.sequenceParallelSize: {size} does not divide this role's {dist.get_world_size()} "
+            "ranks; allowed: a divisor of the pool's GPUs"
+        ) from None
 
 
 def _rows(batch: Tensors, size: int) -> list[dict[str, torch.Tensor]]:
@@ -90,6 +143,8 @@ class FSDPTrainingBackend:
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.load_report: ShardedLoadReport | None = None  # None: loaded by the plain path
         self.lora: LoRAConfig | None = None  # set by load() when this model trains an adapter
+        # Set by load() for a causal LM at spec.training.sequenceParallelSize > 1.
+        self.sequence_parallel: SequenceParallelGroups | None = None
 
     # ------------------------------------------------------------------ loading
 
@@ -107,6 +162,10 @@ class FSDPTrainingBackend:
         else:
             loaded = load_value_model(model_path, attn_implementation=attention)
         self.kind = kind
+        sequence_parallel_size = self.spec.training.sequence_parallel_size if kind == "causal-lm" else 1
+        self.sequence_parallel = None
+        if sequence_parallel_size > 1:  # before sharding: FSDP wraps the attention modules as they are
+            self.sequence_parallel = _use_sequence_parallelism(loaded, model_path, sequence_parallel_size)
         self.lora = self._lora_for(kind, trained=trained)
         if self.lora is not None:
             apply_lora(loaded, self.lora)
@@ -164,7 +223,9 @@ class FSDPTrainingBackend:
         return self._scheduler
 
     def dp_group(self) -> dist.ProcessGroup | None:
-        return None  # fully_shard over the default group: every rank is a data-parallel rank
+        """None (the default group: every rank is a data-parallel rank), or under sequence
+        parallelism the ranks at this rank's position in every Ulysses group."""
+        return None if self.sequence_parallel is None else self.sequence_parallel.data
 
     # ------------------------------------------------------------------ forward passes
 
@@ -179,7 +240,8 @@ class FSDPTrainingBackend:
         change no valid token's result (positions come from the mask) but cost a full pass.
         Log-prob passes run each distinct prompt once when that saves at least
         ``training.sharedPromptMinTokens`` prompt tokens (the ``n`` samples of a prompt share its
-        keys and values), under activation checkpointing too.
+        keys and values), under activation checkpointing too; not under sequence parallelism,
+        whose passes run inside :meth:`_sequence_context` (same micro-batch) and split the columns.
         """
         device = self.device
         response_len = int(micro["responses"].shape[1])
@@ -205,6 +267,16 @@ class FSDPTrainingBackend:
                 with_entropy=with_entropy,
                 entropy_grad=entropy_grad,
             )
+        if self.sequence_parallel is not None:  # inside self._sequence_context(micro)
+            return ulysses_token_logprobs_and_entropy(
+                self.model,
+                input_ids,
+                micro["position_ids"][:, start:].to(device),
+                response_len=response_len,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+            )
         return token_logprobs_and_entropy(
             self.model,
             input_ids,
@@ -217,6 +289,19 @@ class FSDPTrainingBackend:
             shared_prompt_min_tokens=self.spec.training.shared_prompt_min_tokens,
         )
 
+    def _sequence_context(self, micro: Tensors) -> AbstractContextManager[None]:
+        """Ulysses' context for ``micro``'s pass (nothing without sequence parallelism).
+
+        Holds the group and the whole micro-batch's attention mask, trimmed as :meth:`_forward`
+        trims the inputs; the caller keeps it open through the backward (activation
+        checkpointing recomputes attention there).
+        """
+        if self.sequence_parallel is None:
+            return nullcontext()
+        attention_mask = micro["attention_mask"]
+        start = first_used_column(attention_mask, int(micro["responses"].shape[1]))
+        return ulysses_context(self.sequence_parallel.sequence, attention_mask[:, start:].to(self.device))
+
     def log_probs(
         self, batch: Tensors, *, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -227,7 +312,8 @@ class FSDPTrainingBackend:
         entropies: list[torch.Tensor] = []
         with torch.no_grad():
             for micro in _rows(batch, self.micro_batch_size):
-                piece, entropy = self._forward(micro, temperature=temperature, with_entropy=with_entropy)
+                with self._sequence_context(micro):
+                    piece, entropy = self._forward(micro, temperature=temperature, with_entropy=with_entropy)
                 log_probs.append(piece.float().cpu())
                 if entropy is not None:
                     entropies.append(entropy.float().cpu())
@@ -256,16 +342,26 @@ class FSDPTrainingBackend:
         temperature: float = 1.0,
         entropy_grad: bool = True,
     ) -> list[dict[str, float]]:
-        """One ``backward()`` per micro-batch; FSDP reduce-scatters each one's gradients as it goes."""
+        """One ``backward()`` per micro-batch; FSDP reduce-scatters each one's gradients as it goes.
+
+        Under sequence parallelism every rank of a Ulysses group runs the same micro-batches, the
+        backward inside the micro-batch's context, and backpropagates ``fsdp_loss_scale(P)``
+        times its loss (the metrics are the loss function's own, unscaled).
+        """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         results = []
         for micro in micro_batches:
-            outputs, entropy = self._forward(
-                micro, temperature=temperature, with_entropy=True, entropy_grad=entropy_grad
-            )
-            loss, metrics = loss_fn(outputs, entropy, {name: micro[name].to(self.device) for name in fields})
-            loss.backward()
+            with self._sequence_context(micro):
+                outputs, entropy = self._forward(
+                    micro, temperature=temperature, with_entropy=True, entropy_grad=entropy_grad
+                )
+                loss, metrics = loss_fn(
+                    outputs, entropy, {name: micro[name].to(self.device) for name in fields}
+                )
+                if self.sequence_parallel is not None:
+                    loss = loss * fsdp_loss_scale(self.sequence_parallel.size)
+                loss.backward()
             results.append({name: float(value) for name, value in metrics.items()})
         return results
 
