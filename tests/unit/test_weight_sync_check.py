@@ -22,14 +22,13 @@ import torch
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.models import write_tiny_model
 from hybridflow.resharding.fingerprint import (
-    SAMPLED_ROWS,
-    WHOLE_TENSOR_ELEMENTS,
+    SAMPLED_ELEMENTS,
     FingerprintPlan,
+    Sample,
     SentFingerprint,
     WeightSyncMismatch,
     compare_fingerprints,
     fingerprint_tensors,
-    rows_checksum,
     tensor_checksum,
     verify_served,
 )
@@ -47,26 +46,28 @@ def test_checksums_see_every_bit_and_position_and_add_up_over_splits() -> None:
     assert tensor_checksum(weight.flip(0)) != reference  # same elements, other places
     assert tensor_checksum(torch.zeros(4)) != tensor_checksum(-torch.zeros(4))  # bits, not values
     assert tensor_checksum(weight.to(torch.bfloat16)) != reference
-    rows = [1, 4]
-    assert tensor_checksum(weight, rows) == rows_checksum({row: weight[row] for row in rows}, 5)
-    halves = rows_checksum({row: weight[row] for row in range(3)}, 5) + rows_checksum(
-        {row: weight[row] for row in range(3, 6)}, 5
-    )
-    assert rows_checksum({row: weight[row] for row in range(6)}, 5) == reference
-    assert (halves - reference) % (1 << 64) == 0  # a sum of parts is the whole, modulo 2**64
+    every_other = Sample(start=1, stride=2, count=15)
+    odd, even = tensor_checksum(weight, every_other), tensor_checksum(weight, Sample(0, 2, 15))
+    assert (odd + even - reference) % (1 << 64) == 0  # a sum of parts is the whole, modulo 2**64
+    changed = weight.clone()
+    changed.view(-1)[4] += 1  # an element the odd sample does not read
+    assert tensor_checksum(changed, every_other) == odd and tensor_checksum(changed, Sample(0, 2, 15)) != even
 
 
-def test_a_sampled_plan_reads_whole_vectors_and_a_few_rows_that_change_with_the_version() -> None:
+def test_a_sampled_plan_reads_small_tensors_whole_and_strides_through_large_ones() -> None:
     plan = FingerprintPlan("sampled", version=3)
-    assert plan.rows("model.norm.weight", (64,)) is None
-    assert 16 * 896 <= WHOLE_TENSOR_ELEMENTS < 1000 * 128
-    assert plan.rows("small", (SAMPLED_ROWS, 8)) is None
-    assert plan.rows("model.layers.0.q_proj.lora_A.weight", (16, 896)) is None  # small: read whole
-    rows = plan.rows("model.embed_tokens.weight", (1000, 128))
-    assert rows is not None and len(rows) == SAMPLED_ROWS and rows == sorted(set(rows))
-    assert rows == FingerprintPlan("sampled", version=3).rows("model.embed_tokens.weight", (1000, 128))
-    assert rows != FingerprintPlan("sampled", version=4).rows("model.embed_tokens.weight", (1000, 128))
-    assert FingerprintPlan("full", version=3).rows("model.embed_tokens.weight", (1000, 128)) is None
+    assert plan.sample("model.norm.weight", (896,)) is None
+    assert plan.sample("model.layers.0.q_proj.lora_B.weight", (64, 64)) is None  # <= SAMPLED_ELEMENTS
+    sample = plan.sample("model.embed_tokens.weight", (1000, 128))
+    assert sample is not None and SAMPLED_ELEMENTS <= sample.count < 2 * SAMPLED_ELEMENTS
+    assert 0 <= sample.start < sample.stride
+    # every region of the tensor is read: the last sampled element lies in its last stride
+    last = sample.start + sample.stride * (sample.count - 1)
+    assert 1000 * 128 - sample.stride <= last < 1000 * 128
+    assert len(sample.of(torch.zeros(1000, 128))) == sample.count
+    assert sample == FingerprintPlan("sampled", version=3).sample("model.embed_tokens.weight", (1000, 128))
+    assert sample != FingerprintPlan("sampled", version=4).sample("model.embed_tokens.weight", (1000, 128))
+    assert FingerprintPlan("full", version=3).sample("model.embed_tokens.weight", (1000, 128)) is None
 
 
 @pytest.mark.parametrize("mode", ["sampled", "full"])
@@ -74,13 +75,15 @@ def test_the_batched_fingerprint_equals_one_checksum_per_tensor(mode: str) -> No
     generator = torch.Generator().manual_seed(0)
     named = [
         ("norm", torch.randn(64, generator=generator)),
-        ("lora_A", torch.randn(16, 96, generator=generator)),  # small: whole
-        ("embed", torch.randn(600, 128, generator=generator).to(torch.bfloat16)),  # large: rows when sampled
+        ("lora_A", torch.randn(16, 96, generator=generator)),  # larger than a sample: strided
+        ("embed", torch.randn(600, 128, generator=generator).to(torch.bfloat16)),  # large: strided when sampled
         ("flag", torch.tensor([True, False, True])),
     ]
     plan = FingerprintPlan(mode, version=9)  # type: ignore[arg-type]
     batched = fingerprint_tensors(named, plan)
-    assert batched == {name: tensor_checksum(tensor, plan.rows(name, tensor.shape)) for name, tensor in named}
+    assert batched == {
+        name: tensor_checksum(tensor, plan.sample(name, tensor.shape)) for name, tensor in named
+    }
 
 
 def test_the_comparison_names_the_tensor_counts_the_rest_and_reports_the_unreadable() -> None:

@@ -146,7 +146,7 @@ from hybridflow.engines.vllm_lora import (
 )
 from hybridflow.engines.vllm_shards import VLLMShardParam, vllm_shard_modules
 from hybridflow.models.lora import LoRAConfig, is_adapter_name
-from hybridflow.resharding.fingerprint import FingerprintPlan, rows_checksum, tensor_checksum
+from hybridflow.resharding.fingerprint import FingerprintPlan, fingerprint_tensors
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -303,26 +303,25 @@ def _write_shard_params(
 
 
 def _read_fingerprints(
-    model: Any, requests: Sequence[tuple[str, str, int, list[int] | None, tuple[int, ...]]]
+    model: Any, requests: Sequence[tuple[str, str, int, tuple[int, ...]]], plan: FingerprintPlan
 ) -> dict[str, int | None]:
-    """In vLLM's worker: the checksum of each requested HF tensor's rows, read from its vLLM parameter.
+    """In vLLM's worker: the checksum ``plan`` asks for of each requested HF tensor, read from its vLLM parameter.
 
-    A request is ``(hf_name, vllm_param, first_row, rows or None for all, hf_shape)``. A
-    parameter that is absent or holds no readable elements gives ``None``.
+    A request is ``(hf_name, vllm_param, first_row, hf_shape)``: the tensor is the parameter's rows
+    from ``first_row`` on (a row slice of a contiguous parameter: the HF layout). A parameter that
+    is absent or holds no readable elements gives ``None``.
     """
     params = dict(model.named_parameters())
     found: dict[str, int | None] = {}
+    held: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
-        for name, param_name, first_row, rows, shape in requests:
+        for name, param_name, first_row, shape in requests:
             param = params.get(param_name)
             if param is None or param.numel() == 0 or tuple(param.shape[1:]) != tuple(shape[1:]):
                 found[name] = None
                 continue
-            held = param.data[first_row : first_row + shape[0]] if len(shape) else param.data
-            if rows is None:
-                found[name] = tensor_checksum(held)
-            else:
-                found[name] = rows_checksum({row: held[row] for row in rows}, held[0].numel())
+            held.append((name, param.data[first_row : first_row + shape[0]] if len(shape) else param.data))
+        found.update(fingerprint_tensors(held, plan))
     return found
 
 
@@ -880,17 +879,17 @@ class VLLMRolloutEngine(RolloutEngine):
             for block in param.blocks:
                 where[block.name] = (param.name, offset)
                 offset += block.shape[0]
-        requests = [
-            (name, *where[name], plan.rows(name, shape), tuple(shape))
-            for name, shape in shapes.items()
-            if name in where
-        ]
-        found: dict[str, int | None] = llm.apply_model(lambda model: _read_fingerprints(model, requests))[0]
+        requests = [(name, *where[name], tuple(shape)) for name, shape in shapes.items() if name in where]
+        found: dict[str, int | None] = llm.apply_model(
+            lambda model: _read_fingerprints(model, requests, plan)
+        )[0]
         adapter = {name: shape for name, shape in shapes.items() if is_adapter_name(name)}
         if adapter and self._lora is not None and self._lora_request is not None:
-            reads = adapter_reads(plan, adapter, self._layer_of, self._packed)
+            reads = adapter_reads(adapter, self._layer_of, self._packed)
             scaling = self._lora.scaling
-            found.update(llm.apply_model(lambda model: read_adapter_fingerprints(model, reads, scaling))[0])
+            found.update(
+                llm.apply_model(lambda model: read_adapter_fingerprints(model, reads, plan, scaling))[0]
+            )
         return found
 
     # ------------------------------------------------------------------ LoRA (vllm_lora.py)

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from hybridflow.models.lora import LoRAConfig
-from hybridflow.resharding.fingerprint import FingerprintPlan, rows_checksum, tensor_checksum
+from hybridflow.resharding.fingerprint import FingerprintPlan, fingerprint_tensors
 
 __all__ = [
     "VLLM_LORA_RANKS",
@@ -120,8 +120,8 @@ def write_peft_adapter(
     return directory
 
 
-AdapterRead = tuple[str, str, int, str, list[int] | None, tuple[int, ...]]
-"""One read request: ``(hf_name, vllm_module, slice, "A" or "B", rows or None, hf_shape)``."""
+AdapterRead = tuple[str, str, int, str, tuple[int, ...]]
+"""One read request: ``(hf_name, vllm_module, slice, "A" or "B", hf_shape)``."""
 
 
 def _power_of_two(value: float) -> bool:
@@ -130,39 +130,35 @@ def _power_of_two(value: float) -> bool:
 
 
 def read_adapter_fingerprints(
-    model: Any, requests: Sequence[AdapterRead], scaling: float, slot: int = 0
+    model: Any, requests: Sequence[AdapterRead], plan: FingerprintPlan, scaling: float, slot: int = 0
 ) -> dict[str, int | None]:
-    """In vLLM's worker: checksums of the active adapter (in LoRA slot ``slot``), by HF name.
+    """In vLLM's worker: checksums of the active adapter (in LoRA slot ``slot``), by HF name, as ``plan`` asks.
 
     See the module docstring for the layout read. A module without LoRA buffers, a shape other
     than expected, or a ``B`` whose scaling cannot be undone exactly gives ``None``.
     """
     modules = dict(model.named_modules())
     found: dict[str, int | None] = {}
+    held: list[tuple[str, torch.Tensor]] = []
     exact_b = _power_of_two(scaling)
     with torch.no_grad():
-        for name, module_name, index, which, rows, shape in requests:
+        for name, module_name, index, which, shape in requests:
             module = modules.get(module_name)
             stacked = getattr(module, "lora_a_stacked" if which == "A" else "lora_b_stacked", None)
             if stacked is None or index >= len(stacked) or (which == "B" and not exact_b):
                 found[name] = None
                 continue
-            held = stacked[index][slot]
-            held = held[0] if held.dim() == 3 else held
-            if tuple(held.shape) != tuple(shape):
+            tensor = stacked[index][slot]
+            tensor = tensor[0] if tensor.dim() == 3 else tensor
+            if tuple(tensor.shape) != tuple(shape):
                 found[name] = None
                 continue
-            if which == "B":
-                held = held / scaling
-            if rows is None:
-                found[name] = tensor_checksum(held)
-            else:
-                found[name] = rows_checksum({row: held[row] for row in rows}, held[0].numel())
+            held.append((name, tensor / scaling if which == "B" else tensor))
+        found.update(fingerprint_tensors(held, plan))
     return found
 
 
 def adapter_reads(
-    plan: FingerprintPlan,
     shapes: Mapping[str, tuple[int, ...]],
     layer_of: Mapping[str, str],
     packed: Mapping[str, Sequence[str]],
@@ -178,5 +174,5 @@ def adapter_reads(
         members = packed.get(vllm_module.rsplit(".", 1)[-1], ())
         leaf = module.rsplit(".", 1)[-1]
         index = list(members).index(leaf) if leaf in members else 0
-        reads.append((name, vllm_module, index, suffix[-1], plan.rows(name, shape), tuple(shape)))
+        reads.append((name, vllm_module, index, suffix[-1], tuple(shape)))
     return reads
