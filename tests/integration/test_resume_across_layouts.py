@@ -342,14 +342,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """Saved by 2 DP ranks (``save``, then continued), resumed by 4 (``dp4``) and by 1 (``dp1``)."""
+    """Saved by 2 DP ranks (``save``, then continued), resumed by 4 (``dp4``).
+
+    Resuming on 1 rank passed the same checks (2026-12-05); it is left out to keep the suite's
+    time: one more spawned job proves the same DCP resharding."""
     root = tmp_path_factory.mktemp("fsdp-layouts")
     checkpoint = root / "train-state"
     run = {"model_dir": model_dir, "checkpoint": checkpoint}
     saved = run_job(root, "fsdp", world_size=2, phases=[("save", 1)], **run)
     dp4 = run_job(root, "fsdp", world_size=4, phases=[("resume", 1)], **run)
-    dp1 = run_job(root, "fsdp", world_size=1, phases=[("resume", 1)], **run)
-    return {"save": saved["save-tp1"], "dp4": dp4["resume-tp1"], "dp1": dp1["resume-tp1"]}
+    return {"save": saved["save-tp1"], "dp4": dp4["resume-tp1"]}
 
 
 @pytest.fixture(scope="module")
@@ -423,13 +425,13 @@ def assert_ranks_agree(per_rank: Sequence[dict[str, Any]]) -> None:
     ]
 
 
-@pytest.mark.parametrize("layout", ["dp4", "dp1"])
+@pytest.mark.parametrize("layout", ["dp4"])
 def test_fsdp_checkpoint_of_two_ranks_loads_exactly(fsdp_runs: dict[str, Any], layout: str) -> None:
     for resumed in fsdp_runs[layout]:
         assert_loads_exactly(fsdp_runs["save"][0], resumed)
 
 
-@pytest.mark.parametrize("layout", ["dp4", "dp1"])
+@pytest.mark.parametrize("layout", ["dp4"])
 def test_fsdp_training_resumed_at_another_dp_size_continues_as_on_two_ranks(
     fsdp_runs: dict[str, Any], layout: str
 ) -> None:

@@ -196,3 +196,23 @@ def test_the_spec_refuses_lora_where_it_cannot_run(tmp_path: Path) -> None:
     other_reference = {**spec, "models": {**spec["models"], "reference": {"path": "/models/other"}}}
     with pytest.raises(ValidationError, match=r"spec.models.reference: must be unset with training.lora"):
         RLHFJobSpec.model_validate(other_reference)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_lora_critic_trains_its_adapters_and_its_value_head_and_the_default_critic_everything(
+    tmp_path: Path,
+) -> None:
+    model_dir = write_tiny_model(tmp_path / "model", "qwen2", seed=3)
+    for critic, expect_lora in ((True, True), (False, False)):
+        backend = FSDPTrainingBackend(_spec(model_dir, critic=critic), torch.device("cpu"))
+        backend.load(str(model_dir), kind="value", learning_rate=1e-3)
+        trainable = {name for name, p in backend.model.named_parameters() if p.requires_grad}
+        if expect_lora:
+            assert backend.lora is not None
+            assert {name for name in trainable if not is_adapter_name(name)} == {
+                "value_head.weight",
+                "value_head.bias",
+            }
+        else:
+            assert backend.lora is None and not any(is_adapter_name(name) for name in trainable)
+            assert len(trainable) == len(list(backend.model.parameters()))

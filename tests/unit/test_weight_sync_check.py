@@ -76,7 +76,10 @@ def test_the_batched_fingerprint_equals_one_checksum_per_tensor(mode: str) -> No
     named = [
         ("norm", torch.randn(64, generator=generator)),
         ("lora_A", torch.randn(16, 96, generator=generator)),  # larger than a sample: strided
-        ("embed", torch.randn(600, 128, generator=generator).to(torch.bfloat16)),  # large: strided when sampled
+        (
+            "embed",
+            torch.randn(600, 128, generator=generator).to(torch.bfloat16),
+        ),  # large: strided when sampled
         ("flag", torch.tensor([True, False, True])),
     ]
     plan = FingerprintPlan(mode, version=9)  # type: ignore[arg-type]
