@@ -25,12 +25,19 @@ import math
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from hybridflow.export.hf import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    PEFT_KEY_PREFIX,
+    peft_adapter_config,
+)
 from hybridflow.models.lora import LoRAConfig
 from hybridflow.resharding.fingerprint import FingerprintPlan, fingerprint_tensors
 
@@ -45,8 +52,6 @@ __all__ = [
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)."""
-
-PEFT_PREFIX = "base_model.model."
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -82,7 +87,7 @@ def adapter_shapes(
 
 
 def write_peft_adapter(
-    directory: Path, tensors: Mapping[str, torch.Tensor], config: LoRAConfig, *, base_model: str
+    directory: Path, tensors: Mapping[str, torch.Tensor], lora: LoRAConfig, *, base_model: str
 ) -> Path:
     """Write ``tensors`` (HF adapter names) as a PEFT LoRA directory vLLM loads; returns it.
 
@@ -91,25 +96,14 @@ def write_peft_adapter(
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
-        targets = sorted({name.rsplit(".", 3)[0].rsplit(".", 1)[-1] for name in tensors})
-        (staging / "adapter_config.json").write_text(
-            json.dumps(
-                {
-                    "peft_type": "LORA",
-                    "task_type": "CAUSAL_LM",
-                    "r": config.rank,
-                    "lora_alpha": config.alpha,
-                    "lora_dropout": 0.0,
-                    "target_modules": targets,
-                    "bias": "none",
-                    "base_model_name_or_path": base_model,
-                },
-                indent=1,
-            )
-        )
+        config = peft_adapter_config(replace(lora, dropout=0.0), base_model)
+        (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=1))
         save_file(
-            {PEFT_PREFIX + name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()},
-            str(staging / "adapter_model.safetensors"),
+            {
+                PEFT_KEY_PREFIX + name: tensor.detach().to("cpu").contiguous()
+                for name, tensor in tensors.items()
+            },
+            str(staging / ADAPTER_WEIGHTS_FILE),
         )
         if directory.exists():
             shutil.rmtree(directory)

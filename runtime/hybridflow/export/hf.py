@@ -84,6 +84,7 @@ __all__ = [
     "Manifest",
     "ManifestFile",
     "export_hf",
+    "peft_adapter_config",
     "verify_export",
 ]
 
@@ -550,7 +551,7 @@ def _copy_tokenizer(staging: Path, tokenizer_dir: Path) -> None:
                     _copy(source, staging / name / source.name)
 
 
-def _adapter_config(lora: LoRAConfig, base_model_name_or_path: str) -> dict[str, Any]:
+def peft_adapter_config(lora: LoRAConfig, base_model_name_or_path: str) -> dict[str, Any]:
     """PEFT's ``LoraConfig`` fields for a plain LoRA adapter.
 
     vLLM's ``PEFTHelper`` requires ``r``, ``lora_alpha`` and ``target_modules``, computes the
@@ -675,7 +676,7 @@ def export_hf(
                 peft_tensors[f"{PEFT_KEY_PREFIX}{module}{_LORA_B_SUFFIX}"] = adapter.b
             _write_safetensors(staging / ADAPTER_WEIGHTS_FILE, peft_tensors, torch_dtype)
             base_name = base_model_name_or_path or str(source_model_dir.resolve())
-            config_text = json.dumps(_adapter_config(lora, base_name), indent=2, sort_keys=True) + "\n"
+            config_text = json.dumps(peft_adapter_config(lora, base_name), indent=2, sort_keys=True) + "\n"
             _write_text(staging / ADAPTER_CONFIG_FILE, config_text)
         else:
             weights = dict(base)
