@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.spec.training import LoRASpec
+from hybridflow.spec.training import DEFAULT_LORA_TARGETS, LoRASpec
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -50,17 +50,10 @@ __all__ = [
     "lora_config",
 ]
 
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+DEFAULT_TARGET_MODULES: tuple[str, ...] = DEFAULT_LORA_TARGETS
 """Every linear of a Qwen2/Llama decoder layer: what LoRA papers and RL recipes find works best
-for RL (adapting the MLPs as well as attention), and what vLLM's LoRA supports for these models."""
+for RL (adapting the MLPs as well as attention), and what vLLM's LoRA supports for these models.
+Defined with the spec's default (``spec.training.lora.targetModules``), which imports no torch."""
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 

@@ -64,11 +64,11 @@ __all__ = [
 
 CheckMode = Literal["off", "sampled", "full"]
 
-SAMPLED_ELEMENTS = 4096
+SAMPLED_ELEMENTS = 1024
 """Elements a ``sampled`` fingerprint reads of each larger tensor, at least (under twice as many:
-the stride runs to the tensor's end), and all of a smaller one. A strided
-view costs the same whatever the tensor's size, so a sync's check costs a few microseconds per
-tensor: 1.5% of a 0.5B model's full sync here, and within 5% of a rank-16 LoRA sync of it."""
+the stride runs to the tensor's end), and all of a smaller one. A strided view costs the same
+whatever the tensor's size, so a sync's check costs a few tens of microseconds per tensor on
+each side (``bench/lora.py`` measures it against the sync: docs/benchmarks.md)."""
 
 _WEIGHT_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)
 """An odd 64-bit constant (the golden ratio's), as a signed int64: ``w(i) = i * M + 1`` wraps modulo
@@ -176,15 +176,14 @@ def _wrap(value: int) -> int:
 def fingerprint_tensors(named: Sequence[tuple[str, torch.Tensor]], plan: FingerprintPlan) -> dict[str, int]:
     """The checksums ``plan`` asks for of many tensors at once, by name.
 
-    What both sides call. The pieces read (samples, small tensors) are checksummed together
-    in one vectorised pass (a segmented sum), since a sync has hundreds of tensors and per-tensor
-    calls would cost more than the arithmetic; a large tensor read whole (``full``) goes through
-    :func:`tensor_checksum`'s chunks, never copied at once.
+    What both sides call. A sync has hundreds of tensors, so the per-tensor work is kept to a few
+    tensor operations on the sampled elements, and the sums come back to Python in one copy; a
+    large tensor read whole (``full``) goes through :func:`tensor_checksum`'s chunks, never
+    copied at once.
     """
     result: dict[str, int] = {}
     names: list[str] = []
-    values: list[torch.Tensor] = []
-    positions: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
     for name, tensor in named:
         sample = plan.sample(name, tuple(tensor.shape))
         if sample is None and tensor.numel() > SAMPLED_ELEMENTS:  # full mode: in chunks, never copied whole
@@ -197,15 +196,9 @@ def fingerprint_tensors(named: Sequence[tuple[str, torch.Tensor]], plan: Fingerp
             flat = sample.of(tensor.detach())
             position = sample.positions(tensor.device)
         names.append(name)
-        values.append(_bits(flat))
-        positions.append(position)
-    if names:
-        device = values[0].device
-        counts = torch.tensor([len(piece) for piece in values], device=device)
-        segment = torch.repeat_interleave(torch.arange(len(names), device=device), counts)
-        weighted = torch.cat(values) * (torch.cat(positions) * _WEIGHT_MULTIPLIER + 1)
-        sums = torch.zeros(len(names), dtype=torch.int64, device=device).scatter_add_(0, segment, weighted)
-        result.update(zip(names, (int(value) for value in sums.tolist()), strict=True))
+        sums.append((_bits(flat) * (position * _WEIGHT_MULTIPLIER + 1)).sum())
+    if names:  # one device-to-host copy for all of them
+        result.update(zip(names, (int(value) for value in torch.stack(sums).tolist()), strict=True))
     return result
 
 

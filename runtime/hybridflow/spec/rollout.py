@@ -265,8 +265,8 @@ class RolloutSpec(SpecModel):
         description=(
             "After every weight sync, the engine checksums the weights it now serves and compares them "
             "with the trainer's checksums of what it sent, in the engine's dtype; a difference fails the "
-            "step with WeightSyncMismatch naming the tensor. 'sampled': every tensor of up to 4096 elements "
-            "whole, and about 4096 elements evenly strided through each larger one, from an offset that "
+            "step with WeightSyncMismatch naming the tensor. 'sampled': every tensor of up to 1024 elements "
+            "whole, and about 1024 elements evenly strided through each larger one, from an offset that "
             "changes every sync (catches a tensor undelivered, stale or mis-mapped as a whole; reads a few "
             "thousandths of a large model's weights). 'full': every element (a "
             "pass over all weights on both sides). 'off': no check. Tensors an engine cannot read "

@@ -42,8 +42,9 @@ class VolumeClaimMount(SpecModel):
 
 DEFAULT_PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
 """Largest absolute log-prob gap (nats) the export's parity gate accepts by default, per saved dtype.
-float32: the kernels' rounding alone. bfloat16: rounding every weight to 8 mantissa bits (measured
-on the tiny model: 8e-4), with room for a large model's deeper stack; a wrong export (a missing or
+float32: the kernels' rounding alone (measured 0 on Qwen2-0.5B's shapes). bfloat16: rounding every
+weight to 8 mantissa bits, measured on Qwen2-0.5B's shapes with every weight moved off the bf16
+grid: 0.011 at most, 0.003 on average over 279 probe tokens; a wrong export (a missing or
 mis-mapped tensor) is off by whole nats."""
 
 
