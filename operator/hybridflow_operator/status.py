@@ -393,10 +393,11 @@ class RLHFJobStatus(StatusModel):
     )
     artifacts: tuple[Artifact, ...] = Field(
         default=(),
-        max_length=1000,
+        max_length=100,
         description=(
-            "Exports of the actor that passed their parity gate (spec.checkpoint.export), oldest first; "
-            "written by the controller in the head pod."
+            "The newest 100 exports of the actor that passed their parity gate (spec.checkpoint.export), "
+            "oldest first; written by the controller in the head pod. Every export is listed in "
+            "exports/artifacts.json on the checkpoint volume."
         ),
     )
 

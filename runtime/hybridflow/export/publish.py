@@ -34,6 +34,7 @@ from hybridflow.models.lora import LoRAConfig
 __all__ = [
     "ARTIFACTS_FILE",
     "EXPORTS_DIRECTORY",
+    "STATUS_ARTIFACTS",
     "Artifact",
     "ExportOutcome",
     "export_checked",
@@ -46,6 +47,11 @@ EXPORTS_DIRECTORY = "exports"
 """Beside the checkpoints (``spec.checkpoint_dir``): on the checkpoint volume in a cluster."""
 
 ARTIFACTS_FILE = "artifacts.json"
+
+STATUS_ARTIFACTS = 100
+"""The newest exports ``status.artifacts`` lists (every export stays in :data:`ARTIFACTS_FILE`): a
+status is one object the API server caps in size, and a job exporting every few steps for days
+would outgrow it."""
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,13 @@ from hybridflow.controller import Batch, Deployment, deploy
 from hybridflow.controller.resource_pool import ResourcePool, place_pool
 from hybridflow.data import PromptDataset, PromptSampler
 from hybridflow.export.parity import build_probe_token_ids
-from hybridflow.export.publish import Artifact, export_directory, read_artifacts, record_artifact
+from hybridflow.export.publish import (
+    STATUS_ARTIFACTS,
+    Artifact,
+    export_directory,
+    read_artifacts,
+    record_artifact,
+)
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
@@ -288,7 +294,7 @@ def run_training(
                 eta,
                 last_checkpoint,
                 service.health() if service is not None else None,
-                artifacts=tuple(artifact.status() for artifact in artifacts),
+                artifacts=tuple(artifact.status() for artifact in artifacts[-STATUS_ARTIFACTS:]),
             )
             if on_report is not None:
                 on_report(report)
