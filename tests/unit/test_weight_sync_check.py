@@ -27,9 +27,11 @@ from hybridflow.resharding.fingerprint import (
     Sample,
     SentFingerprint,
     WeightSyncMismatch,
+    block_fingerprints,
     compare_fingerprints,
     fingerprint_tensors,
     tensor_checksum,
+    tiled_checksum,
     verify_served,
 )
 
@@ -87,6 +89,23 @@ def test_the_batched_fingerprint_equals_one_checksum_per_tensor(mode: str) -> No
     assert batched == {
         name: tensor_checksum(tensor, plan.sample(name, tensor.shape)) for name, tensor in named
     }
+
+
+@pytest.mark.parametrize(("along", "cuts"), [(0, [2, 4]), (1, [3, 3, 4])])
+def test_a_block_in_pieces_checksums_as_the_joined_block(along: int, cuts: list[int]) -> None:
+    """A shard sync's sender checksums the pieces a resharding delivers without joining them."""
+    block = torch.randn(6, 10)
+    pieces = torch.split(block, cuts, dim=along)
+    assert tiled_checksum(pieces, along, None) == tensor_checksum(block)
+    sample = Sample(start=1, stride=3, count=20)
+    assert tiled_checksum(pieces, along, sample) == tensor_checksum(block, sample)
+    sent = SentFingerprint(FingerprintPlan("full", version=2))
+    passed = list(block_fingerprints([("w", list(pieces))], {"w": along}, sent.plan, sent))
+    assert (
+        passed[0][0] == "w"
+        and sent.checksums == {"w": tensor_checksum(block)}
+        and sent.shapes == {"w": (6, 10)}
+    )
 
 
 def test_the_comparison_names_the_tensor_counts_the_rest_and_reports_the_unreadable() -> None:

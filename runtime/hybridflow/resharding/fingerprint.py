@@ -41,6 +41,7 @@ decides. Over a bridge, the sender's fingerprint follows the buckets as one more
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,9 +58,11 @@ __all__ = [
     "Sample",
     "SentFingerprint",
     "WeightSyncMismatch",
+    "block_fingerprints",
     "compare_fingerprints",
     "fingerprint_tensors",
     "tensor_checksum",
+    "tiled_checksum",
 ]
 
 CheckMode = Literal["off", "sampled", "full"]
@@ -200,6 +203,57 @@ def fingerprint_tensors(named: Sequence[tuple[str, torch.Tensor]], plan: Fingerp
     if names:  # one device-to-host copy for all of them
         result.update(zip(names, (int(value) for value in torch.stack(sums).tolist()), strict=True))
     return result
+
+
+def tiled_checksum(pieces: Sequence[torch.Tensor], along: int, sample: Sample | None) -> int:
+    """The checksum of the tensor that ``pieces`` tile along dim ``along``, without joining them.
+
+    What a shard sync's sender computes of a block it hands over in pieces (a resharding's
+    delivery, :meth:`~hybridflow.engines.vllm_engine.VLLMRolloutEngine.load_shard`): equal to
+    :func:`tensor_checksum` of the concatenated block, whose flat indices it uses.
+    """
+    if len(pieces) == 1:
+        return tensor_checksum(pieces[0], sample)
+    shape = list(pieces[0].shape)
+    shape[along] = sum(int(piece.shape[along]) for piece in pieces)
+    device = pieces[0].device
+    numel = math.prod(shape)
+    positions = torch.arange(numel, device=device) if sample is None else sample.positions(device)
+    coordinates = torch.unravel_index(positions, tuple(shape))
+    bounds = torch.tensor([0, *itertools.accumulate(int(p.shape[along]) for p in pieces)], device=device)
+    owner = torch.bucketize(coordinates[along].contiguous(), bounds[1:], right=True)
+    total = 0
+    for index, piece in enumerate(pieces):
+        mine = owner == index
+        local = [coordinate[mine] for coordinate in coordinates]
+        local[along] = local[along] - bounds[index]
+        values = piece.detach()[tuple(local)]
+        total += int((_bits(values) * (positions[mine] * _WEIGHT_MULTIPLIER + 1)).sum().item())
+    return _wrap(total)
+
+
+def block_fingerprints(
+    named_blocks: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]],
+    along: Mapping[str, int | None],
+    plan: FingerprintPlan,
+    sent: SentFingerprint,
+) -> Iterator[tuple[str, torch.Tensor | Sequence[torch.Tensor]]]:
+    """A shard sync's sender side: pass ``named_blocks`` through, recording each block's checksum in ``sent``.
+
+    ``along`` gives each block's split dimension (``None``: whole, pieces tile dim 0).
+    """
+    for name, given in named_blocks:
+        if plan.mode != "off":
+            started = time.perf_counter()
+            pieces = (given,) if isinstance(given, torch.Tensor) else tuple(given)
+            dim = along.get(name)
+            axis = 0 if dim is None else dim
+            shape = list(pieces[0].shape)
+            shape[axis] = sum(int(piece.shape[axis]) for piece in pieces)
+            sent.checksums[name] = tiled_checksum(pieces, axis, plan.sample(name, tuple(shape)))
+            sent.shapes[name] = tuple(shape)
+            sent.seconds += time.perf_counter() - started
+        yield name, given
 
 
 @dataclass

@@ -33,6 +33,10 @@ Protocol per RL step, every rank taking part in each call (as
    output comes from TP rank 0). The colocated actor is offloaded around generation as the spec
    chooses; the engine then sleeps at level 2 (weights and KV cache released on GPUs), so the
    next generation needs a sync first (done here if the controller did not).
+   After the load, the sync check (``spec.rollout.weightSyncCheck``) compares this rank's blocks,
+   checksummed as they were handed to vLLM, with what vLLM's parameters hold: it covers the
+   hand-over into vLLM (the fused and padded layout, the reload, the dtype), not the transfer
+   between ranks, whose bytes the resharding's own tests pin.
 3. ``transition_stats``: this rank's figures of the last sync, measured from the process:
    ``to_generation_seconds``, ``bytes_sent``/``bytes_received`` (the
    :class:`~hybridflow.resharding.meter.TrafficMeter`), ``loaded_bytes`` (written into vLLM),
@@ -49,7 +53,9 @@ Protocol per RL step, every rank taking part in each call (as
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator, Sequence
 
+import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
@@ -57,6 +63,12 @@ from hybridflow.backends.fsdp.weights import hf_name
 from hybridflow.controller import BROADCAST, DP_SPLIT, Batch, DeviceMesh, Worker, WorkerContext, register
 from hybridflow.engines.vllm_engine import VLLMRolloutEngine
 from hybridflow.resharding import DecoderSpec, ReshardingError, decoder_layout, hybridflow_plan
+from hybridflow.resharding.fingerprint import (
+    FingerprintPlan,
+    SentFingerprint,
+    block_fingerprints,
+    verify_served,
+)
 from hybridflow.resharding.fsdp import FSDPResharder, fsdp_generation_plan
 from hybridflow.resharding.meter import PeakMemory, TrafficMeter
 from hybridflow.resharding.transfer import BucketRecord, Resharder, SubgroupCache
@@ -132,6 +144,10 @@ class ShardedVLLMRolloutWorker(Worker):
         )
         self._stats: dict[str, float] = {}
         self._synced = False
+        # The sync check (spec.rollout.weightSyncCheck): this rank's blocks, checksummed as they go
+        # into vLLM and read back from its parameters once loaded.
+        self._block_dims = {name: block.dim for name, block in self.engine.shard_blocks().items()}
+        self._sent: SentFingerprint | None = None
 
     def _load_megatron(self) -> tuple[int, int, BucketRecord]:
         """The micro-DP exchange bucket by bucket, each bucket written into vLLM before the next.
@@ -150,7 +166,9 @@ class ShardedVLLMRolloutWorker(Worker):
             shard, bucket_bytes=WEIGHT_BUCKET_BYTES, dtype=self.dtype, record=record
         )
         for generation in buckets:
-            loaded += self.engine.load_shard((name, generation.blocks(name)) for name in generation.names())
+            loaded += self.engine.load_shard(
+                self._watched((name, generation.blocks(name)) for name in generation.names())
+            )
         return loaded, copied, record
 
     def _load_fsdp(self) -> int:
@@ -161,8 +179,15 @@ class ShardedVLLMRolloutWorker(Worker):
         }
         loaded = 0
         for bucket in self.fsdp.generation_buckets(local, bucket_bytes=WEIGHT_BUCKET_BYTES, dtype=self.dtype):
-            loaded += self.engine.load_shard(bucket)
+            loaded += self.engine.load_shard(self._watched(bucket))
         return loaded
+
+    def _watched(
+        self, named_blocks: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]]
+    ) -> Iterator[tuple[str, torch.Tensor | Sequence[torch.Tensor]]]:
+        """The blocks handed to vLLM, each checksummed on the way (the sync check's sender side)."""
+        assert self._sent is not None
+        return block_fingerprints(named_blocks, self._block_dims, self._sent.plan, self._sent)
 
     @register(BROADCAST)
     def sync_weights(self) -> int:
@@ -172,12 +197,15 @@ class ShardedVLLMRolloutWorker(Worker):
         copied = 0
         record: BucketRecord | None = None
         start = time.perf_counter()
+        version = int(self.ctx.colocated("actor").policy_version)
+        self._sent = SentFingerprint(FingerprintPlan(self.spec.rollout.weight_sync_check, version))
         with PeakMemory(self.ctx.torch_device) as probe:
             if self.megatron:
                 loaded, copied, record = self._load_megatron()
             else:
                 loaded = self._load_fsdp()
         seconds = time.perf_counter() - start
+        check = verify_served(self.engine, self._sent.to_json(), sender_seconds=self._sent.seconds)
         wire = self.meter.total - wire_before
         self._synced = True
         self._stats = {
@@ -198,6 +226,8 @@ class ShardedVLLMRolloutWorker(Worker):
             )
         if probe.bytes is not None:
             self._stats["peak_memory_bytes"] = float(probe.bytes)
+        if check is not None:
+            self._stats.update(check.stats())
         return loaded
 
     @register(BROADCAST)
