@@ -419,6 +419,40 @@ def test_seven_worker_groups_pass_the_017_webhook_but_overflow_its_workload(clus
         assert kueue.errors == []
 
 
+def test_a_worker_group_named_submitter_passes_the_webhook_but_its_workload_is_refused(
+    cluster: EmulatedCluster,
+) -> None:
+    # Kueue's webhook only reserves "head"; in K8sJobMode the Workload also gets a pod set named
+    # "submitter", and spec.podSets is a list map keyed by name: the API server refuses the create.
+    with stand_in(cluster, "kueue-submitter") as kueue:
+        body = make_rayjob("submitter-group")
+        body["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["groupName"] = "submitter"
+        create(cluster, body, "kueue-submitter")
+        assert "Duplicate value" in wait_until(lambda: kueue.refused.get("submitter-group", ""))
+        assert stays(lambda: suspended(cluster, "submitter-group", "kueue-submitter"))
+        assert not workloads_of(cluster, "submitter-group", "kueue-submitter") and kueue.errors == []
+
+
+@pytest.mark.parametrize(("version", "released"), [("0.17", False), ("0.18", True), ("0.19", True)])
+def test_a_validation_failed_job_releases_its_quota_only_from_0_18(
+    cluster: EmulatedCluster, version: str, released: bool
+) -> None:
+    # RayJob.IsOnHold exists from 0.18: before, a ValidationFailed RayJob is neither finished nor
+    # inactive, and its Workload keeps the quota (so admission must refuse what KubeRay would).
+    namespace = f"on-hold-{version.replace('.', '')}"
+    with stand_in(cluster, namespace, kueue_version=version) as kueue:
+        create(cluster, make_rayjob("invalid"), namespace)
+        wait_until(lambda: not suspended(cluster, "invalid", namespace), message="admitted")
+        kuberay(cluster, "invalid", "ValidationFailed", namespace=namespace)
+        holding = lambda: is_true(workload(cluster, "invalid", namespace), "QuotaReserved")  # noqa: E731
+        if released:
+            wait_until(lambda: not holding(), message="quota released")
+            assert reason(workload(cluster, "invalid", namespace), "QuotaReserved") == ("False", "OnHold")
+        else:
+            assert stays(holding)
+        assert kueue.errors == []
+
+
 # --- the webhook (no stand-in runs in namespace "webhook") ----------------------------------------------
 
 

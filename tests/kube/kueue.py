@@ -268,6 +268,38 @@ def pod_set_gpus(pod_set: JsonObject) -> int:
     return int(pod_set["count"]) * max(main, init)
 
 
+def workload_refusal(pod_sets: list[JsonObject], version: tuple[int, int]) -> str | None:
+    """Why the API server refuses a Workload with ``pod_sets``, or None: the Workload CRD's
+    ``spec.podSets`` is ``+listType=map`` keyed by ``name`` (two pod sets of one name are a
+    duplicate key) with ``MaxItems`` MaxPodSets (``apis/kueue/v1beta2/workload_types.go``,
+    0.16-0.19). Kueue's create fails, and it tries again each pass: the job stays suspended."""
+    names = [str(p["name"]) for p in pod_sets]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        return f"spec.podSets: Duplicate value: pod sets named {duplicated} (the list is keyed by name)"
+    limit = MAX_POD_SETS[version]
+    if len(pod_sets) > limit:
+        return f"{len(pod_sets)} pod sets, the Workload holds at most {limit}"
+    return None
+
+
+def rayjob_on_hold(rayjob: JsonObject, version: tuple[int, int]) -> bool:
+    """``RayJob.IsOnHold`` (``jobs/rayjob/rayjob_controller.go``): from 0.18 a RayJob KubeRay marked
+    ValidationFailed is on hold, and its Workload's quota is released (``ReconcileGenericJob`` step
+    2). Before 0.18 there is no such method: the job is neither finished nor inactive
+    (:func:`rayjob_active`), so its admitted Workload keeps its quota for as long as it exists."""
+    status = (rayjob.get("status") or {}).get("jobDeploymentStatus")
+    return version >= (0, 18) and status == "ValidationFailed"
+
+
+def _on_hold(workload: JsonObject) -> bool:
+    # workload.IsOnHold (pkg/workload/workload.go, 0.19): QuotaReserved False with reason OnHold; the
+    # workload controller keeps such a Workload out of the queues (its Update handler), so the
+    # scheduler never sees it again until the reason changes.
+    found = condition(workload, "QuotaReserved")
+    return found is not None and found.get("status") == "False" and found.get("reason") == "OnHold"
+
+
 def workload_gpus(workload: JsonObject) -> int:
     return sum(pod_set_gpus(p) for p in workload["spec"]["podSets"])
 
@@ -623,6 +655,12 @@ class KueueStandIn:
             self._stop_job(rayjob, workload, "Workload is deleted")
             self._remove_finalizer(workload)
             return
+        if workload is not None and rayjob_on_hold(rayjob, self.version):
+            # 2: on hold (0.18+): release the quota, reason OnHold (WorkloadOnHold), nothing else.
+            if is_true(workload, "QuotaReserved"):
+                conditions = copy.deepcopy(workload["status"].get("conditions") or [])
+                self._unset_quota_reservation(workload, conditions, "Job is on hold", reason="OnHold")
+            return
         finished, succeeded, message = rayjob_finished(rayjob)
         if finished:
             # 3: a finished job finishes its Workload (quota is released: the scheduler no longer
@@ -704,10 +742,9 @@ class KueueStandIn:
         # ConstructWorkload + NewWorkload + prepareWorkload (reconciler.go, jobframework/utils.go, 0.19).
         meta = rayjob["metadata"]
         pod_sets = rayjob_pod_sets(rayjob)
-        limit = MAX_POD_SETS[self.version]
-        if len(pod_sets) > limit:
-            # The Workload CRD's spec.podSets maxItems: the API server refuses the create.
-            self.refused[meta["name"]] = f"{len(pod_sets)} pod sets, the Workload holds at most {limit}"
+        refusal = workload_refusal(pod_sets, self.version)
+        if refusal is not None:
+            self.refused[meta["name"]] = refusal
             return
         self.refused.pop(meta["name"], None)
         workload: JsonObject = {
@@ -825,6 +862,7 @@ class KueueStandIn:
             and not is_true(w, "QuotaReserved")
             and not w["metadata"].get("deletionTimestamp")
             and (condition(w, "Requeued") or {}).get("status") != "False"
+            and not _on_hold(w)
         ]
         pending.sort(key=lambda w: (w["metadata"].get("creationTimestamp", ""), w["metadata"]["name"]))
         for workload in pending:
@@ -875,13 +913,13 @@ class KueueStandIn:
         self._patch_status(workload, {"admission": admission, "conditions": conditions})
 
     def _unset_quota_reservation(
-        self, workload: JsonObject, conditions: list[JsonObject], message: str
+        self, workload: JsonObject, conditions: list[JsonObject], message: str, *, reason: str = "Pending"
     ) -> None:
         # UnsetQuotaReservationWithCondition (workload.go, 0.19): QuotaReserved False (reason Pending
-        # while UnadmittedWorkloadsObservability is off, as by default), no admission, and
-        # SyncAdmittedCondition: Admitted False, NoReservation.
+        # while UnadmittedWorkloadsObservability is off, as by default; OnHold for a job on hold), no
+        # admission, and SyncAdmittedCondition: Admitted False, NoReservation.
         generation = int(workload["metadata"].get("generation", 1))
-        _set_condition(conditions, "QuotaReserved", False, "Pending", message, generation)
+        _set_condition(conditions, "QuotaReserved", False, reason, message, generation)
         if condition(workload, "Admitted") is not None:
             _set_condition(
                 conditions, "Admitted", False, "NoReservation", "The Workload has no reservation", generation
