@@ -35,11 +35,6 @@ WORKLOAD_PLURAL = "workloads"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 """Kueue labels each Workload with the uid of the job it admits (``jobframework`` ``constructWorkload``)."""
 SUPPORTED_KUEUE = ("0.16", "0.17", "0.18", "0.19")
-MAX_WORKER_GROUPS = 6
-"""A Workload holds at most ``MaxPodSets`` pod sets (8 before Kueue 0.18, 10 in 0.18, 18 in 0.19): one
-per worker group, one for the head and, in K8sJobMode (ours), one for KubeRay's submitter. Kueue
-0.16/0.17's webhook admits 7 worker groups, which then overflow the Workload and stay suspended for
-ever: 6 is what runs on every supported Kueue (``tests/kube/kueue.py``)."""
 
 
 def wanted_active(spec_suspend: bool, latest: ObservedRayJob, decision: StatusDecision) -> bool:

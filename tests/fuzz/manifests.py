@@ -72,7 +72,35 @@ def spec_fields() -> tuple[tuple[Path_, dict[str, Any]], ...]:
     return tuple(_fields(openapi_schema()["properties"]["spec"], ("spec",)))
 
 
-NAMES = ["default", "gpus", "rollout", "actor", "a", "x" * 64, "Bad_Name", "", "-x"]
+NAMES = [
+    "default",
+    "gpus",
+    "rollout",
+    "actor",
+    "head",
+    "submitter",
+    "sandbox",
+    "a",
+    "x" * 64,
+    "Bad_Name",
+    "",
+    "-x",
+]
+ENV_NAMES = [
+    # What KubeRay refuses or sets itself (kube.kuberay_rules; common/pod.go), and plain ones.
+    "RAY_REDIS_ADDRESS",
+    "REDIS_USERNAME",
+    "REDIS_PASSWORD",
+    "RAY_enable_autoscaler_v2",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_ADDRESS",
+    "HYBRIDFLOW_METRICS_PORT",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
+    "HF_HOME",
+    "NCCL_DEBUG",
+    "1BAD",
+]
 TEXT = st.one_of(st.sampled_from(NAMES), st.text(max_size=12))
 # Fresh containers each draw (deep copies): a shared one, once inserted twice or edited through,
 # would make the manifest a cyclic graph that no API server could ever receive.
@@ -128,7 +156,15 @@ def _parent(document: Any, path: Path_, *, create: bool) -> Any:
 @st.composite
 def edit(draw: st.DrawFn, document: dict[str, Any]) -> str:
     """Apply one random edit to ``document`` in place; return what it did (for failure reports)."""
-    action = draw(st.sampled_from(["set", "set", "set", "set", "delete", "unknown", "name"]))
+    action = draw(st.sampled_from(["set", "set", "set", "set", "delete", "unknown", "name", "env"]))
+    if action == "env":
+        name = draw(st.sampled_from(ENV_NAMES))
+        value = draw(st.sampled_from(["1", "true", "x"]))
+        pods = _parent(document, ("spec", "pods", "env"), create=True)
+        if not isinstance(pods, dict) or not isinstance(pods.setdefault("env", []), list):
+            return "no-op"
+        pods["env"].append({"name": name, "value": value})
+        return f"spec.pods.env += {name}={value}"
     if action == "name":
         name = draw(
             st.sampled_from(["ok-name", "a.b", "UPPER", "under_score", "x" * 254, "", "1job", "-bad"])

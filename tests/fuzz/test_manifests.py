@@ -39,6 +39,7 @@ from hybridflow.cli import main as hybridflow_main
 from hybridflow.spec import SpecError, in_cluster_problems, parse_job_manifest
 from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
 from kube.fake_cluster import FakeCluster
+from kube.kueue import MAX_POD_SETS, rayjob_pod_sets, workload_refusal
 
 pytestmark = pytest.mark.unit
 
@@ -135,6 +136,10 @@ def check_case(manifest: dict[str, Any], edits: list[str]) -> None:
     if validator is not None:
         problems = [error.message for error in validator.iter_errors(children[-1])]
         assert not problems, f"the RayJob does not fit KubeRay's CRD: {problems}\n{story}"
+    if job.spec.queue_name is not None:
+        for version in MAX_POD_SETS:  # every supported Kueue admits it and makes its Workload
+            refusal = workload_refusal(rayjob_pod_sets(children[-1]), version)
+            assert refusal is None, f"Kueue {version} cannot make its Workload: {refusal}\n{story}"
 
 
 @settings(

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from hybridflow.spec import IN_CLUSTER_RULES, VALIDATION_RULES, CrossFieldRule, SpecError, parse_job_manifest
 from hybridflow_operator import crd
+from hybridflow_operator.builders import JobRef, RayJobDefaults, build_rayjob
 from hybridflow_operator.crd import (
     CRD_PATH,
     IMMUTABLE_FIELD_RULES,
@@ -30,6 +31,7 @@ from hybridflow_operator.crd import (
     render_crd,
     structural_schema,
 )
+from kube.kueue import MAX_POD_SETS, kueue_rayjob_webhook, rayjob_pod_sets, workload_refusal
 
 pytestmark = pytest.mark.unit
 
@@ -579,32 +581,131 @@ LAPTOP_ONLY = {"restarts-need-a-checkpoint-volume", "restarts-need-absolute-path
 """The in-cluster rules the laptop examples break (relative paths, no checkpoint claim)."""
 
 
-@pytest.mark.parametrize(
-    ("rule_name", "change"),
-    [
-        (
-            "capabilities-from-the-allow-list",
-            {"pods": {"headContainerSecurityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}},
-        ),
-        ("kueue-reserved-pool-name", {"queueName": "q"}),
-    ],
-)
-def test_pod_security_and_kueue_rules_refuse_what_they_name(rule_name: str, change: dict[str, Any]) -> None:
+def _pools(*names: str) -> Callable[[Manifest], None]:
+    def mutate(manifest: Manifest) -> None:
+        manifest["spec"]["resourcePools"] = [{"name": name, "gpusPerNode": 1} for name in names]
+        manifest["spec"]["roles"] = {"actor": names[0]}
+
+    return mutate
+
+
+def _env(name: str) -> Callable[[Manifest], None]:
+    def mutate(manifest: Manifest) -> None:
+        manifest["spec"].setdefault("pods", {})["env"] = [
+            {"name": "PYTHONPATH", "value": "/x"},
+            {"name": name},
+        ]
+
+    return mutate
+
+
+SIX_ROLES = ("actor", "rollout", "reference", "critic", "reward", "cost")
+
+
+def _six_pools_and_a_sandbox(manifest: Manifest) -> None:
+    """Safe-RLHF with every role on a pool of its own and the agent example's tool loop with a
+    sandbox worker: 7 worker groups, the most a spec can ask for."""
+    agent = example(ROOT / "examples" / "grpo-tiny-agent.yaml")["spec"]
+    spec = manifest["spec"]
+    spec["agent"] = {**agent["agent"], "sandbox": {**agent["agent"]["sandbox"], "workers": 1}}
+    spec["rollout"] = agent["rollout"]
+    spec["algorithm"] = {"name": "safe-rlhf", "samplesPerPrompt": 4}
+    spec["models"].update(
+        {role: {"path": f"/data/{role}"} for role in ("reference", "critic", "reward", "cost")}
+    )
+    spec.pop("rewards", None)
+    spec["resourcePools"] = [{"name": f"pool-{role}", "gpusPerNode": 1} for role in SIX_ROLES]
+    spec["roles"] = {role: f"pool-{role}" for role in SIX_ROLES}
+
+
+QUEUED = _set("spec.queueName", "research")
+ADMISSION_CASES: dict[str, tuple[str, list[Callable[[Manifest], None]]]] = {
+    "a capability off the allow-list": (
+        "capabilities-from-the-allow-list",
+        [
+            lambda m: (
+                m["spec"]
+                .setdefault("pods", {})
+                .update(headContainerSecurityContext={"capabilities": {"add": ["SYS_ADMIN"]}})
+            )
+        ],
+    ),
+    "a queued pool named head": ("kueue-reserved-pool-name", [QUEUED, _pools("head")]),
+    "a queued pool named submitter": ("kueue-reserved-pool-name", [QUEUED, _pools("submitter")]),
+    "6 queued pools and the sandbox group": ("kueue-worker-groups", [QUEUED, _six_pools_and_a_sandbox]),
+    **{
+        f"env {name}": ("pods-env-not-kuberays", [_env(name)])
+        for name in (
+            "RAY_REDIS_ADDRESS",
+            "REDIS_USERNAME",
+            "RAY_enable_autoscaler_v2",
+            "RAY_AUTH_TOKEN",
+            "RAY_AUTH_MODE",
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADMISSION_CASES))
+def test_pod_security_and_kueue_rules_refuse_what_they_name(case: str) -> None:
     """Each admission rule refuses its own crafted manifest, in CEL and in Python, and the cluster
-    example passes it."""
+    example passes it; Kueue's and KubeRay's refusals come from their stand-ins (``tests/kube``)."""
+    rule_name, mutations = ADMISSION_CASES[case]
     manifest = example(ROOT / "examples" / "grpo-cluster.yaml")
-    manifest["spec"].update(copy.deepcopy(change))
-    if rule_name == "kueue-reserved-pool-name":
-        manifest["spec"]["resourcePools"] = [{"name": "head", "gpusPerNode": 1}]
-        manifest["spec"]["roles"] = {"actor": "head"}
+    for mutate in mutations:
+        mutate(manifest)
     manifest = defaulted(manifest)
     spec = parse_job_manifest(manifest, "test").spec
     rule = next(r for r in IN_CLUSTER_RULES if r.name == rule_name)
-    assert not rule.holds(spec) and not evaluate(rule.cel, node_at(manifest, rule.node_path))
+    assert [r.name for r in IN_CLUSTER_RULES if not r.holds(spec)] == [rule_name]
+    assert not evaluate(rule.cel, node_at(manifest, rule.node_path))
     fine = defaulted(example(ROOT / "examples" / "grpo-cluster.yaml"))
     assert rule.holds(parse_job_manifest(fine, "test").spec) and evaluate(
         rule.cel, node_at(fine, rule.node_path)
     )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["a queued pool named head", "a queued pool named submitter", "6 queued pools and the sandbox group"],
+)
+def test_what_admission_lets_through_kueue_can_queue(case: str) -> None:
+    """A queued spec the CRD admits must give a RayJob whose Workload every supported Kueue makes
+    (``kube.kueue``: the webhook, then the Workload's pod sets: unique names, at most MaxPodSets)."""
+    manifest = example(ROOT / "examples" / "grpo-cluster.yaml")
+    for mutate in ADMISSION_CASES[case][1]:
+        mutate(manifest)
+    manifest = defaulted(manifest)
+    spec = parse_job_manifest(manifest, "test").spec
+    admitted = all(evaluate(rule.cel, node_at(manifest, rule.node_path)) for rule in IN_CLUSTER_RULES)
+    assert admitted == all(rule.holds(spec) for rule in IN_CLUSTER_RULES)
+    job = parse_job_manifest({**manifest, "metadata": {"name": "q", "namespace": "n", "uid": "u"}}, "test")
+    rayjob = build_rayjob(job, JobRef.of(job), attempt=1, defaults=RayJobDefaults(image="img"))
+    rayjob["metadata"]["uid"] = "u"
+    refusals = [
+        f"Kueue {version}: {problem}"
+        for version in MAX_POD_SETS
+        for problem in (
+            kueue_rayjob_webhook(f"{version[0]}.{version[1]}").check(rayjob, None),
+            workload_refusal(rayjob_pod_sets(rayjob), version),
+        )
+        if problem is not None
+    ]
+    assert not admitted and refusals, refusals  # refused at admission: Kueue would never start it
+
+
+def test_a_queued_sandbox_job_with_five_pools_is_admitted() -> None:
+    """The sandbox group counts as one of the 6 worker groups every supported Kueue admits."""
+    manifest = example(ROOT / "examples" / "grpo-cluster.yaml")
+    for mutate in (QUEUED, _six_pools_and_a_sandbox):
+        mutate(manifest)
+    manifest["spec"]["resourcePools"].pop()
+    manifest["spec"]["roles"]["cost"] = "pool-reward"
+    manifest = defaulted(manifest)
+    spec = parse_job_manifest(manifest, "test").spec
+    assert spec.agent.sandbox_workers == 1 and len(spec.resource_pools) == 5
+    for rule in IN_CLUSTER_RULES:
+        assert rule.holds(spec) and evaluate(rule.cel, node_at(manifest, rule.node_path)), rule.name
 
 
 def test_hybridflow_validate_in_cluster_prints_the_admission_message(

@@ -489,6 +489,13 @@ def _vllm_server(spec: RLHFJobSpec) -> bool:
 
 _ROLES: tuple[RoleName, ...] = ("actor", "rollout", "reference", "critic", "reward", "cost")
 
+_SANDBOX_WORKERS_CEL = (
+    "(self.agent.loop != 'single-turn' && self.agent.tools.exists(t, t in "
+    f"{list(SANDBOXED_TOOLS)}) && self.agent.sandbox.workers > 0)"
+)
+"""CEL of ``AgentSpec.sandbox_workers > 0``: the RayJob has the ``sandbox`` worker group."""
+
+
 SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
     CrossFieldRule[RLHFJobSpec](
         name="pool-names-unique",
@@ -870,11 +877,7 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         name="sandbox-group-name-is-free",
         node_path="spec",
         field_path=".resourcePools",
-        cel=(
-            "!(self.agent.loop != 'single-turn' && self.agent.tools.exists(t, t in "
-            f"{list(SANDBOXED_TOOLS)}) && self.agent.sandbox.workers > 0) || "
-            f"self.resourcePools.all(p, p.name != '{SANDBOX_GROUP}')"
-        ),
+        cel=f"!{_SANDBOX_WORKERS_CEL} || self.resourcePools.all(p, p.name != '{SANDBOX_GROUP}')",
         message=(
             f"must not name a pool '{SANDBOX_GROUP}' while spec.agent runs sandbox workers: their RayJob "
             "worker group has that name; rename the pool"
@@ -1064,10 +1067,49 @@ _ABSOLUTE_MODEL_PATHS = " && ".join(
 
 KUEUE_MAX_WORKER_GROUPS = 6
 """A Kueue Workload holds at most MaxPodSets pod sets (8 before Kueue 0.18, 10 in 0.18, 18 in 0.19): one
-per pool, the head's and KubeRay's submitter's (``jobs/raycluster`` ``ValidateCreate``, ``jobs/rayjob``
-``PodSets``): 6 pools fit every supported Kueue (0.16 to 0.19)."""
-KUEUE_RESERVED_GROUP = "head"
-"""Kueue names the head's pod set ``head`` and refuses a worker group of that name."""
+per worker group (each pool, and the agent's ``sandbox`` group when it runs), the head's and KubeRay's
+submitter's (``jobs/raycluster`` ``ValidateCreate``, ``jobs/rayjob`` ``PodSets``): 6 worker groups fit
+every supported Kueue (0.16 to 0.19)."""
+KUEUE_RESERVED_GROUPS = ("head", "submitter")
+"""The pod set names Kueue gives the head (``headGroupPodSetName``) and, in K8sJobMode, KubeRay's
+submitter Job (``submitterJobPodSetName``, ``jobs/rayjob/rayjob_controller.go``, 0.16-0.19). A
+Workload's ``podSets`` is a list map keyed by name: a pool of either name makes a Workload the API
+server refuses, and the job never starts."""
+
+
+def _worker_groups(spec: RLHFJobSpec) -> int:
+    """Worker groups of the job's RayJob: one per pool, and the sandbox's when it runs."""
+    return len(spec.resource_pools) + (1 if spec.agent.sandbox_workers else 0)
+
+
+def _reserved_pool_names(spec: RLHFJobSpec) -> list[str]:
+    return [pool.name for pool in spec.resource_pools if pool.name in KUEUE_RESERVED_GROUPS]
+
+
+KUBERAY_REFUSED_ENV: tuple[tuple[str, str], ...] = (
+    ("RAY_REDIS_ADDRESS", "KubeRay refuses it without GCS fault tolerance (ValidateRayClusterSpec)"),
+    ("REDIS_USERNAME", "KubeRay refuses it in the head pod (ValidateRayClusterSpec)"),
+    ("RAY_enable_autoscaler_v2", "KubeRay refuses it while autoscaling is off, as it always is here"),
+    ("RAY_AUTH_MODE", "KubeRay sets it for the cluster's token authentication, and only when absent"),
+    ("RAY_AUTH_TOKEN", "KubeRay sets it from the cluster's token Secret, and only when absent"),
+)
+"""Names ``spec.pods.env`` may not set, each with why: KubeRay 1.5.1-1.7 marks the RayJob
+ValidationFailed for good (``utils/validation.go``), or a user value would replace the token
+KubeRay adds to every Ray container (``common/pod.go``: it adds ``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN``
+only when the container does not set them), leaving the cluster open or unable to start."""
+OPERATOR_ENV = (
+    "HYBRIDFLOW_METRICS_PORT",
+    "HYBRIDFLOW_CONTROLLER_ADDRESS",
+    "HYBRIDFLOW_CHECKPOINT_DIR",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
+)
+"""Names the operator sets on every Ray container (``hybridflow_operator.builders.rayjob``): the
+controller's port and the stop protocol's settings, which a user value would break."""
+RESERVED_ENV = (*(name for name, _ in KUBERAY_REFUSED_ENV), *OPERATOR_ENV)
+
+
+def _reserved_env(spec: RLHFJobSpec) -> list[str]:
+    return [var.name for var in spec.pods.env if var.name in RESERVED_ENV]
 
 
 def _added_capabilities(spec: RLHFJobSpec) -> list[str]:
@@ -1123,27 +1165,54 @@ IN_CLUSTER_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         name="kueue-worker-groups",
         node_path="spec",
         field_path=".resourcePools",
-        cel=f"!has(self.queueName) || size(self.resourcePools) <= {KUEUE_MAX_WORKER_GROUPS}",
-        message=(
-            f"may hold at most {KUEUE_MAX_WORKER_GROUPS} pools when spec.queueName is set: a Kueue Workload "
-            "holds one pod set per pool plus the head's and the submitter's, at most 8 before Kueue 0.18"
+        cel=(
+            f"!has(self.queueName) || size(self.resourcePools) + ({_SANDBOX_WORKERS_CEL} ? 1 : 0) "
+            f"<= {KUEUE_MAX_WORKER_GROUPS}"
         ),
-        holds=lambda spec: spec.queue_name is None or len(spec.resource_pools) <= KUEUE_MAX_WORKER_GROUPS,
-        observed=lambda spec: f"{len(spec.resource_pools)} pools",
+        message=(
+            f"may hold at most {KUEUE_MAX_WORKER_GROUPS} pools (5 while spec.agent runs sandbox workers, "
+            "whose group is one more) when spec.queueName is set: a Kueue Workload holds one pod set per "
+            "worker group plus the head's and the submitter's, at most 8 before Kueue 0.18"
+        ),
+        holds=lambda spec: spec.queue_name is None or _worker_groups(spec) <= KUEUE_MAX_WORKER_GROUPS,
+        observed=lambda spec: (
+            f"{len(spec.resource_pools)} pools"
+            + (" and the sandbox group" if spec.agent.sandbox_workers else "")
+        ),
     ),
     CrossFieldRule[RLHFJobSpec](
         name="kueue-reserved-pool-name",
         node_path="spec",
         field_path=".resourcePools",
-        cel=f"!has(self.queueName) || self.resourcePools.all(p, p.name != '{KUEUE_RESERVED_GROUP}')",
+        cel=(
+            "!has(self.queueName) || self.resourcePools.all(p, "
+            + " && ".join(f"p.name != '{name}'" for name in KUEUE_RESERVED_GROUPS)
+            + ")"
+        ),
         message=(
-            f"may not have a pool named {KUEUE_RESERVED_GROUP!r} when spec.queueName is set: Kueue reserves "
-            "that name for the head's pod set"
+            f"may not have a pool named {quoted_list(KUEUE_RESERVED_GROUPS)} when spec.queueName is set: "
+            "Kueue names the head's and KubeRay's submitter's pod sets so, and a Workload with two pod "
+            "sets of one name is refused (the job would never start)"
         ),
-        holds=lambda spec: (
-            spec.queue_name is None or all(pool.name != KUEUE_RESERVED_GROUP for pool in spec.resource_pools)
+        holds=lambda spec: spec.queue_name is None or not _reserved_pool_names(spec),
+        observed=lambda spec: (
+            f"pool {quoted_list(_reserved_pool_names(spec))} with queueName {spec.queue_name!r}"
         ),
-        observed=lambda spec: f"pool {KUEUE_RESERVED_GROUP!r} with queueName {spec.queue_name!r}",
+    ),
+    CrossFieldRule[RLHFJobSpec](
+        name="pods-env-not-kuberays",
+        node_path="spec",
+        field_path=".pods.env",
+        cel=f"self.pods.env.all(e, !(e.name in {list(RESERVED_ENV)}))",
+        message=(
+            "may not set "
+            + "; ".join(f"{name} ({why})" for name, why in KUBERAY_REFUSED_ENV)
+            + "; nor "
+            + ", ".join(OPERATOR_ENV)
+            + " (the operator sets them for the controller's port and its stop)"
+        ),
+        holds=lambda spec: not _reserved_env(spec),
+        observed=lambda spec: quoted_list(_reserved_env(spec)),
     ),
     CrossFieldRule[RLHFJobSpec](
         name="auto-placement-knows-the-gpu",
