@@ -562,6 +562,32 @@ def _write(p: _Pass) -> dict[str, Any]:
     return p.status
 
 
+DEFAULT_SUBMITTER_BACKOFF_LIMIT = 2
+"""``createNewK8sJob`` (rayjob_controller.go, 1.5.1-1.7): the submitter Job's ``backoffLimit`` unless
+``spec.submitterConfig.backoffLimit`` sets one."""
+
+
+def submitter_backoff_limit(rayjob: Json) -> int:
+    """The ``backoffLimit`` KubeRay gives the K8sJobMode submitter Job (``createNewK8sJob``, 1.5.1-1.7)."""
+    config = (rayjob.get("spec") or {}).get("submitterConfig") or {}
+    limit = config.get("backoffLimit")
+    return DEFAULT_SUBMITTER_BACKOFF_LIMIT if limit is None else int(limit)
+
+
+def submitter_job_failed(rayjob: Json, failed_pods: int) -> bool:
+    """Whether the submitter Job has failed after ``failed_pods`` of its pods failed.
+
+    The Job controller (kubernetes ``pkg/controller/job/job_controller.go`` ``syncJob``, v1.27-1.35):
+    a Job whose pods restart ``Never`` (KubeRay's submitter template) fails with reason
+    ``BackoffLimitExceeded`` once ``failed > backoffLimit``, each failed pod counted for the Job's
+    whole life. A submitter pod fails whenever its command exits non-zero: KubeRay's command
+    (``common/job.go`` ``BuildJobSubmitCommand``) is ``ray job status || ray job submit --no-wait``
+    and then ``ray job logs --follow``, which exits non-zero when the log stream's WebSocket
+    closes under it; the next pod finds the job submitted and follows its logs again.
+    """
+    return failed_pods > submitter_backoff_limit(rayjob)
+
+
 def reconcile_rayjob(
     rayjob: Json, cluster: ClusterObservation, *, now: datetime, version: str = "1.7"
 ) -> LifecycleStep:

@@ -37,6 +37,7 @@ from kube.kuberay_lifecycle import (
     ClusterObservation,
     LifecycleStep,
     reconcile_rayjob,
+    submitter_job_failed,
 )
 from kube.kuberay_rules import (
     CRD_VERSIONS,
@@ -166,6 +167,7 @@ def _no_shutdown(rj: Json) -> None:
 def _sidecar(rj: Json) -> None:
     rj["spec"]["submissionMode"] = "SidecarMode"
     del rj["spec"]["submitterPodTemplate"]
+    del rj["spec"]["submitterConfig"]  # K8sJobMode's: a sidecar submitter has no Job
 
 
 def _selector(rj: Json) -> None:
@@ -250,7 +252,10 @@ BREAKERS: dict[str, Edit] = {
     "interactive-mode-no-backoff-limit": lambda rj: rj["spec"].update(
         submissionMode="InteractiveMode", backoffLimit=1
     ),
-    "sidecar-mode-no-submitter-pod-template": lambda rj: rj["spec"].update(submissionMode="SidecarMode"),
+    "sidecar-mode-no-submitter-pod-template": lambda rj: (
+        rj["spec"].update(submissionMode="SidecarMode"),
+        rj["spec"].pop("submitterConfig"),
+    ),
     "sidecar-mode-no-submitter-config": edits(_sidecar, lambda rj: rj["spec"].update(submitterConfig={})),
     "sidecar-mode-head-restart-policy": edits(
         _sidecar, lambda rj: _head(rj)["template"]["spec"].update(restartPolicy="Always")
@@ -693,6 +698,24 @@ def test_app_failure_with_backoff_limit_0_is_final_and_the_cluster_goes() -> Non
     assert cleanup.status == failed.status
     gone = reconcile_rayjob(then(body, failed), NONE, now=at(206))
     assert gone.actions == () and gone.status == failed.status
+
+
+def test_dropped_log_streams_fail_kuberays_default_submitter_but_not_the_operators() -> None:
+    """Each drop of ``ray job logs --follow`` fails one submitter pod; KubeRay's default Job fails on
+    the third and the RayJob with it (SubmissionFailed), while the job itself still runs."""
+    ours = built(yaml.safe_load((ROOT / "examples" / "grpo-cluster.yaml").read_text()), "1.7")
+    default = copy.deepcopy(ours)
+    del default["spec"]["submitterConfig"]
+    drops = 3
+    for body, fails in ((default, True), (ours, False)):
+        assert submitter_job_failed(body, drops) == fails
+        observed = ClusterObservation(
+            exists=True, ready=True, job_status="RUNNING", submitter_failed=submitter_job_failed(body, drops)
+        )
+        step = reconcile_rayjob({**body, "status": running()}, observed, now=at(300))
+        assert step.status["jobDeploymentStatus"] == ("Failed" if fails else "Running")
+        assert step.status.get("reason", "") == ("SubmissionFailed" if fails else "")
+    assert not submitter_job_failed(ours, 10_000)
 
 
 def test_backoff_limit_retries_on_a_fresh_cluster() -> None:

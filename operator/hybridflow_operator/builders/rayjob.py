@@ -91,6 +91,15 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ENTRYPOINT = f"hybridflow run --in-cluster {CONFIG_PATH}"
 SUBMISSION_MODE = "K8sJobMode"
 """KubeRay creates a submitter Job that runs ``ray job submit`` against the head; the default."""
+SUBMITTER_BACKOFF_LIMIT = 2**31 - 1
+"""The submitter Job's ``backoffLimit`` (``spec.submitterConfig``, KubeRay >= 1.2): its pods' failures
+never fail the attempt. KubeRay's submitter runs ``ray job logs --follow`` after an idempotent submit,
+and that exits non-zero whenever the log stream's connection drops; with KubeRay's default of 2, the
+third drop over a job's life failed a healthy attempt (``SubmissionFailed``). Each retry only follows
+the logs again (the Job controller waits 10 s, doubling up to 6 minutes, between them). What a
+submitter that cannot reach the head would have reported, the attempt's other clocks do: KubeRay
+1.7's job-status check (300 s of a dashboard that does not answer), ``spec.startupTimeoutSeconds``
+and ``spec.activeDeadlineSeconds`` (docs/operator.md, "Retries")."""
 
 CONTROLLER_METRICS_PORT = 8081
 """Where the controller serves /metrics. Not 8080: KubeRay starts every Ray node with
@@ -551,6 +560,7 @@ def build_rayjob(
     rayjob_spec: dict[str, Any] = {
         "entrypoint": ENTRYPOINT,
         "submissionMode": SUBMISSION_MODE,
+        "submitterConfig": {"backoffLimit": SUBMITTER_BACKOFF_LIMIT},
         "backoffLimit": 0,
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": spec.keep_cluster_seconds_after_finished,
