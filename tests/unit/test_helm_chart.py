@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from hybridflow.spec import GROUP, PLURAL, VERSION
+from kube.helm_ownership import Key, applied, conflicts, key_of
 
 pytestmark = pytest.mark.unit
 
@@ -162,6 +163,92 @@ def test_helm_upgrade_updates_the_crd_and_uninstall_keeps_it(tmp_path: Path) -> 
     assert not by_kind(render({"crds": {"install": False}}, tmp_path), "CustomResourceDefinition")
     notes = (CHART / "templates" / "NOTES.txt").read_text()
     assert "helm upgrade" in notes and "CRD" in notes
+
+
+def _install(
+    cluster: dict[Key, dict[str, Any]], docs: list[dict[str, Any]], release: str, namespace: str
+) -> None:
+    """What a successful ``helm install``/``upgrade`` leaves in ``cluster``: each object, with Helm's keys."""
+    for doc in docs:
+        obj = {**doc, "metadata": {**doc["metadata"], "namespace": doc["metadata"].get("namespace", "")}}
+        if doc["kind"] in NAMESPACED_KINDS and not obj["metadata"]["namespace"]:
+            obj["metadata"]["namespace"] = namespace
+        cluster[key_of(obj)] = applied(obj, release, namespace)
+
+
+NAMESPACED_KINDS = {"ServiceAccount", "ConfigMap", "Role", "RoleBinding", "Service", "Deployment", "Pod"}
+
+
+def _rendered(values: dict[str, Any], tmp_path: Path, release: str, namespace: str) -> list[dict[str, Any]]:
+    values_file = tmp_path / f"{release}-{namespace}.yaml"
+    values_file.write_text(yaml.safe_dump(values), encoding="utf-8")
+    result = subprocess.run(
+        [helm_binary(), "template", release, str(CHART), "-n", namespace, "-f", str(values_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    for doc in docs:  # what Helm's kube client does: a namespaced object without one goes to -n
+        if doc["kind"] in NAMESPACED_KINDS:
+            doc["metadata"].setdefault("namespace", namespace)
+    return docs
+
+
+def _adoption_commands() -> list[list[str]]:
+    """The kubectl commands docs/operator.md gives for adopting an existing CRD."""
+    text = (ROOT / "docs" / "operator.md").read_text()
+    block = text.split("<!-- crd adoption -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.split() for line in block.splitlines() if line.strip().startswith("kubectl ")]
+
+
+def _kubectl_label_or_annotate(obj: dict[str, Any], argv: list[str]) -> None:
+    verb, kind, name, *pairs = argv[1:]
+    assert kind == "crd" and name == obj["metadata"]["name"] and verb in ("label", "annotate"), argv
+    field = "labels" if verb == "label" else "annotations"
+    for pair in (p for p in pairs if "=" in p and not p.startswith("--")):
+        key, value = pair.split("=", 1)
+        obj["metadata"].setdefault(field, {})[key] = value
+
+
+def test_a_crd_from_crds_folder_or_kubectl_is_adopted_as_the_docs_say(tmp_path: Path) -> None:
+    """A CRD that exists without this release's ownership keys stops ``helm install``/``upgrade``
+    (Helm's ``checkOwnership``); the documented label/annotate commands, or ``--take-ownership``,
+    let it through."""
+    crd = yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text())
+    cluster: dict[Key, dict[str, Any]] = {key_of({**crd, "metadata": {**crd["metadata"]}}): crd}
+    docs = _rendered({}, tmp_path, "hybridflow", "hybridflow-system")
+    (refused,) = conflicts(docs, cluster, "hybridflow", "hybridflow-system")
+    assert (
+        refused.startswith("CustomResourceDefinition 'rlhfjobs.hybridflow.io'") and "missing key" in refused
+    )
+    assert conflicts(docs, cluster, "hybridflow", "hybridflow-system", take_ownership=True) == []
+    commands = _adoption_commands()
+    assert [argv[:2] for argv in commands] == [["kubectl", "label"], ["kubectl", "annotate"]]
+    for argv in commands:
+        _kubectl_label_or_annotate(crd, argv)
+    assert conflicts(docs, cluster, "hybridflow", "hybridflow-system") == []
+
+
+def test_a_second_release_installs_with_crds_install_false(tmp_path: Path) -> None:
+    """The first release owns the CRD; a second one (even of the same name, elsewhere) is refused
+    with the CRD and installs without it, claiming no object of the first."""
+    cluster: dict[Key, dict[str, Any]] = {}
+    first = _rendered({}, tmp_path, "hybridflow", "team-a")
+    assert conflicts(first, cluster, "hybridflow", "team-a") == []
+    _install(cluster, first, "hybridflow", "team-a")
+    for release in ("hybridflow", "other"):
+        second = _rendered({}, tmp_path, release, "team-b")
+        problems = conflicts(second, cluster, release, "team-b")
+        assert len(problems) == 1 and "CustomResourceDefinition" in problems[0], problems
+        assert "must equal 'team-b'" in problems[0] or f"must equal {release!r}" in problems[0]
+        without = _rendered({"crds": {"install": False}}, tmp_path, release, "team-b")
+        assert not by_kind(without, "CustomResourceDefinition")
+        assert conflicts(without, cluster, release, "team-b") == [], release
+    cluster_wide = _rendered(
+        {"watch": {"clusterWide": True}, "crds": {"install": False}}, tmp_path, "hybridflow", "c"
+    )
+    assert conflicts(cluster_wide, cluster, "hybridflow", "c") == []
 
 
 def test_the_capabilities_allow_list_comes_from_the_values(tmp_path: Path) -> None:

@@ -8,6 +8,13 @@
 {{- end -}}
 {{- end -}}
 
+{{/* Cluster-scoped objects (ClusterRoles, ClusterRoleBindings) carry the release's namespace too: two
+releases of one name in two namespaces must not claim one object (Helm refuses an object another
+release owns). */}}
+{{- define "hybridflow.clusterScopedName" -}}
+{{- printf "%s-%s" (include "hybridflow.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "hybridflow.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
