@@ -33,6 +33,7 @@ from hybridflow_operator.builders import (
     build_rayjob,
     build_role,
     build_role_binding,
+    build_sandbox_network_policy,
     build_service_account,
     pool_resource_name,
 )
@@ -44,6 +45,7 @@ from hybridflow_operator.names import (
     name_hash,
     rayjob_name,
 )
+from kube.network_policy import Endpoint, egress_allowed
 
 pytestmark = pytest.mark.unit
 
@@ -798,6 +800,29 @@ def test_sandbox_workers_are_a_restricted_cpu_group_whose_egress_reaches_only_th
     assert sandbox["spec"]["policyTypes"] == ["Egress"]
     own, dns = sandbox["spec"]["egress"]
     assert _selects(own["to"][0]["podSelector"], head) and [p["port"] for p in dns["ports"]] == [53, 53]
+    # As an enforcing network plugin applies it (kube.network_policy): Ray's node-to-node ports
+    # of the job's pods and DNS, never the head's ports that take orders or the world outside.
+    sandbox_pod = Endpoint("research", group["template"]["metadata"]["labels"])
+    head_pod = Endpoint("research", head)
+    train = next(g for g in rayjob["workerGroupSpecs"] if g["groupName"] == "train")
+    worker_pod = Endpoint("research", train["template"]["metadata"]["labels"])
+    dns_pod = Endpoint("kube-system", {"k8s-app": "kube-dns"})
+    other_pod = Endpoint("research", {"app": "someone-else"})
+
+    def sends(destination: Endpoint, port: int, protocol: str = "TCP") -> bool:
+        return egress_allowed(policies, sandbox_pod, destination, port, protocol)
+
+    assert sends(head_pod, 6379) and sends(worker_pod, 10002) and sends(worker_pod, 45678)
+    assert sends(dns_pod, 53, "UDP") and sends(dns_pod, 53)
+    denied = {8080: "Ray's metrics", 8081: "the controller's /stop", 8265: "the job API", 10001: "Ray client"}
+    assert not [port for port in denied if sends(head_pod, port)], denied
+    assert not sends(other_pod, 443) and not sends(dns_pod, 443) and not sends(head_pod, 53, "UDP")
+    agent_job = parse_job_manifest(
+        in_cluster(yaml.safe_load((ROOT / "examples" / "grpo-tiny-agent.yaml").read_text())), "e"
+    )
+    with_endpoint = build_sandbox_network_policy(JobRef.of(agent_job), endpoint_port=8100)
+    assert not egress_allowed([with_endpoint], sandbox_pod, head_pod, 8100)  # the chat endpoint, when served
+    assert egress_allowed([with_endpoint], sandbox_pod, head_pod, 8099)
     # No code-running tool, or no workers: no sandbox group and no second policy.
     manifest = yaml.safe_load((ROOT / "examples" / "grpo-tiny-agent.yaml").read_text())
     manifest["spec"]["agent"]["tools"] = ["calculator"]

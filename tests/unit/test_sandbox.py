@@ -8,6 +8,12 @@ nothing outside its working directory.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hybridflow.agents.escapes import (
@@ -69,3 +75,50 @@ def test_the_judge_counts_an_attempt_that_got_out_as_not_contained() -> None:
     reports = try_escapes(ESCAPE_LIMITS, namespaces=False, attempts=(leaked, wrong_kind))
     assert [report.contained for report in reports] == [False, False]
     assert "not as an error" in reports[0].reason and "PermissionError" in reports[1].reason
+
+
+TESTS = Path(__file__).resolve().parents[1]
+TOKEN = "ray-token-0f3c9e"
+
+
+def _caller_without_landlock(require: str, **env: str) -> dict[str, object]:
+    """One call from a process on which Landlock is denied (``tests/landlock_denied.py``), whose
+    environment holds ``env``; what the call returned."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "KUBERNETES_SERVICE_HOST")}
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "landlock_denied.py"), require],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    answer: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    return answer
+
+
+def test_without_landlock_the_code_reads_its_callers_token() -> None:
+    """What the refusal below prevents: with no Landlock, the code of the same uid reads the
+    environment of the process that called the sandbox (a sandbox worker holds the Ray token)."""
+    result = _caller_without_landlock("no", RAY_AUTH_TOKEN=TOKEN)
+    assert result["landlock"] == 0 and result["outcome"] == "ok" and TOKEN in str(result["stdout"])
+
+
+@pytest.mark.parametrize("credential", ["RAY_AUTH_TOKEN", "KUBERNETES_SERVICE_HOST"])
+def test_a_caller_with_credentials_gets_no_call_where_landlock_is_missing(credential: str) -> None:
+    result = _caller_without_landlock("auto", **{credential: TOKEN})
+    assert result["outcome"] == "sandbox_error" and result["stdout"] == ""
+    assert "Landlock is not available" in str(result["stderr"]) and TOKEN not in str(result["stderr"])
+
+
+def test_a_caller_without_credentials_still_runs_code_where_landlock_is_missing() -> None:
+    """On a laptop the tool keeps working unconfined by the file system, and says so (landlock 0)."""
+    result = _caller_without_landlock("auto")
+    assert result["outcome"] == "ok" and result["landlock"] == 0
+
+
+def test_with_landlock_the_code_cannot_read_its_callers_environment() -> None:
+    result = run_python(
+        "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", LIMITS, namespaces=False
+    )
+    assert result.outcome == "error" and "PermissionError" in result.stderr

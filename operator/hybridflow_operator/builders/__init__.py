@@ -67,7 +67,11 @@ def build_children(
         build_role(owner),
         build_role_binding(owner),
         build_network_policy(owner, kuberay_pod_labels=dict(defaults.kuberay_pod_labels)),
-        *([build_sandbox_network_policy(owner)] if job.spec.agent.sandbox_workers else []),
+        *(
+            [build_sandbox_network_policy(owner, endpoint_port=_endpoint_port(job))]
+            if job.spec.agent.sandbox_workers
+            else []
+        ),
         *([build_agent_service(job, owner)] if job.spec.agent.loop == "endpoint" else []),
         build_rayjob(
             job,
@@ -78,3 +82,8 @@ def build_children(
             kuberay=kuberay,
         ),
     ]
+
+
+def _endpoint_port(job: RLHFJob) -> int | None:
+    """The head's chat endpoint port, when ``spec.agent`` serves one (``builders.agent_service``)."""
+    return job.spec.agent.endpoint_port if job.spec.agent.loop == "endpoint" else None

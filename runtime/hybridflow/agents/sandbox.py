@@ -21,6 +21,11 @@ so nothing of the launcher stays in the code's process:
    file system is visible: the job's files, credentials, other calls' directories.
 4. A wall-clock limit enforced from outside: the launcher's process group is killed.
 
+Where the caller holds credentials (the Ray token, a pod's service account: :func:`landlock_required`)
+a machine that cannot apply Landlock gets no call at all: the launcher stops before the code
+runs, and the call ends as a ``sandbox_error`` saying why. Without Landlock, code of the same uid
+reads its caller's environment through ``/proc/<ppid>/environ``.
+
 Output goes to files in the working directory, capped by the file-size limit, and the first
 :attr:`SandboxLimits.output_bytes` come back. Every way the code can end (an exception, a
 limit, a signal, the wall clock) is a :class:`SandboxResult`, never an exception here: the
@@ -44,6 +49,7 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -117,6 +123,7 @@ _LAUNCHER = r"""
 import ctypes, json, os, resource, sys
 config = json.load(open(sys.argv[1]))
 work = config["work"]
+LANDLOCK_REFUSAL = config["landlock_refusal"]
 applied = {"namespaces": False, "landlock_abi": 0, "capabilities_dropped": False}
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
@@ -194,6 +201,9 @@ if abi >= 1:
     if libc.syscall(RESTRICT, ruleset, 0) != 0:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self")
     applied["landlock_abi"] = abi
+if config["require_landlock"] and not applied["landlock_abi"]:
+    sys.stderr.write(LANDLOCK_REFUSAL)
+    sys.exit(2)
 if not applied["namespaces"] and os.geteuid() == 0:
     # Root outside a user namespace: empty the capability bounding set, so that the code's
     # interpreter gets no capabilities at exec (it could otherwise raise its own limits).
@@ -248,9 +258,39 @@ def _python() -> str:
     return str(base if base.exists() else Path(sys.executable).resolve())
 
 
-def run_python(code: str, limits: SandboxLimits | None = None, *, namespaces: bool = True) -> SandboxResult:
-    """Run ``code`` as ``python -I -S main.py`` in a fresh confined directory (see the module docstring)."""
+CREDENTIAL_ENV = ("RAY_AUTH_TOKEN", "KUBERNETES_SERVICE_HOST")
+"""What says the caller holds credentials worth reading: the Ray cluster's token (every Ray process
+of a job with token authentication has it in its environment) or being in a Kubernetes pod (the
+kubelet sets ``KUBERNETES_SERVICE_HOST`` in every container; the pod may hold a service-account
+token, the job's Secrets, its volumes)."""
+LANDLOCK_REFUSAL = (
+    "the sandbox refuses to run code here: Landlock is not available (Linux < 5.13, Landlock not "
+    "among the kernel's LSMs, or a seccomp profile that denies it), and without it the code could "
+    "read what its caller can, the Ray token in /proc/<pid>/environ included"
+)
+
+
+def landlock_required(env: Mapping[str, str]) -> bool:
+    """Whether a call must be refused where Landlock cannot confine it: when its caller holds
+    credentials (:data:`CREDENTIAL_ENV`). On a laptop without them, code still runs unconfined
+    by the file system, and :func:`isolation` says so."""
+    return any(env.get(name) for name in CREDENTIAL_ENV)
+
+
+def run_python(
+    code: str,
+    limits: SandboxLimits | None = None,
+    *,
+    namespaces: bool = True,
+    require_landlock: bool | None = None,
+) -> SandboxResult:
+    """Run ``code`` as ``python -I -S main.py`` in a fresh confined directory (see the module docstring).
+
+    ``require_landlock`` (default: :func:`landlock_required` of this process's environment) refuses
+    the call, as a ``sandbox_error`` naming why, where Landlock cannot be applied."""
     limits = limits or SandboxLimits()
+    if require_landlock is None:
+        require_landlock = landlock_required(os.environ)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-"))
     try:
@@ -263,6 +303,8 @@ def run_python(code: str, limits: SandboxLimits | None = None, *, namespaces: bo
                     "python": _python(),
                     "read_only": _read_only_paths(),
                     "namespaces": namespaces,
+                    "require_landlock": require_landlock,
+                    "landlock_refusal": LANDLOCK_REFUSAL,
                     "cpu_seconds": limits.cpu_seconds,
                     "memory_bytes": limits.memory_bytes,
                     "file_bytes": limits.file_bytes,
