@@ -3,7 +3,8 @@
 User errors (a bad manifest, a missing file) print one message per problem to stderr and exit
 with status 2, without a traceback; a traceback means a bug. A stalled worker call exits with 3
 after an ``error: Stalled: ...`` line (the operator reads that reason from the RayJob's
-message); a run stopped by SIGTERM checkpoints its last step and exits with 143.
+message); a run stopped by SIGTERM (or, in a cluster, by a pod's preStop hook) checkpoints its last
+step and exits with 143, in a cluster after a ``stopped on request: ...`` line.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _stop_on_sigterm(requested: threading.Event | None = None) -> Callable[[], b
     checkpoints that step and returns; so the grace period a run needs is one step plus one
     checkpoint save. A second SIGTERM changes nothing (the checkpoint is already under way).
     ``requested`` is shared with whatever else may ask for the stop (in a cluster, the preStop
-    hooks' ``POST /stop``, ``hybridflow.incluster.stop``).
+    hooks' requests on the checkpoint volume, ``hybridflow.incluster.stop``).
     """
     requested = requested or threading.Event()
 
@@ -282,25 +283,15 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     import ray
 
     from hybridflow.incluster import StatusPusher, TrainingMetricsExporter
-    from hybridflow.incluster.stop import AUTH_TOKEN_ENV, ControllerServer, StopMarker
+    from hybridflow.incluster.stop import MetricsServer
     from hybridflow.metrics import progress_line
     from hybridflow.metrics.step_report import StepReport
     from hybridflow.trainer.runner import run_training
 
     exporter = TrainingMetricsExporter(namespace, job.metadata.name)
     stop_requested = threading.Event()
-    server = ControllerServer(
-        args.metrics_port, exporter.registry, stop_requested, token=os.environ.get(AUTH_TOKEN_ENV) or None
-    ).start()
-    marker = StopMarker(job.spec.checkpoint_dir)
-    grace = job.spec.checkpoint.stop_grace_period_seconds
-
-    def mark_when_stopping() -> None:
-        stop_requested.wait()
-        print("stop requested: checkpointing after the current step, then exiting", flush=True)
-        marker.write(grace)
-
-    threading.Thread(target=mark_when_stopping, name="hybridflow-stop-marker", daemon=True).start()
+    server = MetricsServer(args.metrics_port, exporter.registry).start()
+    stop = _InClusterStop(job.spec, stop_requested)
     pusher = StatusPusher.in_cluster(namespace, job.metadata.name, placement=placement)
     pusher.push_placement()
 
@@ -313,31 +304,75 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
     should_stop = _stop_on_sigterm(stop_requested)  # after ray.init, which installs its own handler
-    # A resumed job's previous pods may still be saving (their preStop hooks): resume after them.
-    marker.wait()
+    stop.start()  # after any previous cluster of the job finished saving: resume after its step
     try:
         summary = run_training(job.spec, simulated=False, on_report=report, should_stop=should_stop)
+        if summary.preempted:
+            stop.report(summary.last_step)  # before the record says exited: the hooks then let Ray go
     except WorkerStalledError as err:
         print(f"{STALLED_PREFIX}{err}", file=sys.stderr, flush=True)
         return EXIT_STALLED
     finally:
-        if stop_requested.is_set():
-            marker.clear()  # the checkpoint is saved (or the run failed): nothing to wait for
+        stop.exited()
         server.close()
     return EXIT_PREEMPTED if summary.preempted else 0
 
 
+class _InClusterStop:
+    """The controller's side of the stop protocol (``hybridflow.incluster.stop``): its record on the
+    checkpoint volume, the hooks' requests, and the words the operator reads after a stop."""
+
+    def __init__(self, spec: RLHFJobSpec, requested: threading.Event) -> None:
+        from hybridflow.incluster.stop import CLUSTER_ENV, ControllerBeat
+
+        self.spec, self.requested = spec, requested
+        self.cluster = os.environ.get(CLUSTER_ENV, "")
+        on_volume = spec.checkpoint.volume is not None  # else nothing saved outlives the pods
+        self.beat = ControllerBeat(spec.checkpoint_dir, self.cluster, requested) if on_volume else None
+        threading.Thread(target=self._when_requested, name="hybridflow-stop", daemon=True).start()
+
+    def start(self) -> None:
+        from hybridflow.incluster.stop import prune_other_clusters, wait_for_stopping_controllers
+
+        if self.beat is None:
+            return
+        wait_for_stopping_controllers(self.spec.checkpoint_dir, self.cluster)
+        prune_other_clusters(self.spec.checkpoint_dir, self.cluster)
+        self.beat.start()
+
+    def _asker(self) -> str:
+        return (self.beat.asked_by if self.beat is not None else None) or "SIGTERM"
+
+    def _when_requested(self) -> None:
+        self.requested.wait()
+        print(
+            f"stop requested by {self._asker()}: checkpointing after the current step, then exiting",
+            flush=True,
+        )
+        if self.beat is not None:
+            self.beat.stopping(self.spec.checkpoint.stop_grace_period_seconds)
+
+    def report(self, step: int) -> None:
+        from hybridflow.incluster.stop import STOPPED_ON_REQUEST
+
+        print(
+            f"{STOPPED_ON_REQUEST}{self._asker()}; the checkpoint holds step {step}, and the next attempt "
+            "resumes after it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def exited(self) -> None:
+        if self.beat is not None:
+            self.beat.exited()
+
+
 def _stop(args: argparse.Namespace) -> int:
     """``hybridflow stop``: a Ray container's preStop hook (``hybridflow.incluster.stop``)."""
-    from hybridflow.incluster.stop import AUTH_TOKEN_ENV, controller_address, stop_controller
+    from hybridflow.incluster.stop import stop_pod
 
-    address = args.address or controller_address(os.environ)
-    return stop_controller(
-        address,
-        args.port,
-        token=os.environ.get(AUTH_TOKEN_ENV) or None,
-        timeout_seconds=args.timeout_seconds,
-        say=lambda line: print(line, flush=True),
+    return stop_pod(
+        os.environ, timeout_seconds=args.timeout_seconds, say=lambda line: print(line, flush=True)
     )
 
 
@@ -470,18 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = commands.add_parser(
         "stop",
-        help="a Ray pod's preStop hook: ask the controller to checkpoint and exit, and wait until it has",
-    )
-    stop.add_argument(
-        "--address",
-        default=None,
-        help="the controller's host (default: $HYBRIDFLOW_CONTROLLER_ADDRESS, else this Ray node's head)",
-    )
-    stop.add_argument(
-        "--port",
-        type=int,
-        default=int(os.environ.get("HYBRIDFLOW_METRICS_PORT", "8081")),
-        help="the controller's HTTP port (its /metrics)",
+        help=(
+            "a Ray pod's preStop hook: ask the controller to checkpoint and exit, and wait until it has "
+            "(through $HYBRIDFLOW_CHECKPOINT_DIR, the checkpoint volume)"
+        ),
     )
     stop.add_argument(
         "--timeout-seconds",

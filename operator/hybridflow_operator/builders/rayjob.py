@@ -160,9 +160,20 @@ WORKER_GRACE_MARGIN_SECONDS = 30
 every worker writes a shard of, is not cut off by the workers' own deadline."""
 PRESTOP_MARGIN_SECONDS = 5
 """The preStop hook gives up this long before the kubelet's SIGKILL, so it returns (and logs) first."""
-CONTROLLER_ADDRESS_ENV = "HYBRIDFLOW_CONTROLLER_ADDRESS"
-"""Where ``hybridflow stop`` reaches the controller: set on the head (127.0.0.1); workers find the
-head from their Ray node (``hybridflow.incluster.stop``)."""
+RAY_DRAIN_TIMEOUT_SECONDS = 3
+"""``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` of every Ray container: after the preStop hook returns,
+the kubelet SIGTERMs ``ray start --block``, whose handler marks the node draining and waits up to
+this long for it to go idle before it kills the node's processes (Ray 2.60 ``_private/node.py``
+``_drain_node_before_shutdown``; Ray's default is 30 s). The hook has waited for the controller
+already (its actors are gone, the node idles at once), and at worst it returned
+:data:`PRESTOP_MARGIN_SECONDS` before the kubelet's SIGKILL: the drain must end inside that margin,
+leaving Ray 2 s to stop its processes itself. KubeRay 1.5.1-1.7 set no such variable."""
+DRAIN_TIMEOUT_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+CHECKPOINT_DIR_ENV = "HYBRIDFLOW_CHECKPOINT_DIR"
+"""Where every Ray container's ``hybridflow stop`` finds the controller's record and leaves its stop
+request (``hybridflow.incluster.stop``): the job's checkpoint directory on the checkpoint volume,
+which every pod but the sandbox's mounts. Unset without a volume: nothing a stop saved would
+outlive the pods."""
 
 
 def restricted_pod_security_context() -> dict[str, Any]:
@@ -308,12 +319,17 @@ def _pod_labels(spec: RLHFJobSpec, owner: JobRef, attempt: int, extra: dict[str,
     return labels
 
 
-def _ray_container_env() -> list[dict[str, Any]]:
-    """What every Ray container (head and workers) is told: its home, and the controller's port."""
-    return [
+def _ray_container_env(spec: RLHFJobSpec) -> list[dict[str, Any]]:
+    """What every Ray container (head and workers) is told: its home, the controller's port, how long
+    Ray drains on SIGTERM and, with a checkpoint volume, where the stop protocol runs."""
+    env = [
         {"name": "HOME", "value": HOME_DIR},
         {"name": METRICS_PORT_ENV, "value": str(CONTROLLER_METRICS_PORT)},
+        {"name": DRAIN_TIMEOUT_ENV, "value": str(RAY_DRAIN_TIMEOUT_SECONDS)},
     ]
+    if spec.checkpoint.volume is not None:
+        env.append({"name": CHECKPOINT_DIR_ENV, "value": spec.checkpoint_dir})
+    return env
 
 
 def _scratch_volumes() -> list[dict[str, Any]]:
@@ -330,12 +346,14 @@ def _stop_hook(grace_seconds: int) -> dict[str, Any]:
     Why a hook: KubeRay stops nothing before it deletes an attempt's cluster (suspend, Kueue
     preemption, a deadline; ``rayjob_controller.go`` leaves it to the pods' preStop hooks). Every
     pod is deleted at once: the kubelet runs each container's preStop hook, then sends SIGTERM
-    to its PID 1 (``ray start --block``), then SIGKILL when the pod's grace period ends. Ray's
-    end kills the driver's process group, so without a hook the controller is gone before it
-    can save anything. The hook asks the controller to stop after its current step and waits
-    until it has exited (its checkpoint saved): on the head it holds the head's Ray up, on a
-    worker it holds that worker's Ray up, which the checkpoint writes through. It gives up
-    :data:`PRESTOP_MARGIN_SECONDS` before the kubelet would kill it.
+    to its PID 1 (``ray start --block``, which drains for :data:`RAY_DRAIN_TIMEOUT_SECONDS`, then
+    kills the node's processes), then SIGKILL when the pod's grace period ends. Ray's end kills
+    the driver's process group, so without a hook the controller is gone before it can save
+    anything. The hook asks the controller to stop after its current step and waits until it
+    has exited (its checkpoint saved), through the checkpoint volume, not the head's Service,
+    whose name stops resolving when the cluster is deleted: on the head it holds the head's Ray
+    up, on a worker it holds that worker's Ray up, which the checkpoint writes through. It gives
+    up :data:`PRESTOP_MARGIN_SECONDS` before the kubelet would kill it.
     """
     timeout = max(1, grace_seconds - PRESTOP_MARGIN_SECONDS)
     return {"preStop": {"exec": {"command": [STOP_COMMAND, "stop", "--timeout-seconds", str(timeout)]}}}
@@ -349,10 +367,7 @@ def _head_group(
     container = {
         "name": HEAD_CONTAINER,
         "image": image,
-        "env": [
-            *_ray_container_env(),
-            {"name": CONTROLLER_ADDRESS_ENV, "value": "127.0.0.1"},
-        ],
+        "env": _ray_container_env(spec),
         "ports": [
             *({"name": name, "containerPort": port} for name, port in RAY_HEAD_PORTS),
             {"name": "hf-metrics", "containerPort": CONTROLLER_METRICS_PORT},
@@ -420,7 +435,7 @@ def _worker_group(
     container = {
         "name": WORKER_CONTAINER,
         "image": image,
-        "env": _ray_container_env(),
+        "env": _ray_container_env(spec),
         "resources": {"requests": requests, "limits": limits},
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH}, *_scratch_mounts(), *mounts],
         "securityContext": restricted_container_security_context(pool.container_security_context),
@@ -473,7 +488,7 @@ def _sandbox_group(spec: RLHFJobSpec, owner: JobRef, attempt: int, image: str) -
     container = {
         "name": WORKER_CONTAINER,
         "image": image,
-        "env": _ray_container_env(),
+        "env": [e for e in _ray_container_env(spec) if e["name"] != CHECKPOINT_DIR_ENV],  # no volumes
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "volumeMounts": _scratch_mounts(),
         "securityContext": restricted_container_security_context(),

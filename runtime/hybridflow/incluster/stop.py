@@ -1,30 +1,44 @@
 """Stopping the controller when its pods go: the preStop hook's side and the controller's side.
 
-Why. KubeRay deletes an attempt's whole cluster at once to suspend it (the user's suspend, a
+Why. KubeRay deletes an attempt's whole RayCluster at once to suspend it (the user's suspend, a
 Kueue preemption, a deadline), and a drained or preempted node deletes its pods; nothing stops
 the Ray job first (KubeRay ``rayjob_controller.go``: users must set a preStop hook). The kubelet
-runs each container's preStop hook, then SIGTERMs its PID 1 (``ray start --block``) and SIGKILLs
-what is left when the pod's grace period ends. When Ray goes, the driver's process group is
-killed with it: a controller that waited for its own SIGTERM would never get one.
+runs each container's preStop hook, then SIGTERMs its PID 1 (``ray start --block``), whose handler
+drains the node for at most ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` and then kills its processes
+(Ray 2.60 ``_private/node.py``), and SIGKILLs what is left when the pod's grace period ends. When
+Ray goes, the driver's process group goes with it: a controller that waited for its own SIGTERM
+would never get one, and a worker whose Ray ends takes the shards of the checkpoint with it.
 
-The protocol, between ``hybridflow stop`` (every Ray container's preStop hook, built by
-``hybridflow_operator.builders.rayjob``) and the controller (``hybridflow run --in-cluster``):
+Why the checkpoint volume, and no network. When the whole cluster is deleted, the garbage
+collector deletes KubeRay's head Service (owned by the RayCluster) with the pods, and the name a
+worker knows its head by (``<cluster>-head-svc.<ns>.svc.cluster.local``, which KubeRay passes to
+``ray start --address`` and Ray writes unchanged into ``ray_current_cluster``) stops resolving
+while the pods sit in their hooks. Every pod of the job mounts the checkpoint volume, and that is
+where the shards are written anyway, so the protocol runs there, under :data:`CONTROL_DIR` of the
+checkpoint directory (``HYBRIDFLOW_CHECKPOINT_DIR`` in every Ray container), per RayCluster
+(``RAY_CLUSTER_NAME``, which KubeRay sets in every Ray container; a new name for every cluster it
+makes, a resumed attempt's included):
 
-1. the hook sends ``POST /stop`` to the controller's HTTP port (the one serving /metrics), with
-   ``Authorization: Bearer $RAY_AUTH_TOKEN`` when the cluster has Ray token authentication (the
-   controller then refuses a request without it, 401); the head's hook reaches it at 127.0.0.1,
-   a worker's at the head's address as its own Ray node knows it (``/tmp/ray/ray_current_cluster``:
-   the head pod's IP, which stays reachable while that pod terminates, unlike its Service's name);
-2. the controller treats it as SIGTERM: it finishes the current step, saves a checkpoint and
-   exits (``EXIT_PREEMPTED``). While it stops, a marker on the checkpoint volume
-   (:data:`STOPPING_MARKER`) says until when it may take;
-3. the hook polls ``GET /stop`` until the controller no longer answers (it exited: its
-   checkpoint is complete), or until its timeout, a few seconds before the kubelet's SIGKILL;
-   then the kubelet stops Ray. Every Ray container runs the hook, so no worker's Ray, which the
-   checkpoint's shards are written through, goes before the controller is done;
-4. a controller starting while the marker is there and not expired (a resumed job whose previous
-   pods are still saving) waits until it is gone before it reads the newest checkpoint, so it
-   resumes from the step the stopping one saves, not from the one before.
+1. the controller (``hybridflow run --in-cluster``) keeps a record, ``<cluster>.json``: its state
+   (``running``, ``stopping``, ``exited``) and a counter it rewrites every
+   :data:`BEAT_SECONDS`, so a reader on any node can tell it is alive without comparing clocks;
+2. every Ray container's preStop hook (``hybridflow stop``) writes a request,
+   ``<cluster>.requests/<pod name>``; the controller reads the requests at every beat and treats
+   one as SIGTERM: it finishes the current step, saves a checkpoint (``stopping``, with until when
+   its grace period lets it) and exits (``EXIT_PREEMPTED``), printing :data:`STOPPED_ON_REQUEST`
+   with who asked, which the operator reads in the RayJob's message (the stop of a drained node is
+   not a failure: it does not count against ``spec.maxRestarts``);
+3. the hook waits while the record says ``running`` or ``stopping`` and its counter moves; it
+   returns once the record says ``exited``, when the counter has stood still for
+   :data:`STALE_SECONDS` (the controller was killed), when there is no record (no controller ran
+   in this cluster), or a few seconds before the kubelet's SIGKILL. A name that does not resolve,
+   an unreachable head: none of them is read as "the controller is gone";
+4. a controller starting while another cluster's controller of the same job is still ``stopping``
+   (a resumed job whose previous pods are still saving: KubeRay reports Suspended as soon as the
+   RayCluster object is gone) waits until that one exited or went still before it reads the
+   newest checkpoint, so it resumes from the step the stopping one saves.
+
+Without a checkpoint volume nothing a stop saves outlives the pods, and the hook returns at once.
 """
 
 from __future__ import annotations
@@ -32,89 +46,52 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import MetricsHandler
 
 __all__ = [
-    "ControllerServer",
-    "StopMarker",
-    "controller_address",
-    "stop_controller",
+    "ControllerBeat",
+    "ControllerRecord",
+    "MetricsServer",
+    "RecordState",
+    "StopRequests",
+    "stop_pod",
+    "wait_for_stopping_controllers",
 ]
 
-STOP_PATH = "/stop"
-STOPPING_MARKER = ".controller-stopping"
-"""In the checkpoint directory while a controller stops: JSON ``{"until": <unix seconds>, "host": ...}``."""
-RAY_CURRENT_CLUSTER = "ray/ray_current_cluster"
-"""Where, under its temporary root, every Ray node (``ray start``, head or worker) writes its
-cluster's GCS address, ``<head ip>:<port>`` (``ray._private.utils.write_ray_address``)."""
+CONTROL_DIR = ".controller"
+"""Under the checkpoint directory: the controllers' records and the hooks' requests."""
+CHECKPOINT_DIR_ENV = "HYBRIDFLOW_CHECKPOINT_DIR"
+CLUSTER_ENV = "RAY_CLUSTER_NAME"
+"""KubeRay's name for the RayCluster, set in every Ray container (``common/pod.go`` ``setContainerEnvVars``)."""
+POD_ENV = "RAY_CLOUD_INSTANCE_ID"
+"""The pod's name, set by KubeRay in every Ray container (the same function)."""
+BEAT_SECONDS = 2.0
+STALE_SECONDS = 20.0
+"""A record whose counter has not moved for this long belongs to a controller that is gone."""
+STOPPED_ON_REQUEST = "stopped on request: "
+"""The controller's last line after a requested stop; the operator looks for it in the RayJob's
+message (KubeRay copies the entrypoint's last log lines there), as for ``error: Stalled: ``."""
+
+RecordState = Literal["running", "stopping", "exited"]
 
 
-def ray_address_file(env: Mapping[str, str]) -> Path:
-    """The node's address file: under ``$RAY_TMPDIR``, else ``$TMPDIR``, else ``/tmp``, as Ray finds
-    its temporary root (``ray._common.utils.get_default_system_temp_dir``)."""
-    return Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp") / RAY_CURRENT_CLUSTER
+class MetricsServer:
+    """The controller's HTTP endpoint: ``GET /metrics`` (Prometheus), on its own thread."""
 
-
-DEFAULT_PORT = 8081
-AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
-
-
-class ControllerServer:
-    """The controller's HTTP endpoint: ``GET /metrics`` (Prometheus), ``GET|POST /stop``.
-
-    ``POST /stop`` sets ``stop_requested`` (the same event SIGTERM sets) and answers 202;
-    ``GET /stop`` answers ``{"stopping": bool}``. With ``token`` set, ``POST /stop`` needs it as a
-    bearer token (401 otherwise): the port is reachable from every pod the job's NetworkPolicy
-    admits (its own, Prometheus).
-    """
-
-    def __init__(
-        self,
-        port: int,
-        registry: CollectorRegistry,
-        stop_requested: threading.Event,
-        *,
-        token: str | None = None,
-        host: str = "",
-    ) -> None:
-        self.stop_requested = stop_requested
-        server = self
-
+    def __init__(self, port: int, registry: CollectorRegistry, *, host: str = "") -> None:
         class Handler(MetricsHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] == STOP_PATH:
-                    self._answer(200, {"stopping": server.stop_requested.is_set()})
-                else:
-                    super().do_GET()
-
-            def do_POST(self) -> None:
-                if self.path.split("?")[0] != STOP_PATH:
-                    self._answer(404, {"error": f"POST {self.path}: only {STOP_PATH} takes requests"})
-                    return
-                if token and self.headers.get("Authorization", "") != f"Bearer {token}":
-                    self._answer(401, {"error": "a stop needs the cluster's Ray token as a bearer token"})
-                    return
-                server.stop_requested.set()
-                self._answer(202, {"stopping": True})
-
-            def _answer(self, code: int, body: Mapping[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+            pass
 
         Handler.registry = registry
         self._httpd = ThreadingHTTPServer((host, port), Handler)
@@ -122,7 +99,7 @@ class ControllerServer:
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hybridflow-http", daemon=True)
 
-    def start(self) -> ControllerServer:
+    def start(self) -> MetricsServer:
         self._thread.start()
         return self
 
@@ -131,128 +108,235 @@ class ControllerServer:
         self._httpd.server_close()
 
 
-def controller_address(env: Mapping[str, str]) -> str:
-    """Where this pod's preStop hook finds the controller (see the module docstring, step 1)."""
-    explicit = env.get("HYBRIDFLOW_CONTROLLER_ADDRESS")
-    if explicit:
-        return explicit
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(text, encoding="utf-8")
+    staging.replace(path)
+
+
+@dataclass(frozen=True)
+class RecordView:
+    """One read of a controller's record."""
+
+    state: RecordState
+    beat: int
+    until: float | None
+    host: str
+
+
+class ControllerRecord:
+    """``<checkpoint dir>/.controller/<cluster>.json``: what the controller of ``cluster`` is doing."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], cluster: str) -> None:
+        self.directory = Path(checkpoint_dir) / CONTROL_DIR
+        self.cluster = cluster or "cluster"
+        self.path = self.directory / f"{self.cluster}.json"
+        self._beat = 0
+        self._state: RecordState = "running"
+        self._until: float | None = None
+        self._lock = threading.Lock()
+
+    def write(self, state: RecordState | None = None, *, until: float | None = None) -> None:
+        """Rewrite the record with the counter moved on (best effort: a full volume must not stop a run)."""
+        with self._lock:
+            if state is not None:
+                self._state, self._until = state, until
+            self._beat += 1
+            body = {
+                "state": self._state,
+                "beat": self._beat,
+                "until": self._until,
+                "host": socket.gethostname(),
+            }
+            with contextlib.suppress(OSError):
+                self.directory.mkdir(parents=True, exist_ok=True)
+                _write_atomically(self.path, json.dumps(body))
+
+    def read(self) -> RecordView | None:
+        return read_record(self.path)
+
+
+def read_record(path: Path) -> RecordView | None:
     try:
-        gcs = ray_address_file(env).read_text(encoding="utf-8").strip()
-    except OSError:
-        gcs = ""
-    if gcs:
-        return gcs.rsplit(":", 1)[0]
-    return env.get("FQ_RAY_IP") or "127.0.0.1"
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        state = data["state"]
+        if state not in ("running", "stopping", "exited"):
+            return None
+        until = data.get("until")
+        return RecordView(
+            state, int(data["beat"]), None if until is None else float(until), str(data.get("host", ""))
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
-def _request(url: str, *, method: str, token: str | None, timeout: float) -> int:
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return int(answer.status)
-    except urllib.error.HTTPError as err:
-        return int(err.code)
+class StopRequests:
+    """``<checkpoint dir>/.controller/<cluster>.requests/``: one file per pod whose hook asked for a stop."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], cluster: str) -> None:
+        self.directory = Path(checkpoint_dir) / CONTROL_DIR / f"{cluster or 'cluster'}.requests"
+
+    def ask(self, pod: str) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _write_atomically(self.directory / (pod or socket.gethostname()), json.dumps({"at": time.time()}))
+
+    def askers(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.directory.iterdir() if not p.name.startswith("."))
+        except OSError:
+            return []
 
 
-def _gone(err: BaseException) -> bool:
-    """The controller no longer answers: refused (its process exited) or unreachable; a timeout
-    is a busy controller, not a gone one."""
-    reason = getattr(err, "reason", err)
-    return isinstance(reason, OSError) and not isinstance(reason, TimeoutError)
+def prune_other_clusters(checkpoint_dir: str | os.PathLike[str], cluster: str) -> None:
+    """Remove what earlier clusters of the job left that nobody waits on: exited records and their
+    requests (a record still ``running`` or ``stopping`` may be a stop under way)."""
+    directory = Path(checkpoint_dir) / CONTROL_DIR
+    with contextlib.suppress(OSError):
+        for record in directory.glob("*.json"):
+            name = record.name.removesuffix(".json")
+            view = read_record(record)
+            if name != cluster and (view is None or view.state == "exited"):
+                record.unlink(missing_ok=True)
+                shutil.rmtree(directory / f"{name}.requests", ignore_errors=True)
 
 
-def stop_controller(
-    address: str,
-    port: int,
+def _still(
+    views: Callable[[], RecordView | None],
     *,
-    token: str | None,
+    deadline: float,
+    clock: Callable[[], float],
+    poll_seconds: float,
+    stale_seconds: float,
+) -> str:
+    """Wait while the record says ``running``/``stopping`` and its counter moves; why the wait ended:
+    ``exited``, ``absent``, ``stale`` or ``timeout``."""
+    view = views()
+    last_beat, moved_at = (view.beat if view else None), clock()
+    while clock() < deadline:
+        if view is None:
+            return "absent"
+        if view.state == "exited":
+            return "exited"
+        if view.beat != last_beat:
+            last_beat, moved_at = view.beat, clock()
+        elif clock() - moved_at >= stale_seconds:
+            return "stale"
+        time.sleep(max(0.0, min(poll_seconds, deadline - clock())))
+        view = views()
+    return "timeout"
+
+
+def stop_pod(
+    env: Mapping[str, str],
+    *,
     timeout_seconds: float,
     poll_seconds: float = 1.0,
+    stale_seconds: float = STALE_SECONDS,
     say: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """The preStop hook (steps 1 and 3 of the module docstring): 0 once the controller is gone
-    (or was never there), 1 when ``timeout_seconds`` passed first, 2 when it refused the request."""
-    base = f"http://{address}:{port}{STOP_PATH}"
+    """The preStop hook (steps 2 and 3 of the module docstring): 0 once the controller of this pod's
+    cluster has exited (or there is none, or nothing to save), 1 when ``timeout_seconds`` passed first."""
     deadline = clock() + timeout_seconds
-    asked = False
-    while clock() < deadline:
-        try:
-            code = _request(
-                base,
-                method="GET" if asked else "POST",
-                token=token,
-                timeout=min(10.0, max(0.1, deadline - clock())),
-            )
-        except (urllib.error.URLError, OSError) as err:
-            if not _gone(err):
-                continue  # busy: ask again
-            if asked:
-                say("hybridflow stop: the controller has exited")
-            else:
-                say(
-                    f"hybridflow stop: no controller answers at {address}:{port} ({err}); nothing to wait for"
-                )
-            return 0
-        if not asked:
-            if code == 401:
-                say(
-                    f"hybridflow stop: the controller at {address}:{port} refused the stop (401: wrong token)"
-                )
-                return 2
-            say(f"hybridflow stop: asked the controller at {address}:{port} to checkpoint and stop ({code})")
-            asked = True
-        time.sleep(poll_seconds)
-    say(
-        f"hybridflow stop: the controller still runs after {timeout_seconds:.0f} s; leaving it to the kubelet"
+    checkpoint_dir = env.get(CHECKPOINT_DIR_ENV)
+    if not checkpoint_dir:
+        say(
+            "hybridflow stop: the job has no checkpoint volume; a stop would save nothing that outlives the pods"
+        )
+        return 0
+    cluster, pod = env.get(CLUSTER_ENV, ""), env.get(POD_ENV) or socket.gethostname()
+    try:
+        StopRequests(checkpoint_dir, cluster).ask(pod)
+    except OSError as err:
+        say(
+            f"hybridflow stop: could not write the stop request under {checkpoint_dir} ({err}); waiting anyway"
+        )
+    record = ControllerRecord(checkpoint_dir, cluster)
+    why = _still(
+        record.read, deadline=deadline, clock=clock, poll_seconds=poll_seconds, stale_seconds=stale_seconds
     )
-    return 1
+    messages = {
+        "exited": "the controller has exited",
+        "absent": f"no controller ran in cluster {cluster!r}; nothing to wait for",
+        "stale": f"the controller's record has not moved for {stale_seconds:.0f} s: it is gone",
+        "timeout": f"the controller still runs after {timeout_seconds:.0f} s; leaving it to the kubelet",
+    }
+    say(f"hybridflow stop ({pod}): {messages[why]}")
+    return 1 if why == "timeout" else 0
 
 
-class StopMarker:
-    """The marker of step 2 and the wait of step 4, in ``checkpoint_dir``."""
+def wait_for_stopping_controllers(
+    checkpoint_dir: str | os.PathLike[str],
+    cluster: str,
+    *,
+    poll_seconds: float = 2.0,
+    stale_seconds: float = STALE_SECONDS,
+    say: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.monotonic,
+) -> float:
+    """Step 4: wait while a controller of another cluster of this job is ``stopping``; seconds waited.
+
+    Bounded by the stopping controller's ``until`` (its grace period: the kubelet kills it then;
+    wall-clock time of another node, which keeps NTP time as this one does), and ended sooner by
+    its exit or by its record standing still for ``stale_seconds``.
+    """
+    started = clock()
+    for path in sorted((Path(checkpoint_dir) / CONTROL_DIR).glob("*.json")):
+        view = read_record(path)
+        if path.name == f"{cluster or 'cluster'}.json" or view is None or view.state != "stopping":
+            continue
+        left = max(0.0, view.until - time.time()) if view.until is not None else stale_seconds
+        say(
+            f"a previous attempt ({path.name.removesuffix('.json')}) is still saving its checkpoint; "
+            f"waiting up to {left:.0f} s for it"
+        )
+        _still(
+            lambda p=path: read_record(p),
+            deadline=clock() + left,
+            clock=clock,
+            poll_seconds=poll_seconds,
+            stale_seconds=stale_seconds,
+        )
+    return clock() - started
+
+
+class ControllerBeat:
+    """The controller's side (steps 1 and 2): a thread that rewrites the record every
+    :data:`BEAT_SECONDS` and sets ``stop_requested`` when a hook asked."""
 
     def __init__(
-        self, checkpoint_dir: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        cluster: str,
+        stop_requested: threading.Event,
+        *,
+        beat_seconds: float = BEAT_SECONDS,
     ) -> None:
-        self.path = Path(checkpoint_dir) / STOPPING_MARKER
-        self.clock = clock
+        self.beat_seconds = beat_seconds
+        self.record = ControllerRecord(checkpoint_dir, cluster)
+        self.requests = StopRequests(checkpoint_dir, cluster)
+        self.stop_requested = stop_requested
+        self.asked_by: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridflow-stop-beat", daemon=True)
 
-    def write(self, grace_seconds: float) -> None:
-        """Say that a stop is under way and may take up to ``grace_seconds`` (best effort)."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            staging = self.path.with_name(self.path.name + ".tmp")
-            staging.write_text(
-                json.dumps({"until": self.clock() + grace_seconds, "host": socket.gethostname()})
-            )
-            staging.replace(self.path)
-        except OSError:
-            pass
+    def start(self) -> ControllerBeat:
+        self.record.write("running")
+        self._thread.start()
+        return self
 
-    def clear(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+    def _run(self) -> None:
+        while not self._done.wait(self.beat_seconds):
+            askers = self.requests.askers()
+            if askers and not self.stop_requested.is_set():
+                self.asked_by = f"the preStop hook of pod {askers[0]}"
+                self.stop_requested.set()
+            self.record.write()
 
-    def until(self) -> float | None:
-        """When the stop under way must be over (unix seconds), or None when none is."""
-        try:
-            return float(json.loads(self.path.read_text())["until"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+    def stopping(self, grace_seconds: float) -> None:
+        self.record.write("stopping", until=time.time() + grace_seconds)
 
-    def wait(self, *, poll_seconds: float = 2.0, say: Callable[[str], None] = print) -> float:
-        """Wait while a previous controller is still stopping (step 4); the seconds waited."""
-        started = self.clock()
-        until = self.until()
-        if until is not None and until > self.clock():
-            say(
-                f"a previous attempt is still saving its checkpoint ({self.path}); waiting up to "
-                f"{until - self.clock():.0f} s for it"
-            )
-        while until is not None and until > self.clock():
-            time.sleep(poll_seconds)
-            until = self.until()
-        return self.clock() - started
+    def exited(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=self.beat_seconds * 2)
+        self.record.write("exited")

@@ -1099,7 +1099,6 @@ KubeRay adds to every Ray container (``common/pod.go``: it adds ``RAY_AUTH_MODE`
 only when the container does not set them), leaving the cluster open or unable to start."""
 OPERATOR_ENV = (
     "HYBRIDFLOW_METRICS_PORT",
-    "HYBRIDFLOW_CONTROLLER_ADDRESS",
     "HYBRIDFLOW_CHECKPOINT_DIR",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 )
