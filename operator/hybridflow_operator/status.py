@@ -73,6 +73,9 @@ RayJob ``jobDeploymentStatus``          RLHFJob phase
 ``ValidationFailed``                    Failed at once (same reason)
 a failure whose message holds the       the attempt failed with reason ``Stalled``
 controller's ``error: Stalled:`` line   (retried like any other failure)
+a failure whose message holds the       reason ``StopRequested``: retried (a Normal
+controller's ``stopped on request:``    Event), not counted against ``maxRestarts``
+line (a pod deleted: a drained node)    (:func:`stopped_attempts`)
 (the current RayJob deleted)            that attempt starts again, under the same
                                         name (attempts come from the RayJobs there are)
 =====================================  =========================================
@@ -666,6 +669,8 @@ class _Outcome:
     retryable: bool = False
     reason: str = ""
     message: str = ""
+    counted: bool = True
+    """A failure that spends one of ``spec.maxRestarts``; a stop the controller was asked for does not."""
 
 
 PENDING_WRITE_DELAY_SECONDS = 5.0
@@ -720,6 +725,12 @@ STALLED_MARKER = "error: Stalled: "
 STALLED_REASON = "Stalled"
 
 
+STOP_MARKER = "stopped on request: "
+"""The line ``hybridflow run --in-cluster`` ends with after a stop a pod's preStop hook asked for
+(``hybridflow.incluster.stop.STOPPED_ON_REQUEST``): a drained node, an eviction, a pod deleted."""
+STOP_REQUESTED_REASON = "StopRequested"
+
+
 def _stalled(reason: str, message: str) -> str:
     """``Stalled`` when the failed run's last words were a stall report, else ``reason`` (retryable)."""
     stalled = STALLED_MARKER in message and reason not in FINAL_FAILURE_REASONS
@@ -728,6 +739,22 @@ def _stalled(reason: str, message: str) -> str:
 
 def _failure(reason: str, message: str, *, retryable: bool) -> _Outcome:
     return _Outcome(phase="Failed", failed=True, retryable=retryable, reason=reason, message=message)
+
+
+def _ended_failure(reason: str, message: str) -> _Outcome:
+    """A Ray job that ended without success: a stop the controller was asked for (its last line
+    says so: retried without spending ``maxRestarts``), a stall, or a failure."""
+    if reason not in FINAL_FAILURE_REASONS and STOP_MARKER in message:
+        line = message[message.rindex(STOP_MARKER) :].splitlines()[0]
+        return _Outcome("Failed", True, True, STOP_REQUESTED_REASON, line, counted=False)
+    reason = _stalled(reason, message)
+    return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
+
+
+def stopped_attempts(spec: RLHFJobSpec, attempts: Sequence[ObservedRayJob]) -> int:
+    """Attempts that ended by a stop the controller was asked for: each adds an attempt to the
+    ``maxRestarts + 1`` the job may make (a drained node is not the job's failure)."""
+    return sum(1 for rayjob in attempts if not _classify(spec, rayjob).counted)
 
 
 def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
@@ -760,13 +787,11 @@ def _classify(spec: RLHFJobSpec, rayjob: ObservedRayJob) -> _Outcome:
             ray_status, "Incomplete"
         )
         message = rayjob.message or f"the Ray job ended with status {ray_status or 'unknown'}"
-        reason = _stalled(reason, message)
-        return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
+        return _ended_failure(reason, message)
     if deployment == DEPLOYMENT_FAILED:
         reason = rayjob.reason or "Failed"
         message = rayjob.message or "KubeRay marked the RayJob Failed"
-        reason = _stalled(reason, message)
-        return _failure(reason, message, retryable=reason not in FINAL_FAILURE_REASONS)
+        return _ended_failure(reason, message)
     if deployment == DEPLOYMENT_VALIDATION_FAILED:
         return _failure("ValidationFailed", rayjob.message or "KubeRay rejected the RayJob", retryable=False)
     # A state newer than KubeRay v1.7: report it, do not guess an outcome.
@@ -864,9 +889,10 @@ def _conditions(
 
 
 def _phase_event(
-    old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str
+    old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str, *, normal: bool = False
 ) -> tuple[Event, ...]:
-    """One event per phase change a person acts on: Warning for failures and retries, Normal for
+    """One event per phase change a person acts on: Warning for failures and retries (``normal``: a
+    retry after a stop the controller was asked for, an expected disruption), Normal for
     Succeeded, Suspended and Queued.
 
     Pending, Initializing and Running, which every job passes through, get no Event: their times
@@ -885,7 +911,9 @@ def _phase_event(
         "Succeeded": f"training finished in RayJob {rayjob} ({attempt_text})",
         "Failed": detail,
     }
-    kind: Literal["Normal", "Warning"] = "Warning" if new in ("Retrying", "Failed") else "Normal"
+    kind: Literal["Normal", "Warning"] = (
+        "Warning" if new in ("Retrying", "Failed") and not normal else "Normal"
+    )
     return (Event(kind, new, messages[new]),)
 
 
@@ -981,8 +1009,9 @@ def desired_status(
     """
     now = _now(now)
     spec = job.spec
-    max_attempts = spec.max_restarts + 1
     ordered = sorted(attempts, key=lambda a: a.attempt)
+    stops = stopped_attempts(spec, ordered)
+    max_attempts = spec.max_restarts + 1 + stops
     latest = ordered[-1] if ordered else None
     attempt = latest.attempt if latest is not None else 1
     base = current.model_copy(update={"observed_generation": generation})
@@ -1038,7 +1067,7 @@ def desired_status(
         phase = "Retrying"
         reason, message = outcome.reason, outcome.message
         ended = _now(latest.end_time or latest.created_at or now) if latest is not None else now
-        retry_at = ended + timedelta(seconds=retry_policy.backoff_seconds(attempt))
+        retry_at = ended + timedelta(seconds=retry_policy.backoff_seconds(max(1, attempt - stops)))
         if now >= retry_at:
             attempts_started = attempt + 1
             start_attempt = attempts_started
@@ -1082,7 +1111,12 @@ def desired_status(
         mirrors = dict.fromkeys(mirrors)  # the new attempt has no RayJob state yet
     if reason:  # a failure, a retry, or a state this mapping does not know: say why
         mirrors.update(reason=reason, message=message or None)
-    if phase == "Retrying":
+    if phase == "Retrying" and reason == STOP_REQUESTED_REASON:
+        event_detail = (
+            f"attempt {attempt} {message.removeprefix(STOP_MARKER).join(('stopped on request (', ')'))}; "
+            f"not counted against spec.maxRestarts: RayJob {new_name} ({attempt_text}) resumes from it"
+        )
+    elif phase == "Retrying":
         event_detail = (
             f"attempt {attempt} of {max_attempts} failed ({reason}: {message}); RayJob {new_name} "
             f"({attempt_text}) resumes from the newest checkpoint"
@@ -1111,7 +1145,9 @@ def desired_status(
             **mirrors,
         }
     )
-    events = _phase_event(current.phase, phase, new_name, attempt_text, event_detail)
+    events = _phase_event(
+        current.phase, phase, new_name, attempt_text, event_detail, normal=reason == STOP_REQUESTED_REASON
+    )
     hold = (
         None
         if reason
