@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from kube.harness import EmulatedCluster, load_crd, wait_until
 from kube.kueue import (
     GROUP,
     JOB_UID_LABEL,
+    MAX_EXEC_TIME_LABEL,
     PODSET_LABEL,
     QUEUE_LABEL,
     RESOURCE_IN_USE_FINALIZER,
@@ -34,6 +36,7 @@ from kube.kueue import (
     WORKLOAD_PLURAL,
     WORKLOAD_VERSION,
     KueueStandIn,
+    WaitForPodsReady,
     condition,
     is_true,
     kueue_rayjob_webhook,
@@ -450,6 +453,180 @@ def test_a_validation_failed_job_releases_its_quota_only_from_0_18(
             assert reason(workload(cluster, "invalid", namespace), "QuotaReserved") == ("False", "OnHold")
         else:
             assert stays(holding)
+        assert kueue.errors == []
+
+
+class PlayKubeRay:
+    """KubeRay for one namespace's RayJobs, on a thread: a suspended RayJob's pods go (Suspended), an
+    unsuspended one's cluster starts (Running), and is ready (``rayClusterStatus.state``) once
+    ``ready_after(name)`` says so, which a test uses to model GPUs that are not free yet."""
+
+    def __init__(self, cluster: EmulatedCluster, namespace: str, ready_after: Any = lambda name: 0.0) -> None:
+        self.cluster, self.namespace, self.ready_after = cluster, namespace, ready_after
+        self.started: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PlayKubeRay:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            items = api(self.cluster).list_namespaced_custom_object("ray.io", "v1", self.namespace, "rayjobs")
+            for item in items["items"]:
+                name, status = item["metadata"]["name"], item.get("status") or {}
+                deployment = status.get("jobDeploymentStatus", "")
+                if item["spec"].get("suspend"):
+                    self.started.pop(name, None)
+                    if deployment not in ("", "Suspended"):
+                        kuberay(self.cluster, name, "Suspended", namespace=self.namespace)
+                    continue
+                since = self.started.setdefault(name, time.monotonic())
+                ready = time.monotonic() >= since + self.ready_after(name)
+                want = {
+                    "jobDeploymentStatus": "Running",
+                    "rayClusterStatus": {"state": "ready" if ready else ""},
+                }
+                if {k: status.get(k) for k in want} != want:
+                    api(self.cluster).patch_namespaced_custom_object_status(
+                        "ray.io", "v1", self.namespace, "rayjobs", name, {"status": want}
+                    )
+
+
+def test_kueue_deactivates_a_job_past_its_maximum_execution_time_and_only_a_new_workload_requeues_it(
+    cluster: EmulatedCluster,
+) -> None:
+    namespace = "max-exec"
+    body = make_rayjob("slow")
+    body["metadata"]["labels"][MAX_EXEC_TIME_LABEL] = "1"
+    with stand_in(cluster, namespace) as kueue, PlayKubeRay(cluster, namespace):
+        create(cluster, body, namespace)
+        wait_until(
+            lambda: suspended(cluster, "slow", namespace),
+            message="deactivated and suspended",
+            timeout_seconds=15,
+        )
+        evicted = wait_until(lambda: condition(workload(cluster, "slow", namespace), "Evicted"))
+        found = workload(cluster, "slow", namespace)
+        assert found["spec"]["active"] is False
+        assert evicted is not None and evicted["reason"] == "DeactivatedDueToMaximumExecutionTimeExceeded"
+        assert evicted["message"] == "The workload is deactivated due to exceeding the maximum execution time"
+        assert condition(found, "DeactivationTarget") is None
+        wait_until(lambda: reason(workload(cluster, "slow", namespace), "Requeued")[1] == evicted["reason"])
+        # Made active again it stays Requeued=False (0.19.2 reactivates only reason "Deactivated"):
+        api(cluster).patch_namespaced_custom_object(
+            GROUP,
+            WORKLOAD_VERSION,
+            namespace,
+            WORKLOAD_PLURAL,
+            found["metadata"]["name"],
+            {"spec": {"active": True}},
+        )
+        assert stays(lambda: suspended(cluster, "slow", namespace), seconds=1.0)
+        # Deleted, it is replaced by a new Workload, which is admitted.
+        api(cluster).delete_namespaced_custom_object(
+            GROUP, WORKLOAD_VERSION, namespace, WORKLOAD_PLURAL, found["metadata"]["name"]
+        )
+        wait_until(lambda: not suspended(cluster, "slow", namespace), message="a new Workload admits it")
+        assert kueue.errors == []
+
+
+def test_a_rejected_admission_check_deactivates_the_workload(cluster: EmulatedCluster) -> None:
+    namespace = "checks"
+    with stand_in(cluster, namespace) as kueue, PlayKubeRay(cluster, namespace):
+        create(cluster, make_rayjob("checked"), namespace)
+        wait_until(lambda: not suspended(cluster, "checked", namespace))
+        kueue.reject_admission_check("checked", "provisioning", "no capacity in zone a")
+        wait_until(lambda: suspended(cluster, "checked", namespace), message="deactivated and suspended")
+        evicted = condition(workload(cluster, "checked", namespace), "Evicted")
+        assert evicted is not None and evicted["reason"] == "DeactivatedDueToAdmissionCheck"
+        assert evicted["message"] == (
+            'The workload is deactivated due to AdmissionCheck in Rejected state: "provisioning" (no capacity in zone a)'
+        )
+        assert kueue.errors == []
+
+
+def test_pods_never_ready_are_requeued_until_kueue_deactivates_the_workload(cluster: EmulatedCluster) -> None:
+    namespace = "never-ready"
+    config = WaitForPodsReady(timeout_seconds=1, backoff_limit_count=1, backoff_base_seconds=1)
+    with (
+        stand_in(cluster, namespace, wait_for_pods_ready=config) as kueue,
+        PlayKubeRay(cluster, namespace, ready_after=lambda name: 3600),
+    ):
+        create(cluster, make_rayjob("stuck"), namespace)
+        wait_until(
+            lambda: workload(cluster, "stuck", namespace)["spec"]["active"] is False,
+            message="deactivated after one requeue",
+            timeout_seconds=20,
+        )
+
+        def evicted_workload() -> dict[str, Any] | None:
+            found = workload(cluster, "stuck", namespace)
+            return found if is_true(found, "Evicted") else None
+
+        found = wait_until(evicted_workload)
+        assert condition(found, "Evicted")["reason"] == "DeactivatedDueToRequeuingLimitExceeded"  # type: ignore[index]
+        assert [e.reason for e in kueue.events if e.rayjob == "stuck"].count(
+            "EvictedDueToPodsReadyTimeout"
+        ) == 1
+        assert kueue.errors == []
+
+
+@pytest.mark.parametrize(("timeout", "flaps"), [(1, True), (6, False)])
+def test_a_preemptor_admitted_onto_gpus_still_held_flaps_unless_pods_ready_waits_longer(
+    cluster: EmulatedCluster, timeout: int, flaps: bool
+) -> None:
+    """KubeRay reports a preempted RayJob Suspended once its RayCluster object is gone, so Kueue
+    (``IsActive``) frees the quota while its pods still hold the GPUs in their preStop hooks. The
+    preemptor (higher priority) is admitted at once, and its pods wait for those GPUs (here 3 s).
+    With waitForPodsReady's timeout below that wait the preemptor is evicted, and while it backs
+    off the preempted job is admitted again: admission flaps. Above it, the preemptor starts once."""
+    namespace = f"overlap-{timeout}"
+    held_until = {"gpus": 0.0}
+    config = WaitForPodsReady(timeout_seconds=timeout, backoff_base_seconds=2)
+
+    def ready_after(name: str) -> float:
+        return max(0.0, held_until["gpus"] - time.monotonic())  # nothing starts on GPUs still held
+
+    with (
+        stand_in(
+            cluster, namespace, gpus=2, wait_for_pods_ready=config, priority_classes={"high": 100}
+        ) as kueue,
+        PlayKubeRay(cluster, namespace, ready_after=ready_after),
+    ):
+        create(cluster, make_rayjob("first"), namespace)
+        wait_until(lambda: is_true(workload(cluster, "first", namespace), "PodsReady"), message="first runs")
+        preemptor = make_rayjob("preemptor")
+        preemptor["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = "high"
+        create(cluster, preemptor, namespace)
+        held_until["gpus"] = time.monotonic() + 3  # from the eviction: first's pods in their hooks
+        kueue.evict("first")
+        wait_until(
+            lambda: not suspended(cluster, "preemptor", namespace), message="the preemptor is admitted"
+        )
+
+        def timeouts() -> list[Any]:
+            return [
+                e
+                for e in kueue.events
+                if e.rayjob == "preemptor" and e.reason == "EvictedDueToPodsReadyTimeout"
+            ]
+
+        if flaps:
+            wait_until(timeouts, timeout_seconds=15, message="the preemptor evicted: its pods were not ready")
+            wait_until(
+                lambda: not suspended(cluster, "first", namespace), message="the preempted job readmitted"
+            )
+        else:
+            wait_until(
+                lambda: is_true(workload(cluster, "preemptor", namespace), "PodsReady"), timeout_seconds=15
+            )
+            assert not timeouts() and stays(lambda: suspended(cluster, "first", namespace), seconds=1.0)
         assert kueue.errors == []
 
 

@@ -47,7 +47,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import kmock
@@ -77,8 +77,14 @@ MAX_POD_SETS: Final = {(0, 16): 8, (0, 17): 8, (0, 18): 10, (0, 19): 18}
 # Reasons (apis/kueue/v1beta2/workload_types.go, 0.19; the same strings in 0.16-0.18).
 EVICTED_BY_PREEMPTION: Final = "Preempted"
 EVICTED_BY_NODE_FAILURES: Final = "NodeFailures"
+EVICTED_BY_PODS_READY_TIMEOUT: Final = "PodsReadyTimeout"
+EVICTED_BY_ADMISSION_CHECK: Final = "AdmissionCheck"
 DEACTIVATED: Final = "Deactivated"
 REACTIVATED: Final = "Reactivated"
+BACKOFF_FINISHED: Final = "BackoffFinished"
+DEACTIVATION_TARGET: Final = "DeactivationTarget"
+REQUEUING_LIMIT_EXCEEDED: Final = "RequeuingLimitExceeded"
+MAXIMUM_EXECUTION_TIME_EXCEEDED: Final = "MaximumExecutionTimeExceeded"
 # What RestorePodSpec (pkg/podset/podset.go) puts back on a stopped job's pod templates.
 RESTORED_FIELDS: Final = (
     ("metadata", "labels"),
@@ -266,6 +272,29 @@ def pod_set_gpus(pod_set: JsonObject) -> int:
     main = sum(_container_gpus(c) for c in spec.get("containers") or [])
     init = max((_container_gpus(c) for c in spec.get("initContainers") or []), default=0)
     return int(pod_set["count"]) * max(main, init)
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitForPodsReady:
+    """Kueue's ``waitForPodsReady`` configuration (``apis/config/v1beta2``, 0.16-0.19): an admitted
+    Workload whose job's pods are not all ready within ``timeout_seconds`` of its admission is
+    evicted (``PodsReadyTimeout``) and requeued after ``backoff_base_seconds * 2^(n-1)`` (at most
+    ``backoff_max_seconds``); once ``backoff_limit_count`` requeues are spent Kueue deactivates it
+    itself (``RequeuingLimitExceeded``). ``requeuingStrategy.timestamp`` and ``recoveryTimeout`` are
+    not modelled (their defaults: Eviction, none)."""
+
+    timeout_seconds: float = 300.0
+    backoff_limit_count: int | None = None
+    backoff_base_seconds: float = 60.0
+    backoff_max_seconds: float = 3600.0
+
+
+def _since(text: str | None) -> float:
+    """Seconds since a condition's ``lastTransitionTime`` (RFC 3339, whole seconds)."""
+    if not text:
+        return 0.0
+    moment = datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    return (datetime.now(UTC) - moment).total_seconds()
 
 
 def workload_refusal(pod_sets: list[JsonObject], version: tuple[int, int]) -> str | None:
@@ -503,6 +532,8 @@ class KueueStandIn:
         flavor: str = "default-flavor",
         node_labels: Mapping[str, str] | None = None,
         interval_seconds: float = 0.1,
+        wait_for_pods_ready: WaitForPodsReady | None = None,
+        priority_classes: Mapping[str, int] | None = None,
     ) -> None:
         self.custom: Any = client.CustomObjectsApi(api)  # its answers are plain JSON dicts
         self.namespace = namespace
@@ -512,6 +543,10 @@ class KueueStandIn:
         self.flavor = flavor
         self.node_labels = dict(node_labels or {})
         self.interval_seconds = interval_seconds
+        self.wait_for_pods_ready = wait_for_pods_ready
+        self.priority_classes = dict(priority_classes or {})
+        """WorkloadPriorityClass values by name: a job's ``kueue.x-k8s.io/priority-class`` label sets
+        its Workload's ``spec.priority`` (jobframework ``ExtractPriority``), else 0."""
         self.errors: list[str] = []
         self.events: list[KueueEvent] = []
         self.refused: dict[str, str] = {}
@@ -617,23 +652,124 @@ class KueueStandIn:
         conditions = copy.deepcopy((workload.get("status") or {}).get("conditions") or [])
         generation = int(workload["metadata"].get("generation", 1))
         if workload["spec"].get("active", True):
-            # Reactivated: a Requeued=False left by a deactivation turns True, so the scheduler
-            # may admit it again (its Evicted condition stays until then).
-            requeued = condition(workload, "Requeued")
-            if (
-                requeued is not None
-                and requeued["status"] == "False"
-                and requeued.get("reason") == DEACTIVATED
+            if is_true(workload, DEACTIVATION_TARGET):
+                # Kueue deactivates it itself: spec.active false (an Update of the Workload).
+                self._patch_workload(workload, {"spec": {"active": False}})
+                return
+            if self._deactivation_due(workload, conditions, generation) or self._requeue_due(
+                workload, conditions, generation
             ):
-                _set_condition(
-                    conditions, "Requeued", True, REACTIVATED, "The Workload is active again", generation
-                )
                 self._patch_status(workload, {"conditions": conditions})
+            self._pods_ready_timeout(workload, conditions, generation)
         elif not is_true(workload, "Evicted"):
-            # Inactive and not yet evicted: Evict with reason Deactivated (admission stays until the
-            # job reconciler sees the job stopped).
-            _set_condition(conditions, "Evicted", True, DEACTIVATED, "spec.active is false", generation)
+            # Inactive and not yet evicted: Evict with reason Deactivated, "DueTo" the deactivation
+            # target's reason when Kueue set one (evict.Evict, patching.ReasonWithCause); the target
+            # condition goes (admission stays until the job reconciler sees the job stopped).
+            target = condition(workload, DEACTIVATION_TARGET)
+            reason, message = DEACTIVATED, "The workload is deactivated"
+            if target is not None:
+                reason, message = f"{reason}DueTo{target['reason']}", f"{message} due to {target['message']}"
+                conditions = [c for c in conditions if c.get("type") != DEACTIVATION_TARGET]
+            _set_condition(conditions, "Evicted", True, reason, message, generation)
             self._patch_status(workload, {"conditions": conditions, "requeueState": None})
+
+    def _requeue_due(self, workload: JsonObject, conditions: list[JsonObject], generation: int) -> bool:
+        # The active branch (workload_controller.go Reconcile, 0.19): a Requeued=False left by a
+        # deactivation turns True (Reactivated), one left by a PodsReady timeout or an admission
+        # check once its requeueAt has passed (BackoffFinished). The reason must be exactly
+        # "Deactivated": a Workload Kueue deactivated itself ("DeactivatedDueTo...") stays
+        # Requeued=False when made active again, and the queue never offers it (0.19.2's switch).
+        requeued = condition(workload, "Requeued")
+        if requeued is None or requeued["status"] != "False":
+            return False
+        if requeued.get("reason") == DEACTIVATED:
+            _set_condition(
+                conditions, "Requeued", True, REACTIVATED, "The workload was reactivated", generation
+            )
+            return True
+        if requeued.get("reason") in (EVICTED_BY_PODS_READY_TIMEOUT, EVICTED_BY_ADMISSION_CHECK):
+            at = ((workload.get("status") or {}).get("requeueState") or {}).get("requeueAt")
+            if at is None or _since(at) >= 0:
+                _set_condition(
+                    conditions,
+                    "Requeued",
+                    True,
+                    BACKOFF_FINISHED,
+                    "The workload backoff was finished",
+                    generation,
+                )
+                return True
+        return False
+
+    def _deactivation_due(self, workload: JsonObject, conditions: list[JsonObject], generation: int) -> bool:
+        """Kueue's own reasons to deactivate an admitted Workload (workload_controller.go, 0.19):
+        ``reconcileMaxExecutionTime`` (admitted longer than ``spec.maximumExecutionTimeSeconds``;
+        the time accumulated in earlier admissions is not modelled) and
+        ``reconcileCheckBasedEviction`` (an admission check Rejected). Sets ``DeactivationTarget``."""
+        if is_true(workload, DEACTIVATION_TARGET):
+            return False
+        status = workload.get("status") or {}
+        limit = workload["spec"].get("maximumExecutionTimeSeconds")
+        admitted = condition(workload, "Admitted")
+        if (
+            limit is not None
+            and is_true(workload, "Admitted")
+            and _since((admitted or {}).get("lastTransitionTime")) >= int(limit)
+        ):
+            reason, message = MAXIMUM_EXECUTION_TIME_EXCEEDED, "exceeding the maximum execution time"
+        else:
+            rejected = [c for c in status.get("admissionChecks") or [] if c.get("state") == "Rejected"]
+            if not rejected:
+                return False
+            noun = "AdmissionCheck" if len(rejected) == 1 else "AdmissionChecks"
+            listed = "; ".join(
+                f'"{c["name"]}" ({c["message"]})' if c.get("message") else f'"{c["name"]}"' for c in rejected
+            )
+            reason, message = (
+                EVICTED_BY_ADMISSION_CHECK,
+                f"{noun} in Rejected state: {listed}",
+            )  # buildAdmissionChecksMessage
+        _set_condition(conditions, DEACTIVATION_TARGET, True, reason, message, generation)
+        return True
+
+    def _pods_ready_timeout(
+        self, workload: JsonObject, conditions: list[JsonObject], generation: int
+    ) -> None:
+        # reconcileNotReadyTimeout / admittedNotReadyWorkload / triggerDeactivation (0.19).
+        config = self.wait_for_pods_ready
+        if config is None or not is_true(workload, "Admitted") or is_true(workload, "PodsReady"):
+            return
+        if is_true(workload, "Evicted") or is_true(workload, DEACTIVATION_TARGET):
+            return
+        if _since((condition(workload, "Admitted") or {}).get("lastTransitionTime")) < config.timeout_seconds:
+            return
+        state = dict((workload.get("status") or {}).get("requeueState") or {})
+        count = int(state.get("count") or 0)
+        if config.backoff_limit_count is not None and count + 1 > config.backoff_limit_count:
+            message = "exceeding the maximum number of re-queuing retries"
+            _set_condition(
+                conditions, DEACTIVATION_TARGET, True, REQUEUING_LIMIT_EXCEEDED, message, generation
+            )
+            self._patch_status(workload, {"conditions": conditions})
+            return
+        wait = min(config.backoff_base_seconds * 2**count, config.backoff_max_seconds)  # UpdateRequeueState
+        requeue_at = (datetime.now(UTC) + timedelta(seconds=wait)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        message = f"Exceeded the PodsReady timeout {self.namespace}/{workload['metadata']['name']}"
+        _set_condition(conditions, "Evicted", True, EVICTED_BY_PODS_READY_TIMEOUT, message, generation)
+        self._patch_status(
+            workload,
+            {"conditions": conditions, "requeueState": {"count": count + 1, "requeueAt": requeue_at}},
+        )
+        self.events.append(KueueEvent(_owner_name(workload) or "", "EvictedDueToPodsReadyTimeout", message))
+
+    def reject_admission_check(self, rayjob_name: str, check: str, message: str) -> None:
+        """An admission check controller rejects the RayJob's Workload (its ``status.admissionChecks``)."""
+        with self._lock:
+            workload = self.workload_of(rayjob_name)
+            if workload is None:
+                raise ValueError(f"RayJob {rayjob_name} has no Workload")
+            checks = [{"name": check, "state": "Rejected", "message": message, "lastTransitionTime": _now()}]
+            self._patch_status(workload, {"admissionChecks": checks})
 
     # --- the job reconciler (jobframework/reconciler.go ReconcileGenericJob, 0.19) ---------------
 
@@ -674,6 +810,7 @@ class KueueStandIn:
             if not rayjob_active(rayjob):
                 self._create_workload(rayjob)
             return
+        self._sync_pods_ready(rayjob, workload)
         evicted = condition(workload, "Evicted")
         if evicted is not None and evicted["status"] == "True":
             # 6: eviction: stop the job; once it is inactive, clear the admission. Only preemption
@@ -699,6 +836,24 @@ class KueueStandIn:
         if not is_true(workload, "Admitted"):
             # 8: "Running job is not admitted by a cluster queue, suspending".
             self._stop_job(rayjob, workload, "Not admitted by cluster queue")
+
+    def _sync_pods_ready(self, rayjob: JsonObject, workload: JsonObject) -> None:
+        # 5. with waitForPodsReady: the PodsReady condition from the job (generatePodsReadyCondition;
+        # RayJob.PodsReady: KubeRay's rayClusterStatus.state is "ready").
+        if self.wait_for_pods_ready is None or not is_true(workload, "Admitted"):
+            return
+        ready = ((rayjob.get("status") or {}).get("rayClusterStatus") or {}).get("state") == "ready"
+        reason, message = (
+            ("Started", "All pods reached readiness and the workload is running")
+            if ready
+            else ("WaitForStart", "Not all pods are ready or succeeded")
+        )
+        found = condition(workload, "PodsReady")
+        if found is None or found.get("reason") != reason:
+            conditions = copy.deepcopy((workload.get("status") or {}).get("conditions") or [])
+            generation = int(workload["metadata"].get("generation", 1))
+            _set_condition(conditions, "PodsReady", ready, reason, message, generation)
+            self._patch_status(workload, {"conditions": conditions})
 
     def _ensure_one_workload(self, rayjob: JsonObject, owned: list[JsonObject]) -> JsonObject | None:
         # ensureOneWorkload + FindMatchingWorkloads/EquivalentToWorkload (reconciler.go, 0.19):
@@ -766,7 +921,12 @@ class KueueStandIn:
                     }
                 ],
             },
-            "spec": {"active": True, "queueName": _queue_name(rayjob), "podSets": pod_sets, "priority": 0},
+            "spec": {
+                "active": True,
+                "queueName": _queue_name(rayjob),
+                "podSets": pod_sets,
+                "priority": self.priority_classes.get(_label(rayjob, PRIORITY_CLASS_LABEL) or "", 0),
+            },
         }
         limit_label = _label(rayjob, MAX_EXEC_TIME_LABEL)
         if limit_label is not None:
@@ -864,7 +1024,14 @@ class KueueStandIn:
             and (condition(w, "Requeued") or {}).get("status") != "False"
             and not _on_hold(w)
         ]
-        pending.sort(key=lambda w: (w["metadata"].get("creationTimestamp", ""), w["metadata"]["name"]))
+        # BestEffortFIFO's order (queue/cluster_queue.go queueOrdering): higher priority first, then older.
+        pending.sort(
+            key=lambda w: (
+                -int(w["spec"].get("priority") or 0),
+                w["metadata"].get("creationTimestamp", ""),
+                w["metadata"]["name"],
+            )
+        )
         for workload in pending:
             need = workload_gpus(workload)
             if self._held or (self.gpus is not None and used + need > self.gpus):
