@@ -26,6 +26,16 @@ EVENT_REASONS: Mapping[str, tuple[EventType, str]] = {
         "Warning",
         "An attempt failed; the next one starts after the backoff, from the newest checkpoint.",
     ),
+    "StopRequested": (
+        "Normal",
+        "A pod of the attempt was deleted (a drained node, an eviction): the controller saved its step "
+        "and the next attempt resumes after it, not counted against spec.maxRestarts.",
+    ),
+    "KueueDeactivated": (
+        "Warning",
+        "Kueue deactivated the job's Workload itself (requeuing limit, maximum execution time, a rejected "
+        "admission check) and will not queue it again; the message names the Workload to delete.",
+    ),
     "Failed": ("Warning", "The job failed for good; the message says why (the reason is in status.reason)."),
     "InvalidSpec": ("Warning", "The spec cannot run; status condition Validated lists each field."),
     "NameConflict": (

@@ -22,9 +22,26 @@ finished:
 
 A queued job that is suspended before it has a RayJob gets none until it is resumed
 (``status.desired_status``): its Workload would start active and be admitted.
+
+Kueue deactivates a Workload itself, too (``core/workload_controller.go``, 0.16-0.19): past
+``waitForPodsReady.requeuingStrategy.backoffLimitCount`` (``RequeuingLimitExceeded``), past the
+job's ``kueue.x-k8s.io/max-exec-time-seconds`` (``MaximumExecutionTimeExceeded``), or when an
+admission check rejects it. It evicts it with reason ``DeactivatedDueTo<cause>`` and never
+admits it again: made active again, Kueue 0.19 leaves its ``Requeued`` condition False (it
+reactivates only reason ``Deactivated``), so the way out is a new Workload, which Kueue makes
+for the suspended RayJob once the old one is deleted. While the operator holds nothing, a pass
+over a job whose RayJob Kueue suspended reads its Workload (:func:`observe_workload`), and one
+that is inactive puts the job in phase Suspended, saying Kueue's reason and message and that way
+out (``status.desired_status``); such a pass also comes every :data:`QUEUED_RECHECK_SECONDS`
+while the job waits, for a Workload deactivated before its job ever ran (no RayJob change
+announces it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from hybridflow_operator.status import ObservedRayJob, StatusDecision
 
@@ -51,3 +68,54 @@ def workload_change(spec_suspend: bool, latest: ObservedRayJob, decision: Status
     wanted = wanted_active(spec_suspend, latest, decision)
     recorded = True if latest.workload_active is None else latest.workload_active
     return None if wanted == recorded else wanted
+
+
+QUEUED_RECHECK_SECONDS = 300.0
+"""How often a pass looks at the Workload of a job Kueue keeps waiting (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class ObservedWorkload:
+    """What a pass reads of a queued RayJob's Workload: whether Kueue keeps it inactive, and why."""
+
+    name: str
+    namespace: str
+    active: bool
+    reason: str
+    """The ``Evicted`` condition's reason (``DeactivatedDueToRequeuingLimitExceeded``, ...), or ""."""
+    message: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ObservedWorkload:
+        metadata = body.get("metadata") or {}
+        conditions = (body.get("status") or {}).get("conditions") or []
+        evicted = next(
+            (c for c in conditions if c.get("type") == "Evicted" and c.get("status") == "True"), {}
+        )
+        return cls(
+            name=str(metadata.get("name", "")),
+            namespace=str(metadata.get("namespace", "")),
+            active=(body.get("spec") or {}).get("active", True) is not False,
+            reason=str(evicted.get("reason") or ""),
+            message=str(evicted.get("message") or ""),
+        )
+
+    def way_out(self) -> str:
+        return (
+            f"Kueue deactivated Workload {self.name}: {self.message or 'spec.active is false'}. Kueue does "
+            "not queue it again; to queue the job again, delete that Workload "
+            f"(kubectl delete workload -n {self.namespace} {self.name}) and Kueue makes a new one"
+        )
+
+
+def held_by_kueue(spec_suspend: bool, latest: ObservedRayJob, decision: StatusDecision) -> bool:
+    """Whether ``latest`` waits on Kueue alone: queued, suspended by Kueue, not finished, and neither
+    held nor being released by the operator (whose last write to the Workload, recorded on the
+    RayJob, said active: an inactive Workload is then Kueue's doing)."""
+    return (
+        latest.queue_name is not None
+        and latest.suspend
+        and not latest.finished
+        and latest.workload_active is not False
+        and wanted_active(spec_suspend, latest, decision)
+    )

@@ -54,6 +54,7 @@ TTL); the caller schedules the job's next pass then.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,7 +65,12 @@ from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
 from hybridflow_operator.cluster import ApiError, Cluster
 from hybridflow_operator.events import Event, api_failure_reason
 from hybridflow_operator.kuberay import ASSUMED_CURRENT, KubeRayFeatures
-from hybridflow_operator.kueue import workload_change
+from hybridflow_operator.kueue import (
+    QUEUED_RECHECK_SECONDS,
+    ObservedWorkload,
+    held_by_kueue,
+    workload_change,
+)
 from hybridflow_operator.status import (
     ACTIVE_TIME_ANNOTATION,
     DEFAULT_RETRY_POLICY,
@@ -78,6 +84,7 @@ from hybridflow_operator.status import (
     StatusDecision,
     close_running_period,
     desired_status,
+    held_inactive_by_kueue,
     invalid_spec_status,
     remaining_deadline_seconds,
     rollout_replacement_events,
@@ -193,6 +200,32 @@ def _hold_through_workload(
     return None
 
 
+def _with_workload(
+    cluster: Cluster,
+    namespace: str,
+    latest: ObservedRayJob,
+    decision: StatusDecision,
+    current: RLHFJobStatus,
+    now: datetime,
+    failures: list[ApiError],
+) -> StatusDecision:
+    """``decision`` for a job that waits on Kueue alone, after one look at its Workload: Suspended
+    with Kueue's reason when Kueue deactivated it itself, and a look again in a while either way
+    (``hybridflow_operator.kueue``). A failed read changes nothing (the next pass reads again)."""
+    decision = dataclasses.replace(
+        decision, recheck_after_seconds=_min(decision.recheck_after_seconds, QUEUED_RECHECK_SECONDS)
+    )
+    try:
+        body = cluster.find_workload(namespace, latest.uid)
+    except ApiError as err:
+        failures.append(err)
+        return decision
+    workload = ObservedWorkload.from_body(body) if body is not None else None
+    if workload is None or workload.active:
+        return decision
+    return held_inactive_by_kueue(decision, current, workload.reason, workload.way_out(), now=now)
+
+
 def reconcile(
     body: Mapping[str, Any],
     children: Iterable[Mapping[str, Any]],
@@ -279,6 +312,9 @@ def reconcile(
     decision = desired_status(
         job, current, attempts, now=now, generation=generation, retry_policy=retry_policy, kuberay=kuberay
     )
+    latest = max(attempts, key=lambda a: a.attempt) if attempts else None
+    if latest is not None and held_by_kueue(spec.suspend, latest, decision):
+        decision = _with_workload(cluster, owner.namespace, latest, decision, current, now, failures)
     status, replaced = rollout_replacement_events(decision.status)
     events = [*decision.events, *replaced]
 
@@ -352,7 +388,6 @@ def reconcile(
             problem = _failure_problem(err, f"{err.verb} {kind} {name}")
             break
 
-    latest = max(attempts, key=lambda a: a.attempt) if attempts else None
     if problem is None and latest is not None and not latest.finished:
         active = workload_change(spec.suspend, latest, decision)
         try:

@@ -74,7 +74,7 @@ RayJob ``jobDeploymentStatus``          RLHFJob phase
 a failure whose message holds the       the attempt failed with reason ``Stalled``
 controller's ``error: Stalled:`` line   (retried like any other failure)
 a failure whose message holds the       reason ``StopRequested``: retried (a Normal
-controller's ``stopped on request:``    Event), not counted against ``maxRestarts``
+controller's ``stopped on request:``    Event ``StopRequested``), not counted against ``maxRestarts``
 line (a pod deleted: a drained node)    (:func:`stopped_attempts`)
 (the current RayJob deleted)            that attempt starts again, under the same
                                         name (attempts come from the RayJobs there are)
@@ -889,10 +889,9 @@ def _conditions(
 
 
 def _phase_event(
-    old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str, *, normal: bool = False
+    old: Phase | None, new: Phase, rayjob: str, attempt_text: str, detail: str
 ) -> tuple[Event, ...]:
-    """One event per phase change a person acts on: Warning for failures and retries (``normal``: a
-    retry after a stop the controller was asked for, an expected disruption), Normal for
+    """One event per phase change a person acts on: Warning for failures and retries, Normal for
     Succeeded, Suspended and Queued.
 
     Pending, Initializing and Running, which every job passes through, get no Event: their times
@@ -911,9 +910,7 @@ def _phase_event(
         "Succeeded": f"training finished in RayJob {rayjob} ({attempt_text})",
         "Failed": detail,
     }
-    kind: Literal["Normal", "Warning"] = (
-        "Warning" if new in ("Retrying", "Failed") and not normal else "Normal"
-    )
+    kind: Literal["Normal", "Warning"] = "Warning" if new in ("Retrying", "Failed") else "Normal"
     return (Event(kind, new, messages[new]),)
 
 
@@ -1145,9 +1142,9 @@ def desired_status(
             **mirrors,
         }
     )
-    events = _phase_event(
-        current.phase, phase, new_name, attempt_text, event_detail, normal=reason == STOP_REQUESTED_REASON
-    )
+    events = _phase_event(current.phase, phase, new_name, attempt_text, event_detail)
+    if events and phase == "Retrying" and reason == STOP_REQUESTED_REASON:
+        events = (Event("Normal", STOP_REQUESTED_REASON, event_detail),)
     hold = (
         None
         if reason
@@ -1166,6 +1163,40 @@ def desired_status(
         stop_reason,
         record_active_time=record,
         hold_status_seconds=hold,
+    )
+
+
+def held_inactive_by_kueue(
+    decision: StatusDecision, current: RLHFJobStatus, reason: str, message: str, *, now: datetime
+) -> StatusDecision:
+    """``decision`` for a job whose Workload Kueue deactivated itself (``hybridflow_operator.kueue``):
+    phase Suspended (nothing will admit it), the ``Suspended`` condition with Kueue's reason and a
+    message saying the way out, the same in ``status.reason``/``message``, and one Warning Event
+    ``KueueDeactivated`` when the reason is new."""
+    now = _now(now)
+    reason = reason or "Deactivated"
+    suspended = _set_condition(current, "Suspended", "True", reason, message, now)
+    status = decision.status.model_copy(
+        update={
+            "phase": "Suspended",
+            "reason": reason,
+            "message": message,
+            "conditions": tuple(
+                suspended if c.type == "Suspended" else c for c in decision.status.conditions
+            ),
+        }
+    )
+    seen = current.condition("Suspended")
+    known = current.phase == "Suspended" and seen is not None and seen.reason == reason
+    events = () if known else (Event("Warning", "KueueDeactivated", message[:1024]),)
+    return StatusDecision(
+        status,
+        decision.start_attempt,
+        events,
+        decision.recheck_after_seconds,
+        decision.stop_rayjob,
+        decision.stop_reason,
+        record_active_time=decision.record_active_time,
     )
 
 

@@ -222,6 +222,47 @@ def test_a_queued_job_is_held_and_released_through_its_kueue_workload(cluster: A
         assert not kueue.errors, kueue.errors
 
 
+def test_a_workload_kueue_deactivates_itself_shows_on_the_job_and_a_new_one_requeues_it(cluster: Any) -> None:
+    """With the Kueue stand-in: Kueue deactivates the Workload of a job past its maximum execution
+    time (the kueue.x-k8s.io/max-exec-time-seconds label, through spec.schedulerLabels) and never
+    queues it again; the job says so with Kueue's reason and the way out, which works."""
+    from kube.kueue import KueueStandIn
+
+    def uid() -> str | None:
+        return ((rayjob(cluster, "kd-1") or {}).get("metadata") or {}).get("uid")
+
+    def workloads() -> list[dict[str, Any]]:
+        return list(
+            cluster.custom.list_namespaced_custom_object(
+                "kueue.x-k8s.io", "v1beta2", NS, "workloads", label_selector=f"kueue.x-k8s.io/job-uid={uid()}"
+            )["items"]
+        )
+
+    def suspended() -> bool:
+        return bool((rayjob(cluster, "kd-1") or {}).get("spec", {}).get("suspend"))
+
+    with KueueStandIn(cluster.api_client, namespace=NS) as kueue:
+        create_job(
+            cluster, "kd", queueName="research", schedulerLabels={"kueue.x-k8s.io/max-exec-time-seconds": "2"}
+        )
+        wait_until(lambda: rayjob(cluster, "kd-1") is not None and not suspended())  # admitted
+        kuberay(cluster, "kd-1", "Running", "RUNNING")
+        wait_until(suspended, timeout_seconds=15, message="Kueue deactivates and stops it")
+        kuberay(cluster, "kd-1", "Suspended")
+        wait_until(lambda: phase(cluster, "kd") == "Suspended", message="the job says Kueue holds it")
+        status = job(cluster, "kd")["status"]
+        assert status["reason"] == "DeactivatedDueToMaximumExecutionTimeExceeded", status
+        (name,) = [w["metadata"]["name"] for w in workloads()]
+        assert f"kubectl delete workload -n {NS} {name}" in status["message"]
+        events = CoreV1Api(cluster.api_client).list_namespaced_event(NS).items
+        assert [e.reason for e in events if e.involved_object.name == "kd"].count("KueueDeactivated") == 1
+        cluster.custom.delete_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", NS, "workloads", name)
+        wait_until(lambda: not suspended(), message="a new Workload is admitted")  # the way out
+        kuberay(cluster, "kd-1", "Running", "RUNNING")
+        wait_until(lambda: phase(cluster, "kd") == "Running")
+        assert not kueue.errors, kueue.errors
+
+
 def errors(cluster: Any, reason: str) -> float:
     return float(cluster.metrics.errors.labels(error=reason)._value.get())
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from hybridflow_operator.cluster import ApiError
+from hybridflow_operator.kueue import QUEUED_RECHECK_SECONDS
 from hybridflow_operator.status import PENDING_WRITE_DELAY_SECONDS
 from kube.fake_cluster import T0, FakeCluster
 
@@ -180,6 +181,52 @@ def test_a_queued_job_is_held_through_its_workload_never_its_suspend() -> None:
     assert cluster.pass_() == 0
 
 
+def test_a_workload_kueue_deactivated_itself_says_why_and_the_way_out() -> None:
+    """Kueue deactivates a Workload for its own reasons and never queues it again: the job says so
+    (phase Suspended, Kueue's reason and message, the Workload to delete), once, and the operator
+    writes nothing to the Workload or the RayJob (it is not the operator's hold to undo)."""
+    cluster = FakeCluster(job_body(queueName="research"))
+    cluster.pass_()
+    rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
+    workload = workload_of(cluster, "grpo-tiny-1")
+    workload["metadata"]["namespace"] = "research"
+    rayjob["spec"]["suspend"] = False  # admitted, running
+    cluster.kuberay("grpo-tiny-1", "Running", "RUNNING")
+    cluster.pass_()
+    workload["spec"]["active"] = False  # RequeuingLimitExceeded: Kueue's own deactivation
+    workload["status"] = {
+        "conditions": [
+            {
+                "type": "Evicted",
+                "status": "True",
+                "reason": "DeactivatedDueToRequeuingLimitExceeded",
+                "message": "The workload is deactivated due to exceeding the maximum number of re-queuing retries",
+            }
+        ]
+    }
+    rayjob["spec"]["suspend"] = True  # Kueue stops the job
+    cluster.kuberay("grpo-tiny-1", "Suspended")
+    cluster.pass_()
+    status = cluster.job["status"]
+    assert status["phase"] == "Suspended" and status["reason"] == "DeactivatedDueToRequeuingLimitExceeded"
+    suspended = next(c for c in status["conditions"] if c["type"] == "Suspended")
+    assert suspended["status"] == "True" and suspended["reason"] == "DeactivatedDueToRequeuingLimitExceeded"
+    assert "exceeding the maximum number of re-queuing retries" in suspended["message"]
+    assert "kubectl delete workload -n research rayjob-grpo-tiny-1-abcde" in suspended["message"]
+    assert cluster.events[-1] == ("Warning", "KueueDeactivated")
+    assert workload["spec"]["active"] is False and "hybridflow.io/workload-active" not in rayjob[
+        "metadata"
+    ].get("annotations", {})
+    assert cluster.pass_() == 0  # said once
+    del cluster.objects[("Workload", "rayjob-grpo-tiny-1-abcde")]  # the way out: Kueue makes a new one
+    workload_of(cluster, "grpo-tiny-1")
+    cluster.pass_()
+    assert (
+        cluster.job["status"]["phase"] == "Queued"
+        and cluster.result.recheck_after_seconds == QUEUED_RECHECK_SECONDS
+    )
+
+
 def test_a_queued_job_suspended_before_it_starts_gets_no_rayjob_until_resumed() -> None:
     """A new RayJob's Workload starts active, and Kueue would start it against the user's suspend."""
     cluster = FakeCluster(job_body(queueName="research", suspend=True))
@@ -295,7 +342,9 @@ def test_kueue_queueing_and_preemption_spend_no_budget() -> None:
     rayjob = cluster.objects[("RayJob", "grpo-tiny-1")]
     cluster.kuberay("grpo-tiny-1", "Suspended")  # startTime from KubeRay's pass through Initializing
     cluster.pass_(T0 + timedelta(hours=1))
-    assert cluster.job["status"]["phase"] == "Queued" and cluster.result.recheck_after_seconds is None
+    # The deadline clock stands still while queued; the only pass due is the look at the Workload.
+    assert cluster.job["status"]["phase"] == "Queued"
+    assert cluster.result.recheck_after_seconds == QUEUED_RECHECK_SECONDS
     assert active_time(cluster, "grpo-tiny-1") == {}  # never let run: nothing to record, no write
     assert cluster.pass_(T0 + timedelta(hours=2)) == 0
 

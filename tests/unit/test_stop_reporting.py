@@ -89,7 +89,7 @@ def test_a_requested_stop_is_retried_even_with_no_restarts_left() -> None:
     phase, reason, start, events = decide(0, STOPPED)
     assert (phase, reason, start) == ("Retrying", "StopRequested", 2)
     [event] = events
-    assert event.startswith("Normal Retrying: attempt 1 stopped on request (the preStop hook of pod")
+    assert event.startswith("Normal StopRequested: attempt 1 stopped on request (the preStop hook of pod")
     assert "not counted against spec.maxRestarts" in event and "(attempt 2 of 2)" in event
 
 
