@@ -8,9 +8,23 @@ HELM := $(VENV)/bin/helm
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test e2e lint bench bench-smoke format clean images images-check crds dashboards gpu-wheels gpu-check
+.PHONY: setup system-packages demo test e2e lint bench bench-smoke format clean images images-check crds dashboards gpu-wheels gpu-check
 
-setup: $(STAMP) $(HELM)
+setup: $(STAMP) $(HELM) system-packages
+
+# Debian packages the tests run for real: dnsmasq (the e2e cluster's DNS, e2e/cluster_dns.py).
+# Installed as root when missing; anyone else is told the one command to run.
+SYSTEM_PACKAGES := dnsmasq-base
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			echo "make setup: installing $$missing (apt-get)"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+		else \
+			echo "make setup: the e2e tests need: sudo apt-get install -y $$missing" >&2; \
+		fi; \
+	fi
 
 $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

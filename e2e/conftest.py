@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Ray GPU workers are held to a GPU node's device preconditions (runtime/hybridflow/devices.py).
 os.environ.setdefault("HYBRIDFLOW_GPU_CONTRACT", "emulate")
 
+from cluster_dns import ClusterDNS  # noqa: E402
 from kuberay import KubeRayStandIn, write_kubeconfig  # noqa: E402
 from operator_process import OperatorProcess  # noqa: E402
 
@@ -99,8 +100,15 @@ OPERATOR_ENV = {
 }
 
 
+@pytest.fixture(scope="session")
+def cluster_dns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterDNS]:
+    """The cluster's DNS (``cluster_dns.py``): Services' names resolve while they exist."""
+    with ClusterDNS(tmp_path_factory.mktemp("dns")) as dns:
+        yield dns
+
+
 @pytest.fixture
-def e2e(tmp_path: Path) -> Iterator[E2E]:
+def e2e(tmp_path: Path, cluster_dns: ClusterDNS) -> Iterator[E2E]:
     with EmulatedCluster() as cluster:
         cluster.emulator.register_crd(
             yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text())
@@ -128,7 +136,7 @@ def e2e(tmp_path: Path) -> Iterator[E2E]:
         )
         operator.start()
         try:
-            with KubeRayStandIn(cluster.api_client, kubeconfig_for, tmp_path) as kuberay:
+            with KubeRayStandIn(cluster.api_client, kubeconfig_for, tmp_path, cluster_dns) as kuberay:
                 yield E2E(cluster, kuberay, operator, tmp_path)
         finally:
             operator.stop()

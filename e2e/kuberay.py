@@ -19,14 +19,26 @@ carries out the twin's actions on a world of processes, and observes that world 
   (plain values, Secrets resolved by reference as the kubelet does), the job's namespace and
   the token of the head pod's ServiceAccount. Ray's job status is RUNNING while it runs, then
   SUCCEEDED or FAILED by its exit code, with its last log lines as the message.
+* the head Service: KubeRay makes ``<cluster>-head-svc`` with the cluster, owned by it
+  (``raycluster_controller.go`` ``reconcileServices``), and the garbage collector deletes it with
+  the pods; its name resolves exactly while it exists, through a real resolver
+  (``cluster_dns.py``: dnsmasq), which every preStop hook uses as a pod's would. Each pod's
+  ``ray_current_cluster`` holds what Ray 2.60 writes there: the head's own address on the head,
+  the Service name and port a worker was started with (``--address``, ``common/pod.go``) on a
+  worker; each Ray container gets the variables KubeRay sets (``RAY_CLUSTER_NAME``,
+  ``RAY_CLOUD_INSTANCE_ID``, ``FQ_RAY_IP`` and ``RAY_ADDRESS``; ``setContainerEnvVars``, 1.7).
 * ``delete-cluster``: KubeRay deletes the RayCluster and the garbage collector deletes every pod
-  of it at once; the RayCluster is gone at once (KubeRay goes on), its pods terminate as the
-  kubelet terminates them (:meth:`KubeRayStandIn._terminate_pods`): each container's preStop hook
-  runs first (the pod's command, with its environment), then its PID 1 gets SIGTERM, and the
-  pod's ``terminationGracePeriodSeconds`` after the deletion everything left gets SIGKILL. PID 1
-  of a Ray container is ``ray start --block``: its SIGTERM ends that node's Ray, and the end of
-  Ray SIGKILLs the driver. The cluster's nodes share one Ray process here, so the first pod whose
-  Ray ends ends them all, and the driver with them.
+  of it and its head Service at once; the RayCluster is gone at once (KubeRay goes on), its pods
+  terminate as the kubelet terminates them (:meth:`KubeRayStandIn._terminate_pod`): each
+  container's preStop hook runs first (the pod's command, with its environment, resolving names
+  through the cluster's DNS), then its PID 1 gets SIGTERM, and the pod's
+  ``terminationGracePeriodSeconds`` after the deletion everything left gets SIGKILL. PID 1 of a
+  Ray container is ``ray start --block``, whose SIGTERM handler (Ray 2.60 ``_private/node.py``
+  ``_drain_node_before_shutdown``) marks the node draining and waits until it is idle (here: the
+  driver, whose actors it hosts, has exited) or ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (default
+  30 s) has passed, then kills the node's processes; the end of Ray SIGKILLs the driver. The
+  cluster's nodes share one Ray process here, so the first pod whose Ray ends ends them all, and
+  the driver with them.
 * ``stop-ray-job`` (a RayJob deleted before it finished): Ray's job stop, SIGTERM to the driver
   and SIGKILL 3 s later (``RAY_JOB_STOP_WAIT_TIME_S``).
 
@@ -52,6 +64,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cluster_dns import ClusterDNS, head_service_name
 from kubernetes import client
 
 from kube.kuberay_lifecycle import FINALIZER, ClusterObservation, reconcile_rayjob
@@ -61,6 +74,8 @@ ROOT = HERE.parent
 LOG_TAIL_CHARACTERS = 20_000  # what KubeRay copies from Ray's job info into status.message
 RAY_JOB_STOP_WAIT_SECONDS = 3.0
 DEFAULT_GRACE_SECONDS = 30  # a pod spec's terminationGracePeriodSeconds default
+DEFAULT_DRAIN_SECONDS = 30.0  # ray_constants.RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, Ray 2.60
+GCS_PORT = 6379
 SHARED_PATHS = ("/tmp", "/dev/shm")
 """emptyDirs left as this machine's own: the test's files live under /tmp, which a rewrite of
 "/tmp" in the manifest would move away (the pods' Ray keeps its own temp root, ``Pod.ray_tmpdir``)."""
@@ -101,6 +116,10 @@ class Pod:
     ray_tmpdir: Path
     """The pod's /tmp as its Ray node sees it (``RAY_TMPDIR``): ``ray/ray_current_cluster`` lives there."""
 
+    @property
+    def head(self) -> bool:
+        return self.name == "head"
+
 
 @dataclass
 class Cluster:
@@ -126,6 +145,25 @@ class Cluster:
     ray_ended: threading.Event = field(default_factory=threading.Event)
     hooks: list[tuple[str, int | None]] = field(default_factory=list)
     """(pod, preStop exit code) for every hook run, for the tests."""
+    hook_returned: dict[str, float] = field(default_factory=dict)
+    """When each pod's preStop hook returned (``time.time``, to compare with files' times)."""
+    driver_exited_at: float | None = None
+    """When the driver's process ended, however it ended (``time.monotonic``)."""
+    namespace: str = "default"
+
+    @property
+    def head_service(self) -> str:
+        """The head Service's name as every worker knows it."""
+        return head_service_name(self.name, self.namespace)
+
+    def kuberay_env(self, pod: Pod) -> dict[str, str]:
+        """What KubeRay's ``setContainerEnvVars`` (1.7) adds to a Ray container of this cluster."""
+        head = self.address or f"127.0.0.1:{GCS_PORT}"
+        env = {"RAY_CLUSTER_NAME": self.name, "RAY_CLOUD_INSTANCE_ID": f"{self.name}-{pod.name}"}
+        if pod.head:
+            return {**env, "RAY_ADDRESS": head}
+        port = head.rsplit(":", 1)[1]
+        return {**env, "FQ_RAY_IP": self.head_service, "RAY_ADDRESS": f"{self.head_service}:{port}"}
 
     @property
     def ray_address(self) -> str:
@@ -139,11 +177,13 @@ class KubeRayStandIn:
         api: client.ApiClient,
         kubeconfig_for: Callable[[str, str], Path],
         root: Path,
+        dns: ClusterDNS,
         namespace: str = "default",
         version: str = "1.7",
     ) -> None:
         """``kubeconfig_for(service_account, namespace)`` is the kubeconfig a pod of that
-        ServiceAccount sees (its token authorized by RBAC)."""
+        ServiceAccount sees (its token authorized by RBAC); ``dns`` the cluster's resolver."""
+        self.dns = dns
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.kubeconfig_for = kubeconfig_for
@@ -361,7 +401,9 @@ class KubeRayStandIn:
             head_env={key: in_pod(value) for key, value in self._container_env(container).items()},
             ray_auth=ray_auth,
             controller_port=_free_port(),
+            namespace=self.namespace,
         )
+        self.dns.add(cluster.head_service, "127.0.0.1")  # the head Service, made with the cluster
         self._spawn(lambda: self._await_ray(cluster), f"ray-{name}")
         return cluster
 
@@ -379,9 +421,11 @@ class KubeRayStandIn:
             cluster.ray_ended.set()
             self.errors.append(f"the Ray cluster of RayJob {cluster.rayjob} did not start")
             return
-        for pod in cluster.pods:
+        port = address.rsplit(":", 1)[1]
+        for pod in cluster.pods:  # the head writes its own address, a worker the name it was given
             (pod.ray_tmpdir / "ray").mkdir(exist_ok=True)
-            (pod.ray_tmpdir / "ray" / "ray_current_cluster").write_text(address)
+            known = address if pod.head else f"{cluster.head_service}:{port}"
+            (pod.ray_tmpdir / "ray" / "ray_current_cluster").write_text(known)
         cluster.address = address
 
     def _start_driver(self, cluster: Cluster, rayjob: dict[str, Any]) -> None:
@@ -398,6 +442,7 @@ class KubeRayStandIn:
             "KUBECONFIG": str(self.kubeconfig_for(account, self.namespace)),
             "POD_NAMESPACE": self.namespace,
             "HYBRIDFLOW_METRICS_PORT": str(cluster.controller_port),  # pods' ports share one host here
+            "RAY_CLUSTER_NAME": cluster.name,
             "PYTHONUNBUFFERED": "1",
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)
@@ -413,42 +458,60 @@ class KubeRayStandIn:
             )
         cluster.started_ms = int(time.time() * 1000)
         self._note(f"{cluster.rayjob}: driver pid {cluster.entrypoint.pid} on port {cluster.controller_port}")
+        driver = cluster.entrypoint
+
+        def watch() -> None:
+            driver.wait()
+            cluster.driver_exited_at = time.monotonic()
+
+        self._spawn(watch, f"driver-{cluster.rayjob}")
 
     def _delete_cluster(self, cluster: Cluster) -> None:
-        """The RayCluster is deleted: all its pods at once (see the module docstring)."""
+        """The RayCluster is deleted: all its pods and its head Service at once (module docstring)."""
         self.terminated.append(cluster)
+        self.dns.remove(cluster.head_service)
         started = time.monotonic()
         for pod in cluster.pods:
             self._spawn(lambda pod=pod: self._terminate_pod(cluster, pod, started), f"terminate-{pod.name}")
 
     def _terminate_pod(self, cluster: Cluster, pod: Pod, started: float) -> None:
-        """The kubelet: preStop hook, SIGTERM to PID 1 (this node's Ray), SIGKILL at the grace period."""
+        """The kubelet: preStop hook, SIGTERM to PID 1 (this node's Ray drains, then ends), SIGKILL
+        at the grace period."""
         deadline = started + pod.grace_seconds
+        env = {key: cluster.in_pod(value) for key, value in self._container_env(pod.container).items()}
         command = (((pod.container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get(
             "command"
         )
         if command and not cluster.ray_ended.is_set():
-            env = {
-                **os.environ,
-                **{key: cluster.in_pod(value) for key, value in self._container_env(pod.container).items()},
-                **cluster.ray_auth,
-                "HYBRIDFLOW_METRICS_PORT": str(cluster.controller_port),
-                "RAY_TMPDIR": str(pod.ray_tmpdir),
-                "FQ_RAY_IP": "127.0.0.1",  # KubeRay's head Service name, for worker pods
-            }
             hook = subprocess.Popen(
-                _command(list(command)),
+                self.dns.command(_command(list(command))),
                 stdout=open(cluster.pod_root / f"prestop-{pod.name}.log", "ab"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
-                env=env,
+                env={
+                    **os.environ,
+                    **env,
+                    **cluster.ray_auth,
+                    **cluster.kuberay_env(pod),
+                    "RAY_TMPDIR": str(pod.ray_tmpdir),
+                    "HYBRIDFLOW_METRICS_PORT": str(cluster.controller_port),  # pods' ports share one host
+                },
             )
             try:
                 code: int | None = hook.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hook.kill()  # the kubelet gives up on the hook at the grace period
                 code = None
+            cluster.hook_returned[pod.name] = time.time()
             cluster.hooks.append((pod.name, code))
-        self._end_ray(cluster)  # SIGTERM to `ray start --block`: this node's Ray ends, and the cluster's here
+        # SIGTERM to `ray start --block`: the node drains until idle (the driver, whose actors it
+        # hosts, has exited) or its drain timeout, then its Ray ends, and the cluster's here.
+        drain = float(env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_SECONDS))
+        until = min(time.monotonic() + drain, deadline)
+        while (
+            cluster.driver_exited_at is None and cluster.entrypoint is not None and time.monotonic() < until
+        ):
+            time.sleep(0.1)
+        self._end_ray(cluster)
         if cluster.entrypoint is not None and cluster.entrypoint.poll() is None:
             # The driver outlived Ray only until Ray's end reaches it (or the grace period: SIGKILL).
             self._kill_driver(cluster)

@@ -19,6 +19,7 @@ import yaml
 from kubernetes import client
 
 from conftest import E2E, NAMESPACE
+from hybridflow.cli import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
@@ -245,8 +246,9 @@ def checkpointed_steps(e2e: E2E, claim: str) -> list[int]:
 
 
 def stopped_cleanly(e2e: E2E, rayjob: str, claim: str, pods: set[str] | None = None) -> int:
-    """After a stop through pod deletion: the preStop hook of every pod deleted (``pods``, default
-    all of them) returned once the controller was done, and the newest checkpoint holds the last
+    """After a stop through pod deletion: the driver saved and exited by itself (143, not killed),
+    the preStop hook of every pod deleted (``pods``, default all of them) returned 0 only once that
+    checkpoint was complete, so no node's Ray went first, and the newest checkpoint holds the last
     completed step. That step."""
     cluster = e2e.kuberay.cluster_of(rayjob)
     deleted = pods if pods is not None else {pod.name for pod in cluster.pods}
@@ -257,11 +259,34 @@ def stopped_cleanly(e2e: E2E, rayjob: str, claim: str, pods: set[str] | None = N
         left=lambda: cluster.hooks,
     )
     assert all(code == 0 for _, code in cluster.hooks), cluster.hooks
-    log = (cluster.log.read_text() if cluster.log else "")[-4000:]
-    assert "stop requested: checkpointing" in log, log
+    assert e2e.kuberay.finished[rayjob] == EXIT_PREEMPTED, e2e.kuberay.finished[rayjob]
     completed = max(metrics_steps(e2e, claim))
     assert checkpointed_steps(e2e, claim)[-1] == completed, (checkpointed_steps(e2e, claim), completed)
+    # controller.json is the checkpoint's last file (written, then the directory renamed into place).
+    saved_at = (
+        (e2e.root / "volumes" / claim / "checkpoints" / f"step_{completed:06d}" / "controller.json")
+        .stat()
+        .st_mtime
+    )
+    early = {
+        pod: round(cluster.hook_returned[pod] - saved_at, 2)
+        for pod in deleted
+        if cluster.hook_returned[pod] < saved_at
+    }
+    assert not early, f"these pods' hooks let their Ray go before the checkpoint was complete: {early}"
+    log = (cluster.log.read_text() if cluster.log else "")[-4000:]
+    assert "stop requested by the preStop hook of pod" in log, log
     return completed
+
+
+def whole_cluster_deleted(e2e: E2E, rayjob: str) -> None:
+    """The stop went through the deletion of the whole RayCluster: its head Service with it, so the
+    name every worker knows its head by no longer resolved while the hooks waited."""
+    cluster = e2e.kuberay.cluster_of(rayjob)
+    assert rayjob not in e2e.kuberay.clusters and not e2e.kuberay.dns.resolves(cluster.head_service)
+    worker = next(pod for pod in cluster.pods if not pod.head)
+    known = (worker.ray_tmpdir / "ray" / "ray_current_cluster").read_text()
+    assert known.startswith(cluster.head_service + ":"), known  # what Ray wrote from --address
 
 
 def test_suspend_and_resume_mid_run_continue_from_the_checkpoint(
@@ -280,6 +305,7 @@ def test_suspend_and_resume_mid_run_continue_from_the_checkpoint(
     )
     wait_for("Suspended", lambda: phase_is(e2e, name, "Suspended"))
     saved = stopped_cleanly(e2e, first, claim)
+    whole_cluster_deleted(e2e, first)
     figures["suspend_saved_step"] = saved
     e2e.cluster.custom.patch_namespaced_custom_object(
         GROUP, VERSION, NAMESPACE, PLURAL, name, {"spec": {"suspend": False}}
@@ -307,6 +333,7 @@ def test_a_kueue_preemption_saves_the_last_step_and_the_readmitted_job_resumes_a
     kueue.evict(rayjob)
     wait_for("Queued", lambda: phase_is(e2e, name, "Queued"))
     saved = stopped_cleanly(e2e, rayjob, claim)
+    whole_cluster_deleted(e2e, rayjob)
     figures["preemption_saved_step"] = saved
     kueue.release()
     done = wait_for("Succeeded after readmission", lambda: phase_is(e2e, name, "Succeeded"))
@@ -332,6 +359,7 @@ def test_a_deadline_stop_of_a_queued_job_saves_its_last_step_and_stays_stopped(
     assert failed["reason"] == "DeadlineExceeded", failed
     rayjob = failed["rayJobName"]
     saved = stopped_cleanly(e2e, rayjob, claim)
+    whole_cluster_deleted(e2e, rayjob)
     figures["deadline_saved_step"] = saved
     time.sleep(5)  # Kueue would have readmitted it by now
     assert rayjob not in e2e.kuberay.clusters  # no new cluster: it stays stopped
@@ -342,10 +370,12 @@ def test_an_evicted_worker_pod_makes_the_attempt_checkpoint_and_the_next_resumes
     e2e: E2E, tiny: Path, figures: dict[str, object]
 ) -> None:
     """A drained node deletes one pod: its preStop hook asks the controller to stop, which saves the
-    step and ends the attempt; the retry resumes after it, and nothing is lost or repeated."""
+    step and ends the attempt; the retry resumes after it, and nothing is lost or repeated. The
+    stop is the cluster's doing, not the job's: with maxRestarts 0 the job still gets its retry."""
     name, claim = "evicted", "evicted-ckpt"
     doc = manifest(FAULTS_EXAMPLE, tiny, name, steps=STOP_STEPS, claim=claim)
     doc["spec"]["checkpoint"]["intervalSteps"] = 100
+    doc["spec"]["maxRestarts"] = 0
     apply(e2e, doc)
     wait_for("step 2", lambda: trained(e2e, claim, 2))
     first = status(e2e, name)["rayJobName"]
@@ -357,6 +387,15 @@ def test_an_evicted_worker_pod_makes_the_attempt_checkpoint_and_the_next_resumes
     steps = metrics_steps(e2e, claim)
     figures["lost_or_repeated_steps"] = lost_or_repeated(steps, STOP_STEPS)
     assert steps == list(range(1, STOP_STEPS + 1)), steps
+    events = e2e.cluster.core.list_namespaced_event(NAMESPACE).items
+    retries = [
+        (e.type, e.reason, e.message)
+        for e in events
+        if e.reason in ("Retrying", "StopRequested") and e.involved_object.name == name
+    ]
+    assert len(retries) == 1 and retries[0][:2] == ("Normal", "StopRequested"), retries
+    assert "stopped on request (the preStop hook of pod" in retries[0][2], retries
+    assert "not counted against spec.maxRestarts" in retries[0][2], retries
 
 
 SERVER_EXAMPLE = ROOT / "examples" / "grpo-tiny-server.yaml"
