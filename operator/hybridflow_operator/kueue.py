@@ -89,7 +89,7 @@ class ObservedWorkload:
     def from_body(cls, body: Mapping[str, Any]) -> ObservedWorkload:
         metadata = body.get("metadata") or {}
         conditions = (body.get("status") or {}).get("conditions") or []
-        evicted = next(
+        evicted: Mapping[str, Any] = next(
             (c for c in conditions if c.get("type") == "Evicted" and c.get("status") == "True"), {}
         )
         return cls(

@@ -48,8 +48,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal

@@ -44,6 +44,7 @@ Without a checkpoint volume nothing a stop saves outlives the pods, and the hook
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -291,7 +292,7 @@ def wait_for_stopping_controllers(
             f"waiting up to {left:.0f} s for it"
         )
         _still(
-            lambda p=path: read_record(p),
+            functools.partial(read_record, path),
             deadline=clock() + left,
             clock=clock,
             poll_seconds=poll_seconds,
