@@ -2,8 +2,17 @@
 
 Written from Kueue's published Go source (tags v0.16.9, v0.17.8, v0.18.6, v0.19.2); every rule
 below names the function and file it follows. It is a model of observable behaviour, not a
-port: one cluster queue, one resource flavor, no cohorts, priorities, admission checks,
-topology, partial admission, elastic jobs or backoff.
+port: one cluster queue, one resource flavor; priorities only as WorkloadPriorityClass values
+ordering the queue (no automatic preemption: a test evicts); admission checks only as a
+rejection a test injects; waitForPodsReady's timeout and requeue backoff, without its
+recovery timeout; no cohorts, topology, partial admission or elastic jobs.
+
+Kueue's own decisions it makes as Kueue does: the Workload's pod sets (unique names, at most
+MaxPodSets per version); ``IsActive`` of a RayJob (not Suspended or New, so a suspended job's
+quota is released once KubeRay says Suspended, its pods' termination notwithstanding);
+``IsOnHold`` from 0.18; deactivating a Workload itself (maximum execution time, the requeuing
+limit, a rejected admission check) with reason ``DeactivatedDueTo<cause>``, after which making
+it active again does not requeue it (0.19.2 reactivates only reason ``Deactivated``).
 
 What it serves (:func:`register_kueue`)
     The ``Workload`` resource, ``kueue.x-k8s.io/v1beta2``, with its ``status`` subresource.

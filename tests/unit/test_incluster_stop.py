@@ -159,6 +159,7 @@ def test_a_new_cluster_waits_for_the_previous_ones_save_and_prunes_what_is_done(
     StopRequests(tmp_path, "job-0-zzzzz").ask("pod")
     running = ControllerRecord(tmp_path, "job-2-running")
     running.write("running")
+    StopRequests(tmp_path, "job-3-neverstarted").ask("pod")  # its controller never wrote a record
     prune_other_clusters(tmp_path, "job-1-fghjk")
     left = sorted(p.name for p in (tmp_path / CONTROL_DIR).iterdir())
     assert left == ["job-2-running.json"]  # exited clusters and their requests are gone

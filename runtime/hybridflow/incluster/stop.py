@@ -109,6 +109,11 @@ class MetricsServer:
         self._httpd.server_close()
 
 
+def _key(cluster: str) -> str:
+    """The name a RayCluster's files go by (a run outside KubeRay has no ``RAY_CLUSTER_NAME``)."""
+    return cluster or "cluster"
+
+
 def _write_atomically(path: Path, text: str) -> None:
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     staging.write_text(text, encoding="utf-8")
@@ -130,7 +135,7 @@ class ControllerRecord:
 
     def __init__(self, checkpoint_dir: str | os.PathLike[str], cluster: str) -> None:
         self.directory = Path(checkpoint_dir) / CONTROL_DIR
-        self.cluster = cluster or "cluster"
+        self.cluster = _key(cluster)
         self.path = self.directory / f"{self.cluster}.json"
         self._beat = 0
         self._state: RecordState = "running"
@@ -175,7 +180,7 @@ class StopRequests:
     """``<checkpoint dir>/.controller/<cluster>.requests/``: one file per pod whose hook asked for a stop."""
 
     def __init__(self, checkpoint_dir: str | os.PathLike[str], cluster: str) -> None:
-        self.directory = Path(checkpoint_dir) / CONTROL_DIR / f"{cluster or 'cluster'}.requests"
+        self.directory = Path(checkpoint_dir) / CONTROL_DIR / f"{_key(cluster)}.requests"
 
     def ask(self, pod: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -189,15 +194,16 @@ class StopRequests:
 
 
 def prune_other_clusters(checkpoint_dir: str | os.PathLike[str], cluster: str) -> None:
-    """Remove what earlier clusters of the job left that nobody waits on: exited records and their
-    requests (a record still ``running`` or ``stopping`` may be a stop under way)."""
+    """Remove what earlier clusters of the job left that nobody waits on: exited records, requests
+    with no record (their controller never started), and their requests (a record still
+    ``running`` or ``stopping`` may be a stop under way)."""
     directory = Path(checkpoint_dir) / CONTROL_DIR
     with contextlib.suppress(OSError):
-        for record in directory.glob("*.json"):
-            name = record.name.removesuffix(".json")
-            view = read_record(record)
-            if name != cluster and (view is None or view.state == "exited"):
-                record.unlink(missing_ok=True)
+        names = {p.name.removesuffix(".json").removesuffix(".requests") for p in directory.iterdir()}
+        for name in names - {_key(cluster)}:
+            view = read_record(directory / f"{name}.json")
+            if view is None or view.state == "exited":
+                (directory / f"{name}.json").unlink(missing_ok=True)
                 shutil.rmtree(directory / f"{name}.requests", ignore_errors=True)
 
 
@@ -284,7 +290,7 @@ def wait_for_stopping_controllers(
     started = clock()
     for path in sorted((Path(checkpoint_dir) / CONTROL_DIR).glob("*.json")):
         view = read_record(path)
-        if path.name == f"{cluster or 'cluster'}.json" or view is None or view.state != "stopping":
+        if path.name == f"{_key(cluster)}.json" or view is None or view.state != "stopping":
             continue
         left = max(0.0, view.until - time.time()) if view.until is not None else stale_seconds
         say(
@@ -322,7 +328,7 @@ class ControllerBeat:
         self._thread = threading.Thread(target=self._run, name="hybridflow-stop-beat", daemon=True)
 
     def start(self) -> ControllerBeat:
-        self.record.write("running")
+        self.record.write()  # running, or stopping already if a SIGTERM came first
         self._thread.start()
         return self
 
