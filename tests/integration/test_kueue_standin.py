@@ -588,7 +588,9 @@ def test_a_preemptor_admitted_onto_gpus_still_held_flaps_unless_pods_ready_waits
     off the preempted job is admitted again: admission flaps. Above it, the preemptor starts once."""
     namespace = f"overlap-{timeout}"
     held_until = {"gpus": 0.0}
-    config = WaitForPodsReady(timeout_seconds=timeout, backoff_base_seconds=2)
+    # The preemptor's requeue waits 10 s: long enough that the preempted job is seen readmitted
+    # before it, however slow the machine.
+    config = WaitForPodsReady(timeout_seconds=timeout, backoff_base_seconds=10)
 
     def ready_after(name: str) -> float:
         return max(0.0, held_until["gpus"] - time.monotonic())  # nothing starts on GPUs still held
