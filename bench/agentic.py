@@ -60,8 +60,8 @@ import lookup_task  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from hybridflow.agents.escapes import ESCAPE_LIMITS, try_escapes  # noqa: E402
-from hybridflow.agents.sandbox import isolation, run_python  # noqa: E402
+from hybridflow.agents.escapes import ESCAPE_LIMITS, MODES, try_escapes  # noqa: E402
+from hybridflow.agents.sandbox import probe, run_python  # noqa: E402
 from hybridflow.controller import init_local_ray  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
 from hybridflow.spec import RLHFJobSpec, load_job_manifest  # noqa: E402
@@ -192,16 +192,20 @@ def train(spec: RLHFJobSpec, tag: str) -> dict[str, Any]:
 
 
 def sandbox_figures(quick: bool) -> dict[str, Any]:
-    applied = isolation()
-    modes = [False] if applied is None or not applied.namespaces else [True, False]
+    """The escape catalogue in every mode this machine gives (strict alone in the quick run), and
+    a small call's latency in strict isolation."""
+    applied, refused = probe("strict")
+    modes = [mode for mode in MODES if probe(MODES[mode][0])[1] == ""]
     if quick:
         modes = modes[:1]
-    reports = [report for namespaces in modes for report in try_escapes(ESCAPE_LIMITS, namespaces=namespaces)]
+    reports = [report for mode in modes for report in try_escapes(ESCAPE_LIMITS, mode)]
     latencies = sorted(
         run_python("print(sum(range(1000)))", ESCAPE_LIMITS).seconds for _ in range(5 if quick else 20)
     )
     return {
         "isolation": None if applied is None else vars(applied),
+        "isolation_refused": refused,
+        "sandbox_modes": modes,
         "sandbox_escapes_tried": len(reports),
         "sandbox_escapes_contained": sum(report.contained for report in reports),
         "sandbox_escapes_not_contained": [f"{r.name}: {r.reason}" for r in reports if not r.contained],

@@ -1,9 +1,10 @@
 """A process on which Landlock is denied, as on a node whose kernel or seccomp profile refuses it.
 
-``python tests/landlock_denied.py <require: yes|no|auto>`` installs a seccomp filter that answers
+``python tests/landlock_denied.py <require: yes|no|auto|strict>`` installs a seccomp filter that answers
 ``landlock_create_ruleset`` (syscall 444 on every architecture, ``uapi/asm-generic/unistd.h``) with
 ENOSYS, what a kernel without Landlock answers, then runs one sandbox call whose code prints the
-environment of the process that called the sandbox (``/proc/<that pid>/environ``), and prints the
+environment of the process that called the sandbox (``/proc/<that pid>/environ``) in weak isolation
+without namespaces (``yes|no|auto``: whether Landlock is required) or in strict isolation, and prints the
 call's outcome and output as JSON. Run as root, it first drops every capability. The filter is inherited by the launcher and the code, so the
 sandbox meets a machine without Landlock for real; nothing in the product is replaced.
 """
@@ -77,10 +78,14 @@ def without_capabilities() -> None:
 def main(require: str) -> int:
     without_capabilities()
     deny_landlock()
-    from hybridflow.agents.sandbox import run_python
+    from hybridflow.agents.sandbox import SandboxLimits, run_python
 
-    required = {"yes": True, "no": False, "auto": None}[require]
-    result = run_python(READ_CALLER_ENVIRONMENT, namespaces=False, require_landlock=required)
+    if require == "strict":  # strict isolation needs Landlock whoever calls
+        result = run_python(READ_CALLER_ENVIRONMENT, SandboxLimits(isolation="strict"))
+    else:
+        required = {"yes": True, "no": False, "auto": None}[require]
+        weak = SandboxLimits(isolation="weak")
+        result = run_python(READ_CALLER_ENVIRONMENT, weak, namespaces=False, require_landlock=required)
     landlock = result.isolation.landlock_abi if result.isolation is not None else None
     print(
         json.dumps(

@@ -301,6 +301,7 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
         pusher(step)
 
     from hybridflow.controller import WorkerStalledError
+    from hybridflow.trainer.runner import SandboxUnavailableError
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
     should_stop = _stop_on_sigterm(stop_requested)  # after ray.init, which installs its own handler
@@ -312,6 +313,9 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     except WorkerStalledError as err:
         print(f"{STALLED_PREFIX}{err}", file=sys.stderr, flush=True)
         return EXIT_STALLED
+    except SandboxUnavailableError as err:  # the job's message (KubeRay's) names what is missing
+        print(f"error: {args.manifest}: {err}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     finally:
         stop.exited()
         server.close()

@@ -140,7 +140,10 @@ def test_the_agent_example_trains(tiny: Path, tmp_path: Path) -> None:
     said: list[str] = []
     summary = run_training(load_job_manifest(path).spec, simulated=True, on_step=said.append)
     assert summary.last_step == 2
-    assert any(line.startswith("sandbox workers: 2;") for line in said)
+    assert any(
+        line.startswith("sandbox: 2 sandbox worker(s); confinement: ") and "mode='strict'" in line
+        for line in said
+    ), said
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["agent/turns_mean"] >= 1 and row["agent/trajectory_tokens_mean"] > 0 for row in rows)

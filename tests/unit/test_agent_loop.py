@@ -289,3 +289,27 @@ def test_an_environment_class_runs_one_episode_per_trajectory_and_its_reward_is_
     assert decode(sample.token_ids) == "go[left 1]go"
     (stats,) = done[0].request.tag
     assert (stats.finish_reason, stats.reward, stats.turns) == ("answer", 1.0, 2)
+
+
+def test_a_sandbox_that_cannot_confine_the_code_stops_the_job_before_its_first_step() -> None:
+    """The job's log names the confinement; a worker that cannot give it is a user error naming the field."""
+    from pathlib import Path
+
+    from hybridflow.spec import load_job_manifest
+    from hybridflow.trainer.runner import SandboxUnavailableError, _checked_sandbox
+
+    spec = load_job_manifest(Path(__file__).resolve().parents[2] / "examples" / "grpo-tiny-agent.yaml").spec
+
+    class Pool:
+        def __init__(self, why: str) -> None:
+            self.why = why
+
+        def probe(self, mode: str) -> list[tuple[Any, str]]:
+            return [(None, self.why), (None, "")]
+
+    assert _checked_sandbox(spec, Pool("")).startswith("sandbox: 2 sandbox worker(s); confinement:")  # type: ignore[arg-type]
+    with pytest.raises(
+        SandboxUnavailableError,
+        match=r"spec.agent.sandbox.isolation: strict: 2 sandbox worker\(s\) cannot run code: a cgroup",
+    ):
+        _checked_sandbox(spec, Pool("a cgroup of its own for the call: read-only"))  # type: ignore[arg-type]

@@ -93,6 +93,8 @@ def sandbox_limits(spec: AgentSpec) -> SandboxLimits:
         processes=sandbox.processes,
         output_bytes=sandbox.output_kib * 2**10,
         file_bytes=64 * sandbox.output_kib * 2**10,
+        disk_bytes=sandbox.disk_mib * 2**20,
+        isolation=sandbox.isolation,
     )
 
 

@@ -1,39 +1,32 @@
 """Run untrusted Python (a model's tool call) in a confined process, and say what became of it.
 
-Each call gets a process of its own and a fresh working directory, removed afterwards. The
-process is confined before the model's code runs, in this order, by a small launcher
-(:data:`_LAUNCHER`, run with ``python -I -S``) that then ``exec``s the interpreter on the code,
-so nothing of the launcher stays in the code's process:
+The code is the model's, and the caller is not: a Ray worker (or the controller) holding the job's
+secrets, its service-account token, the Ray cluster's token and its checkpoint volume. So the
+caller never trusts anything the code could have touched:
 
-1. **Namespaces, where the kernel lets an unprivileged process make them** (``unshare`` of a
-   user, network and PID namespace): no network at all (the new network namespace has only a
-   loopback that is down), and the code's processes live in a PID namespace whose init is the
-   launcher's child, so that when it ends every process the code started ends with it. Inside a
-   pod with the default seccomp profile ``unshare`` is refused; the launcher then goes on
-   without, and :func:`isolation` reports it (the job's NetworkPolicy denies egress there).
-2. **rlimits**: CPU seconds, address space, process count (counted in the new user namespace;
-   without one, over the user's processes on the host, so the limit is what runs now plus the
-   allowance), file size, open files, no core dumps. A launcher that runs as root outside a user
-   namespace empties its capability bounding set, so that the code cannot raise its limits.
-3. **Landlock** (Linux >= 5.13, unprivileged): the code may read and write beneath its
-   working directory, only read the interpreter's installation and the system's shared
-   libraries, and (Landlock ABI >= 4) neither bind nor connect TCP sockets. Nothing else of the
-   file system is visible: the job's files, credentials, other calls' directories.
-4. A wall-clock limit enforced from outside: the launcher's process group is killed.
+* the code travels to the launcher on a pipe, and its output, and the launcher's report of what
+  confines it, come back on pipes the caller made before the code ran: no file of the work
+  directory is ever opened by the caller, so a symlink, a FIFO or an endless file in place of one
+  reaches nothing; every pipe is read with a size bound and the call's deadline;
+* everything the call started ends with it (a PID namespace, and in strict mode a cgroup the call
+  has to itself), and :func:`run_python` never raises and never waits past ``wall_seconds`` plus a
+  few seconds: whatever the code does, the caller gets a :class:`SandboxResult`.
 
-Where the caller holds credentials (the Ray token, a pod's service account: :func:`landlock_required`)
-a machine that cannot apply Landlock gets no call at all: the launcher stops before the code
-runs, and the call ends as a ``sandbox_error`` saying why. Without Landlock, code of the same uid
-reads its caller's environment through ``/proc/<ppid>/environ``.
+Isolation (``spec.agent.sandbox.isolation``; ``sandbox_launcher.py`` applies it):
 
-Output goes to files in the working directory, capped by the file-size limit, and the first
-:attr:`SandboxLimits.output_bytes` come back. Every way the code can end (an exception, a
-limit, a signal, the wall clock) is a :class:`SandboxResult`, never an exception here: the
-agent loop turns it into the tool's answer to the model.
+* ``strict`` (the default): namespaces (mount, PID, network, IPC, UTS; a user namespace unless the
+  caller is root), a private read-only root with only the interpreter's standard library and the
+  system libraries, a size-capped ``/work`` (and ``/tmp``) as the only writable place, an
+  unprivileged uid that owns nothing of the host, rlimits, Landlock, a seccomp filter, and a
+  cgroup per call (``sandbox_cgroup.py``) holding memory, processes and CPU time of all the call's
+  processes together. A machine or pod that cannot give all of it refuses to run code: the call
+  is a ``sandbox_error`` naming what is missing (``isolation()`` reports it once).
+* ``weak`` (an explicit opt-in): what the machine allows of namespaces, rlimits per process,
+  Landlock, and the host file system as the code's view (read-only outside its directory only
+  through Landlock); refused where Landlock is missing and the caller holds credentials
+  (:func:`landlock_required`).
 
-The launcher applies what the machine allows and writes what it applied to a status file;
-:func:`isolation` runs it once to report the machine's guarantees (``docs/agents.md`` lists
-them).
+``docs/agents.md`` states what each mode guarantees and on which kernels.
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import select
 import signal
 import subprocess
 import sys
@@ -49,29 +42,52 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["Isolation", "SandboxLimits", "SandboxResult", "isolation", "run_python"]
+from hybridflow.agents import sandbox_cgroup
+
+__all__ = [
+    "Isolation",
+    "SandboxLimits",
+    "SandboxResult",
+    "isolation",
+    "landlock_required",
+    "probe",
+    "run_python",
+]
 
 Outcome = Literal[
     "ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed", "sandbox_error"
 ]
+IsolationMode = Literal["strict", "weak"]
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+EXIT_REFUSED = 125  # sandbox_launcher.EXIT_REFUSED (the launcher imports nothing of ours)
+STATUS_BYTES = 1 << 16
+DRAIN_SECONDS = 0.2
+"""After the launcher exits, how long its pipes are still read."""
+REAP_SECONDS = 5.0
+"""After the wall clock, how long the caller waits for the call's processes to be gone."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one call may use (``spec.agent.sandbox`` sets them)."""
+    """What one call may use (``spec.agent.sandbox`` sets them): all the call's processes together
+    in strict mode (its cgroup and its ``/work``), each process in weak mode."""
 
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
     memory_bytes: int = 512 * 2**20
     processes: int = 16
     file_bytes: int = 16 * 2**20
+    """Largest file, and how much output is read before the call is stopped."""
     open_files: int = 64
     output_bytes: int = 16 * 2**10
+    disk_bytes: int = 64 * 2**20
+    """Size of the call's ``/work`` (strict mode): every file it writes, together."""
+    isolation: IsolationMode = "strict"
 
 
 @dataclass(frozen=True)
@@ -79,11 +95,19 @@ class Isolation:
     """The confinement the launcher applied (what this machine allows)."""
 
     namespaces: bool
-    """User, network and PID namespaces: no network at all, and the call's processes end with it."""
+    """User (or root's), network, PID and IPC namespaces: no network, and the call's processes end with it."""
     landlock_abi: int
     """0: no Landlock (the file system is not confined); >= 4: TCP bind/connect denied too."""
     capabilities_dropped: bool
-    """Root without namespaces: the code runs as root with no capabilities (cannot raise its limits)."""
+    """The code runs with no capability (as an unprivileged uid, or root with its bounding set emptied)."""
+    mode: IsolationMode = "weak"
+    private_root: bool = False
+    """Strict mode: a read-only root of the interpreter and system libraries, ``/work`` writable."""
+    seccomp: bool = False
+    landlock_scoped: bool = False
+    """Landlock ABI >= 6: no signal and no abstract UNIX socket outside the call."""
+    cgroup: int = 0
+    """The version of the call's own cgroup (memory, processes, CPU time of the call together); 0: none."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +118,8 @@ class SandboxResult:
     stderr: str
     seconds: float
     isolation: Isolation | None
+    refused: str = field(default="")
+    """Why the machine could not confine the code as asked (then nothing of it ran)."""
 
     @property
     def ok(self) -> bool:
@@ -116,132 +142,28 @@ class SandboxResult:
         return f"error: {reasons[self.outcome]}" + (f"\n{chr(10).join(tail)}"[:limit] if tail else "")
 
 
-# The launcher: runs as `python -I -S -c _LAUNCHER <config.json>` with the working directory as
-# its cwd. Written for the standard library only, and to fail closed: a step the machine
-# refuses is recorded as not applied, never retried in a weaker form than reported.
-_LAUNCHER = r"""
-import ctypes, json, os, resource, sys
-config = json.load(open(sys.argv[1]))
-work = config["work"]
-LANDLOCK_REFUSAL = config["landlock_refusal"]
-applied = {"namespaces": False, "landlock_abi": 0, "capabilities_dropped": False}
-libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
-
-def write(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-uid, gid = os.getuid(), os.getgid()
-if config["namespaces"] and libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) == 0:
-    write("/proc/self/setgroups", "deny")
-    write("/proc/self/uid_map", f"0 {uid} 1")
-    write("/proc/self/gid_map", f"0 {gid} 1")
-    applied["namespaces"] = True
-    processes = config["processes"]  # counted in the new user namespace alone
-else:
-    # Counted per user over the whole host (threads included): allow what runs now plus the limit.
-    running = 0
-    for pid in os.listdir("/proc"):
-        try:
-            status = open(f"/proc/{pid}/status").read()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if fields.get("Uid", "").split()[:1] == [str(uid)]:
-            running += int(fields.get("Threads", "1").strip() or 1)
-    processes = running + config["processes"]
-
-def limit(kind, value):
-    resource.setrlimit(kind, (value, value))
-
-limit(resource.RLIMIT_CORE, 0)
-resource.setrlimit(resource.RLIMIT_CPU, (config["cpu_seconds"], config["cpu_seconds"] + 1))
-limit(resource.RLIMIT_AS, config["memory_bytes"])
-limit(resource.RLIMIT_FSIZE, config["file_bytes"])
-limit(resource.RLIMIT_NOFILE, config["open_files"])
-limit(resource.RLIMIT_NPROC, processes)
-
-# Landlock (uapi/linux/landlock.h): the same syscall numbers on every architecture.
-CREATE, ADD_RULE, RESTRICT = 444, 445, 446
-abi = libc.syscall(CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-if abi >= 1:
-    fs_bits = {1: 13, 2: 14, 3: 15}.get(abi, 16)
-    handled_fs = (1 << fs_bits) - 1
-    handled_net = 3 if abi >= 4 else 0
-    READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
-    class RulesetAttr(ctypes.Structure):
-        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64)]
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
-    attr = RulesetAttr(handled_fs, handled_net)
-    size = ctypes.sizeof(attr) if abi >= 4 else 8
-    ruleset = libc.syscall(CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
-    def allow(path, access):
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            return
-        if not os.path.isdir(path):  # a file takes file rights only (else EINVAL)
-            access &= (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)
-        rule = PathBeneath(access & handled_fs, fd)
-        if libc.syscall(ADD_RULE, ruleset, 1, ctypes.byref(rule), 0) != 0:
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
-        os.close(fd)
-    for path in config["read_only"]:
-        allow(path, READ)
-    for path in ("/dev/null", "/dev/urandom", "/dev/zero"):
-        allow(path, READ | (1 << 1))
-    allow(work, handled_fs)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if libc.syscall(RESTRICT, ruleset, 0) != 0:
-        raise OSError(ctypes.get_errno(), "landlock_restrict_self")
-    applied["landlock_abi"] = abi
-if config["require_landlock"] and not applied["landlock_abi"]:
-    sys.stderr.write(LANDLOCK_REFUSAL)
-    sys.exit(2)
-if not applied["namespaces"] and os.geteuid() == 0:
-    # Root outside a user namespace: empty the capability bounding set, so that the code's
-    # interpreter gets no capabilities at exec (it could otherwise raise its own limits).
-    for capability in range(64):
-        libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last one
-    applied["capabilities_dropped"] = True
-write(os.path.join(work, ".sandbox.json"), json.dumps(applied))
-argv = [config["python"], "-I", "-S", os.path.join(work, "main.py")]
-out = os.open(os.path.join(work, ".stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-err = os.open(os.path.join(work, ".stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-if applied["namespaces"]:
-    # The next child is init of the new PID namespace: it runs the code in a grandchild and
-    # ends when that ends; the kernel then kills whatever else the code left running.
-    init = os.fork()
-    if init == 0:
-        code = os.fork()
-        if code == 0:
-            os.dup2(out, 1)
-            os.dup2(err, 2)
-            os.execv(argv[0], argv)
-        _, status = os.waitpid(code, 0)
-        os._exit(os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
-    _, status = os.waitpid(init, 0)
-    code = os.waitstatus_to_exitcode(status)
-    os._exit(code if code >= 0 else 128 - code)
-os.dup2(out, 1)
-os.dup2(err, 2)
-os.execv(argv[0], argv)
-"""
+def _hidden(read_only: list[str]) -> list[str]:
+    """Package directories under the read-only paths, hidden in strict mode: the standard library only."""
+    found: set[str] = set()
+    for root in read_only:
+        for pattern in (
+            "lib/python3*/site-packages",
+            "lib/python3*/dist-packages",
+            "python3*/site-packages",
+            "python3*/dist-packages",
+            "python3/dist-packages",
+        ):
+            found.update(str(p) for p in Path(root).glob(pattern) if p.is_dir())
+    return sorted(found)
 
 
-def _read_only_paths() -> list[str]:
-    """What the interpreter needs to start: its installation and the shared libraries."""
+def _read_only_paths(mode: IsolationMode) -> list[str]:
+    """What the interpreter needs to start: its installation and the shared libraries (never a
+    virtual environment's packages: the standard library only)."""
     paths = {
         sys.base_prefix,
         sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["platstdlib"],
-        str(Path(sys.executable).resolve().parent),
+        str(Path(_python()).parent),
         "/usr/lib",
         "/usr/lib64",
         "/lib",
@@ -249,6 +171,8 @@ def _read_only_paths() -> list[str]:
         "/etc/ld.so.cache",
         "/usr/local/lib",
     }
+    if mode == "strict":  # bound at the same paths in a new root: no path inside another one
+        paths = {p for p in paths if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)}
     return sorted(p for p in paths if Path(p).exists())
 
 
@@ -263,18 +187,51 @@ CREDENTIAL_ENV = ("RAY_AUTH_TOKEN", "KUBERNETES_SERVICE_HOST")
 of a job with token authentication has it in its environment) or being in a Kubernetes pod (the
 kubelet sets ``KUBERNETES_SERVICE_HOST`` in every container; the pod may hold a service-account
 token, the job's Secrets, its volumes)."""
-LANDLOCK_REFUSAL = (
-    "the sandbox refuses to run code here: Landlock is not available (Linux < 5.13, Landlock not "
-    "among the kernel's LSMs, or a seccomp profile that denies it), and without it the code could "
-    "read what its caller can, the Ray token in /proc/<pid>/environ included"
-)
 
 
 def landlock_required(env: Mapping[str, str]) -> bool:
-    """Whether a call must be refused where Landlock cannot confine it: when its caller holds
-    credentials (:data:`CREDENTIAL_ENV`). On a laptop without them, code still runs unconfined
-    by the file system, and :func:`isolation` says so."""
+    """Whether a weak-mode call must be refused where Landlock cannot confine it: when its caller
+    holds credentials (:data:`CREDENTIAL_ENV`). On a laptop without them, code still runs unconfined
+    by the file system, and :func:`isolation` says so. (Strict mode always needs Landlock.)"""
     return any(env.get(name) for name in CREDENTIAL_ENV)
+
+
+@dataclass
+class _Stream:
+    """One pipe the caller reads: the first ``keep`` bytes are kept, reading stops at ``stop``."""
+
+    fd: int
+    keep: int
+    stop: int
+    data: bytearray = field(default_factory=bytearray)
+    seen: int = 0
+    closed: bool = False
+
+    def read(self) -> None:
+        try:
+            chunk = os.read(self.fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.close()
+            return
+        self.seen += len(chunk)
+        if len(self.data) < self.keep:
+            self.data += chunk[: self.keep - len(self.data)]
+        if self.seen > self.stop:
+            self.close()  # the writer's next write fails (SIGPIPE): the call is stopped
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+            self.closed = True
+
+    @property
+    def overflowed(self) -> bool:
+        return self.seen > self.stop
+
+    def text(self) -> str:
+        return bytes(self.data).decode(errors="replace")
 
 
 def run_python(
@@ -284,109 +241,216 @@ def run_python(
     namespaces: bool = True,
     require_landlock: bool | None = None,
 ) -> SandboxResult:
-    """Run ``code`` as ``python -I -S main.py`` in a fresh confined directory (see the module docstring).
-
-    ``require_landlock`` (default: :func:`landlock_required` of this process's environment) refuses
-    the call, as a ``sandbox_error`` naming why, where Landlock cannot be applied."""
+    """Run ``code`` as ``python -I -S main.py``, confined as ``limits.isolation`` says (the module
+    docstring); never raises. ``namespaces`` (weak mode) tries without them, as in a pod whose
+    seccomp profile refuses ``unshare``; ``require_landlock`` (weak mode; default:
+    :func:`landlock_required` of this process's environment) refuses the call where Landlock
+    cannot be applied."""
     limits = limits or SandboxLimits()
-    if require_landlock is None:
-        require_landlock = landlock_required(os.environ)
     started = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-"))
     try:
-        (work / "main.py").write_text(code)
-        config_path = work / ".config.json"
-        config_path.write_text(
-            json.dumps(
-                {
-                    "work": str(work),
-                    "python": _python(),
-                    "read_only": _read_only_paths(),
-                    "namespaces": namespaces,
-                    "require_landlock": require_landlock,
-                    "landlock_refusal": LANDLOCK_REFUSAL,
-                    "cpu_seconds": limits.cpu_seconds,
-                    "memory_bytes": limits.memory_bytes,
-                    "file_bytes": limits.file_bytes,
-                    "open_files": limits.open_files,
-                    "processes": limits.processes,
-                }
-            )
+        return _Call(code, limits, namespaces, require_landlock).run()
+    except Exception as error:  # the caller is never the one to fail
+        message = f"the sandbox failed: {type(error).__name__}: {error}"[: limits.output_bytes]
+        return SandboxResult("sandbox_error", None, "", message, time.monotonic() - started, None)
+
+
+class _Call:
+    """One call of :func:`run_python`: its work directory, cgroup, pipes and launcher."""
+
+    def __init__(
+        self, code: str, limits: SandboxLimits, namespaces: bool, require_landlock: bool | None
+    ) -> None:
+        self.code, self.limits = code, limits
+        self.namespaces = namespaces
+        self.require_landlock = (
+            landlock_required(os.environ) if require_landlock is None else require_landlock
         )
-        for path in (work / "main.py", config_path):
-            path.chmod(0o644)
-        process = subprocess.Popen(
-            [_python(), "-I", "-S", "-c", _LAUNCHER, str(config_path)],
-            cwd=work,
-            env={"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        timed_out = False
+        self.started = time.monotonic()
+
+    def run(self) -> SandboxResult:
+        cgroup: sandbox_cgroup.CallCgroup | None = None
+        if self.limits.isolation == "strict":
+            try:
+                cgroup = sandbox_cgroup.create(self.limits.memory_bytes, self.limits.processes)
+            except sandbox_cgroup.CgroupUnavailable as unavailable:
+                return self._refused(f"a cgroup of its own for the call: {unavailable}")
+        work = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-"))
         try:
-            _, launcher_error = process.communicate(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(process.pid)
-            _, launcher_error = process.communicate()
+            return self._launch(work, cgroup)
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
+            _remove_tree(work)
+
+    def _refused(self, what: str) -> SandboxResult:
+        message = (
+            f"the sandbox refuses to run code here: isolation {self.limits.isolation} needs {what}; "
+            "set spec.agent.sandbox.isolation: weak to run with what this machine gives (docs/agents.md)"
+        )
+        return SandboxResult(
+            "sandbox_error", None, "", message, time.monotonic() - self.started, None, refused=what
+        )
+
+    def _config(self, work: Path, fds: Mapping[str, int]) -> bytes:
+        mode = self.limits.isolation
+        read_only = _read_only_paths(mode)
+        return json.dumps(
+            {
+                "code": self.code,
+                "python": _python(),
+                "mode": mode,
+                "namespaces": self.namespaces,
+                "require_landlock": self.require_landlock,
+                "read_only": read_only,
+                "hidden": _hidden(read_only),
+                "work": str(work),
+                "cpu_seconds": self.limits.cpu_seconds,
+                "memory_bytes": self.limits.memory_bytes,
+                "file_bytes": self.limits.file_bytes,
+                "disk_bytes": self.limits.disk_bytes,
+                "open_files": self.limits.open_files,
+                "processes": self.limits.processes,
+                **fds,
+            }
+        ).encode()
+
+    def _launch(self, work: Path, cgroup: sandbox_cgroup.CallCgroup | None) -> SandboxResult:
+        pipes = {name: os.pipe() for name in ("stdout", "stderr", "status", "launcher")}
+        child_ends = {name: pipe[1] for name, pipe in pipes.items()}
+        try:
+            process = subprocess.Popen(
+                [_python(), "-I", "-S", str(LAUNCHER)],
+                cwd=work,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=child_ends["launcher"],
+                pass_fds=(child_ends["stdout"], child_ends["stderr"], child_ends["status"]),
+                start_new_session=True,
+            )
+        except BaseException:
+            for read_end, _ in pipes.values():
+                os.close(read_end)
+            raise
+        finally:
+            for fd in child_ends.values():
+                os.close(fd)
+        streams = {
+            "stdout": _Stream(pipes["stdout"][0], self.limits.output_bytes, self.limits.file_bytes),
+            "stderr": _Stream(pipes["stderr"][0], self.limits.output_bytes, self.limits.file_bytes),
+            "status": _Stream(pipes["status"][0], STATUS_BYTES, STATUS_BYTES),
+            "launcher": _Stream(pipes["launcher"][0], STATUS_BYTES, 1 << 20),
+        }
+        try:
+            if cgroup is not None:
+                cgroup.add(process.pid)  # before it reads its configuration: all it starts is counted
+            assert process.stdin is not None
+            fds = {
+                "status_fd": child_ends["status"],
+                "stdout_fd": child_ends["stdout"],
+                "stderr_fd": child_ends["stderr"],
+            }
+            with contextlib.suppress(BrokenPipeError):
+                process.stdin.write(self._config(work, fds))
+            process.stdin.close()
+            why = self._watch(process, streams, cgroup)
+        finally:
+            _end(process, cgroup)
+            for stream in streams.values():
+                stream.close()
+        return self._result(process, streams, cgroup, why)
+
+    def _watch(
+        self,
+        process: subprocess.Popen[bytes],
+        streams: dict[str, _Stream],
+        cgroup: sandbox_cgroup.CallCgroup | None,
+    ) -> str:
+        """Read every pipe until the call ends; why it was stopped ("" when it ended by itself)."""
+        deadline = self.started + self.limits.wall_seconds
+        drained_by: float | None = None
+        while True:
+            open_fds = {s.fd: s for s in streams.values() if not s.closed}
+            if process.poll() is not None:
+                # The launcher is gone: what is written is read for a moment, no longer (a process
+                # the code left outside a PID namespace may hold a pipe open for ever).
+                drained_by = drained_by or time.monotonic() + DRAIN_SECONDS
+                if not open_fds or time.monotonic() >= drained_by:
+                    return ""
+            now = time.monotonic()
+            if now >= deadline:
+                return "timeout"
+            if cgroup is not None and cgroup.cpu_seconds() > self.limits.cpu_seconds:
+                return "cpu_limit"
+            if any(s.overflowed for name, s in streams.items() if name in ("stdout", "stderr")):
+                return "output_limit"
+            if not open_fds:
+                time.sleep(min(0.05, deadline - now))
+                continue
+            ready, _, _ = select.select(list(open_fds), [], [], min(0.05, deadline - now))
+            for fd in ready:
+                open_fds[fd].read()
+
+    def _result(
+        self,
+        process: subprocess.Popen[bytes],
+        streams: dict[str, _Stream],
+        cgroup: sandbox_cgroup.CallCgroup | None,
+        stopped: str,
+    ) -> SandboxResult:
+        seconds = time.monotonic() - self.started
+        report = _parse_status(streams["status"].text())
         status = process.returncode
-        applied = _applied(work)
-        stdout, stdout_full = _read(work / ".stdout", limits.output_bytes)
-        stderr, _ = _read(work / ".stderr", limits.output_bytes)
-        if applied is None:  # the launcher failed before the code ran
-            stderr = launcher_error.decode(errors="replace")[-limits.output_bytes :]
-        outcome = _outcome(status, timed_out, applied is None, stderr, limits, stdout_full)
-        return SandboxResult(outcome, status, stdout, stderr, time.monotonic() - started, applied)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if "refused" in report:
+            return self._refused(str(report["refused"])[:2000])
+        applied = report.get("applied")
+        isolation = _isolation(applied, cgroup) if isinstance(applied, dict) else None
+        stdout, stderr = streams["stdout"].text(), streams["stderr"].text()
+        if isolation is None and not stopped:
+            detail = (
+                streams["launcher"].text()[-self.limits.output_bytes :]
+                or f"the launcher exited with {status}"
+            )
+            return SandboxResult("sandbox_error", status, "", detail, seconds, None)
+        outcome = stopped or _outcome(status, stderr, cgroup)
+        return SandboxResult(outcome, status, stdout, stderr, seconds, isolation)  # type: ignore[arg-type]
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _applied(work: Path) -> Isolation | None:
+def _parse_status(text: str) -> dict[str, object]:
     try:
-        data = json.loads((work / ".sandbox.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return Isolation(bool(data["namespaces"]), int(data["landlock_abi"]), bool(data["capabilities_dropped"]))
+        report = json.loads(text.splitlines()[0]) if text else {}
+    except (ValueError, IndexError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
-def _read(path: Path, limit: int) -> tuple[str, int]:
-    """The first ``limit`` bytes of ``path`` as text, and the file's full size."""
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(limit)
-            size = path.stat().st_size
-    except OSError:
-        return "", 0
-    return data.decode(errors="replace"), size
+def _isolation(applied: dict[str, object], cgroup: sandbox_cgroup.CallCgroup | None) -> Isolation:
+    def flag(name: str) -> bool:
+        return applied.get(name) is True
+
+    abi = applied.get("landlock_abi")
+    return Isolation(
+        namespaces=flag("namespaces"),
+        landlock_abi=abi if isinstance(abi, int) else 0,
+        capabilities_dropped=flag("capabilities_dropped"),
+        mode="strict" if applied.get("mode") == "strict" else "weak",
+        private_root=flag("private_root"),
+        seccomp=flag("seccomp"),
+        landlock_scoped=flag("landlock_scoped"),
+        cgroup=cgroup.version if cgroup is not None else 0,
+    )
 
 
-def _outcome(
-    status: int | None,
-    timed_out: bool,
-    launcher_failed: bool,
-    stderr: str,
-    limits: SandboxLimits,
-    written: int,
-) -> Outcome:
-    """Why the call ended. A signal shows as ``-signal`` (the launcher exec'd the code) or ``128 + signal``
-    (the code ran in a PID namespace under the launcher, which reports its status so)."""
-    if timed_out:
-        return "timeout"
-    if launcher_failed:
-        return "sandbox_error"
-    signalled = None
-    if status is not None and status < 0:
-        signalled = -status
-    elif status is not None and status > 128:
-        signalled = status - 128
-    if signalled == signal.SIGXFSZ or written >= limits.file_bytes:
+def _outcome(status: int | None, stderr: str, cgroup: sandbox_cgroup.CallCgroup | None) -> Outcome:
+    """Why a call that was not stopped ended. A signal shows as ``-signal`` (the launcher exec'd the
+    code) or ``128 + signal`` (the code ran in a PID namespace under a launcher that reports so)."""
+    signalled = (
+        -status if status is not None and status < 0 else (status - 128 if status and status > 128 else None)
+    )
+    if cgroup is not None and cgroup.oom_killed():
+        return "memory_limit"
+    if signalled == signal.SIGXFSZ or signalled == signal.SIGPIPE:
         return "output_limit"
     if signalled == signal.SIGXCPU:
         return "cpu_limit"
@@ -399,7 +463,54 @@ def _outcome(
     return "error"
 
 
+def _end(process: subprocess.Popen[bytes], cgroup: sandbox_cgroup.CallCgroup | None) -> None:
+    """Whatever state the call is in: every process of it killed, the launcher reaped."""
+    if cgroup is not None:
+        cgroup.kill()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=REAP_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=REAP_SECONDS)
+
+
+def _remove_tree(root: Path) -> None:
+    """Remove ``root`` whatever the code left there (any depth, any file type, odd modes), without
+    following a link and without recursion; best effort, never raises."""
+    stack, seen = [str(root)], set()
+    while stack:
+        directory = stack[-1]
+        if directory not in seen:
+            seen.add(directory)
+            with contextlib.suppress(OSError):
+                os.chmod(directory, 0o700)
+            try:
+                entries = list(os.scandir(directory))
+            except OSError:
+                entries = []
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        os.unlink(entry.path)
+            continue
+        stack.pop()
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
 @cache
-def isolation() -> Isolation | None:
-    """What confinement this machine gives a call (one trial run; ``None``: the sandbox cannot run here)."""
-    return run_python("pass").isolation
+def probe(mode: IsolationMode = "strict") -> tuple[Isolation | None, str]:
+    """What confinement this machine gives a call in ``mode``, or why it cannot (one trial run)."""
+    result = run_python("pass", SandboxLimits(isolation=mode))
+    why = result.refused or (result.stderr.strip() if result.isolation is None else "")
+    return result.isolation, why
+
+
+def isolation(mode: IsolationMode = "strict") -> Isolation | None:
+    """What confinement this machine gives a call in ``mode`` (``None``: it cannot run here)."""
+    return probe(mode)[0]

@@ -18,7 +18,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from hybridflow.agents.sandbox import Isolation, SandboxLimits, SandboxResult, isolation, run_python
+from hybridflow.agents.sandbox import (
+    Isolation,
+    IsolationMode,
+    SandboxLimits,
+    SandboxResult,
+    probe,
+    run_python,
+)
 from hybridflow.spec.agent import SANDBOX_GROUP, SANDBOX_RESOURCE
 
 __all__ = ["SANDBOX_GROUP", "SANDBOX_RESOURCE", "SandboxPool", "SandboxWorker"]
@@ -33,8 +40,8 @@ class SandboxWorker:
     def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
         return run_python(code, limits)
 
-    def isolation(self) -> Isolation | None:
-        return isolation()
+    def probe(self, mode: IsolationMode) -> tuple[Isolation | None, str]:
+        return probe(mode)
 
 
 class SandboxPool:
@@ -77,11 +84,15 @@ class SandboxPool:
             with self._lock:
                 self._in_flight[index] -= 1
 
-    def isolation(self) -> list[Isolation | None]:
-        """What confinement each worker's machine gives a call (for the job's log)."""
+    def probe(self, mode: IsolationMode) -> list[tuple[Isolation | None, str]]:
+        """What confinement each worker's machine gives a call in ``mode``, or why it cannot."""
         import ray
 
-        return list(ray.get([worker.isolation.remote() for worker in self._workers], timeout=120))
+        return list(ray.get([worker.probe.remote(mode) for worker in self._workers], timeout=120))
+
+    def isolation(self, mode: IsolationMode = "strict") -> list[Isolation | None]:
+        """What confinement each worker's machine gives a call (for the job's log)."""
+        return [applied for applied, _ in self.probe(mode)]
 
     def shutdown(self) -> None:
         import contextlib

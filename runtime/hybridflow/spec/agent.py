@@ -12,7 +12,7 @@ its own; docs/agents.md has the loop, the APIs and the sandbox's guarantees.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -45,21 +45,45 @@ class SandboxSpec(SpecModel):
     """Limits of one call of the Python tool (``hybridflow.agents.sandbox``)."""
 
     wall_seconds: float = Field(default=10.0, gt=0, le=600, description="Wall-clock limit of one call.")
-    cpu_seconds: int = Field(default=5, ge=1, le=600, description="CPU-time limit of one call (RLIMIT_CPU).")
+    cpu_seconds: int = Field(
+        default=5,
+        ge=1,
+        le=600,
+        description="CPU time of one call, all its processes together (strict; per process when weak).",
+    )
     memory_mib: int = Field(
-        default=512, ge=64, le=65536, description="Address-space limit of one call, MiB (RLIMIT_AS)."
+        default=512,
+        ge=64,
+        le=65536,
+        description="Memory of one call, MiB, all its processes together (strict; per process when weak).",
     )
     processes: int = Field(
         default=16,
         ge=1,
         le=4096,
-        description="Processes (threads included) one call may add (RLIMIT_NPROC): a fork bomb stops there.",
+        description="Processes (threads included) one call may run: a fork bomb stops there.",
     )
     output_kib: int = Field(
         default=16,
         ge=1,
         le=1024,
         description="Output returned to the model, KiB; writing past 64 times it stops the call.",
+    )
+    disk_mib: int = Field(
+        default=64,
+        ge=1,
+        le=65536,
+        description="Size of one call's writable directory, MiB (strict isolation: every file it writes, together).",
+    )
+    isolation: Literal["strict", "weak"] = Field(
+        default="strict",
+        description=(
+            "strict: namespaces, a private read-only root with the standard library only, an unprivileged "
+            "uid, Landlock, seccomp and a cgroup per call; a machine or pod that cannot give all of it "
+            "refuses to run code (the job fails naming what is missing). weak: whatever of that the "
+            "machine allows, limits per process, the host file system visible through Landlock only: "
+            "code the model writes can reach more of the host (docs/agents.md lists what)."
+        ),
     )
     workers: int = Field(
         default=2,
@@ -177,11 +201,14 @@ class AgentSpec(SpecModel):
         return self.loop != "single-turn"
 
     @property
+    def runs_code(self) -> bool:
+        """A listed tool runs the model's code (``python``), in a multi-turn loop: the sandbox is needed."""
+        return self.multi_turn and any(t in SANDBOXED_TOOLS for t in self.tools)
+
+    @property
     def sandbox_workers(self) -> int:
         """Sandbox workers the job starts: ``sandbox.workers`` when a listed tool runs code, else none."""
-        return (
-            self.sandbox.workers if self.multi_turn and any(t in SANDBOXED_TOOLS for t in self.tools) else 0
-        )
+        return self.sandbox.workers if self.runs_code else 0
 
 
 AGENT_RULES: tuple[CrossFieldRule[AgentSpec], ...] = (

@@ -37,7 +37,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hybridflow.agents.loop import load_agent_loop
-from hybridflow.agents.sandbox import run_python
+from hybridflow.agents.sandbox import probe, run_python
 from hybridflow.agents.sandbox_pool import SandboxPool
 from hybridflow.agents.tools import SandboxRunner
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
@@ -427,6 +427,24 @@ def _trajectory_source(
     )
 
 
+class SandboxUnavailableError(ValueError):
+    """The machine that runs the python tool's calls cannot confine them as spec.agent.sandbox asks."""
+
+
+def _checked_sandbox(spec: RLHFJobSpec, sandboxes: SandboxPool | None) -> str:
+    """What confines the python tool's calls (for the log), once, before the first step; raises
+    :class:`SandboxUnavailableError` naming what is missing where it cannot be given."""
+    mode = spec.agent.sandbox.isolation
+    probes = sandboxes.probe(mode) if sandboxes is not None else [probe(mode)]
+    where = f"{len(probes)} sandbox worker(s)" if sandboxes is not None else "the controller"
+    refusals = [why for _, why in probes if why]
+    if refusals:
+        raise SandboxUnavailableError(
+            f"spec.agent.sandbox.isolation: {mode}: {where} cannot run code: {refusals[0]}"
+        )
+    return f"sandbox: {where}; confinement: {probes[0][0]}"
+
+
 @contextmanager
 def rollout_service(
     spec: RLHFJobSpec,
@@ -455,8 +473,8 @@ def rollout_service(
         if spec.agent.sandbox_workers
         else None
     )
-    if sandboxes is not None:
-        log(f"sandbox workers: {spec.agent.sandbox_workers}; confinement: {sandboxes.isolation()[0]}")
+    if spec.agent.runs_code:
+        log(_checked_sandbox(spec, sandboxes))
     trajectories = _trajectory_source(spec, tokenizer, simulated, sandboxes.run if sandboxes else run_python)
     service = RolloutService(
         spec,
