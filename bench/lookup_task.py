@@ -87,7 +87,7 @@ class LookupLoop(ToolCallingLoop):
             retries=self.spec.tool_retries,
             pool=self._calls,
         )
-        return Insert(self.spec.tool_response_format.replace("{result}", outcome.text), [outcome])
+        return Insert(self.spec.tool_response_format, [outcome], result=outcome.text)
 
 
 def called_lookup(

@@ -7,7 +7,8 @@ its own (a loop may block: tools take seconds), and applies the answer:
 * :class:`Finish`: the trajectory ends here (the model answered; an environment may score it);
 * :class:`Insert`: text to append as a turn the model did not write (tool results, an
   environment's observation), encoded once and masked out of the loss and the KL; then the
-  model's next turn.
+  model's next turn. What the tools or the environment produced (``Insert.result``) is encoded
+  as plain text: special-token strings in it cannot forge a turn.
 
 The API a plugin (``spec.agent.loop: package.module:Loop``) implements is :class:`AgentLoop`:
 a class constructed with the job's :class:`~hybridflow.spec.agent.AgentSpec`, whose
@@ -76,6 +77,26 @@ class Insert:
     text: str
     tool_calls: list[ToolOutcome] = field(default_factory=list)
     """The calls this turn made (for the metrics: calls, errors, latency)."""
+    result: str | None = None
+    """What a tool or an environment produced, inserted where ``text`` has ``{result}``. It is
+    tokenized as plain text: a special token's string in it (``<|im_end|>``, printed by the model's
+    code) stays text and never becomes a control token that forges a turn; ``text`` itself, the
+    job's markup around it, keeps its special tokens. A loop that builds the whole ``text`` itself
+    (``result`` None) is trusted with all of it."""
+
+    @property
+    def rendered(self) -> str:
+        """The inserted text as one string (the result in its place)."""
+        return "".join(text for text, _ in self.segments())
+
+    def segments(self) -> list[tuple[str, bool]]:
+        """``(text, plain)`` pieces in order: the markup (special tokens parsed) and the result (plain)."""
+        if self.result is None:
+            return [(self.text, False)]
+        before, placeholder, after = self.text.partition("{result}")
+        if not placeholder:
+            return [(self.text, False), (self.result, True)]
+        return [(before, False), (self.result, True), (after, False)]
 
 
 class AgentLoop(Protocol):
@@ -128,7 +149,7 @@ class ToolCallingLoop:
         ]
         outcomes += [ToolOutcome(message, False, 0.0, 0) for message in parsed.errors]
         results = "\n".join(outcome.text for outcome in outcomes)
-        return Insert(self.spec.tool_response_format.replace("{result}", results), outcomes)
+        return Insert(self.spec.tool_response_format, outcomes, result=results)
 
 
 class Environment(Protocol):
@@ -174,7 +195,7 @@ class EnvironmentLoop:
                 self._episodes[context.trajectory] = (environment, total)
         if done:
             return Finish("answer", reward=total)
-        return Insert(self.spec.tool_response_format.replace("{result}", str(observation)))
+        return Insert(self.spec.tool_response_format, result=str(observation))
 
 
 def load_agent_loop(spec: AgentSpec, runner: SandboxRunner = run_python) -> AgentLoop | None:

@@ -105,12 +105,15 @@ class TrajectoryDriver:
         encode: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
         budget: int,
+        encode_plain: Callable[[str], list[int]] | None = None,
         threads: int = 32,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = spec
         self.loop = loop
         self.encode = encode
+        self.encode_plain = encode_plain or encode
+        """Encodes what tools and environments produced: special-token strings stay text."""
         self.decode = decode
         self.budget = budget
         self.clock = clock
@@ -205,7 +208,13 @@ class TrajectoryDriver:
         if self._timed_out(trajectory):
             trajectory.finish_reason = "timeout"
             return None
-        if not trajectory.insert(self.encode(action.text)):
+        ids = [
+            token
+            for text, plain in action.segments()
+            if text
+            for token in (self.encode_plain(text) if plain else self.encode(text))
+        ]
+        if not trajectory.insert(ids):
             return None  # no room for another model turn: ended ("budget")
         return self._turn(sample)
 

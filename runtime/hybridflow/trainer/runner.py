@@ -422,6 +422,9 @@ def _trajectory_source(
         spec.agent,
         loop,
         encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        encode_plain=lambda text: list(
+            tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ),
         decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
         budget=spec.rollout.max_response_tokens,
     )
