@@ -608,8 +608,11 @@ def test_a_preemptor_admitted_onto_gpus_still_held_flaps_unless_pods_ready_waits
         create(cluster, preemptor, namespace)
         held_until["gpus"] = time.monotonic() + 3  # from the eviction: first's pods in their hooks
         kueue.evict("first")
+        # Kueue's "Started" event, not the RayJob's state: with a 1 s timeout the preemptor may be
+        # admitted and evicted again between two polls on a busy machine.
         wait_until(
-            lambda: not suspended(cluster, "preemptor", namespace), message="the preemptor is admitted"
+            lambda: any(e.rayjob == "preemptor" and e.reason == "Started" for e in kueue.events),
+            message="the preemptor is admitted",
         )
 
         def timeouts() -> list[Any]:
