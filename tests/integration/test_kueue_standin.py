@@ -609,9 +609,12 @@ def test_a_preemptor_admitted_onto_gpus_still_held_flaps_unless_pods_ready_waits
         held_until["gpus"] = time.monotonic() + 3  # from the eviction: first's pods in their hooks
         kueue.evict("first")
         # Kueue's "Started" event, not the RayJob's state: with a 1 s timeout the preemptor may be
-        # admitted and evicted again between two polls on a busy machine.
+        # admitted and evicted again between two polls on a busy machine. The admission waits for
+        # KubeRay's and Kueue's loops to release the first job's quota: 30 s, as the full suite's
+        # load made 10 s too short (CI, 2026-12-07).
         wait_until(
             lambda: any(e.rayjob == "preemptor" and e.reason == "Started" for e in kueue.events),
+            timeout_seconds=30,
             message="the preemptor is admitted",
         )
 
