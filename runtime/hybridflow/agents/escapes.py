@@ -355,11 +355,29 @@ def sandbox_processes() -> list[int]:
         except OSError:
             continue
         nested = any(line.startswith("NSpid:") and len(line.split()) > 2 for line in status.splitlines())
+        if nested and _container_engines_own(entry):
+            continue  # a podman/Docker container's process on the same host, not a sandbox's
         with contextlib.suppress(OSError):
             cmdline += os.readlink(entry / "cwd").encode()
         if nested or b"hybridflow-sandbox-" in cmdline or b"/work/main.py" in cmdline:
             found.append(int(entry.name))
     return found
+
+
+CONTAINER_CGROUPS = (b"libpod", b"buildah", b"docker", b"containerd", b"crio")
+"""Cgroup path parts of container engines' processes, which also run in nested PID namespaces."""
+
+
+def _container_engines_own(entry: Path) -> bool:
+    """Whether the process is another container's on this host (its cgroup names a container engine
+    that this process's own cgroup does not: inside a pod, both name the pod's) rather than a sandbox's."""
+    try:
+        cgroups, own = (entry / "cgroup").read_bytes(), Path("/proc/self/cgroup").read_bytes()
+    except OSError:
+        return False
+    if b"hybridflow-sandbox" in cgroups:
+        return False
+    return any(part in cgroups and part not in own for part in CONTAINER_CGROUPS)
 
 
 def _work_directories() -> set[str]:
