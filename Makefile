@@ -8,23 +8,33 @@ HELM := $(VENV)/bin/helm
 PIP := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup system-packages demo test e2e lint bench bench-smoke format clean images images-check crds dashboards gpu-wheels gpu-check
+.PHONY: setup system-packages image-packages demo test e2e lint bench bench-smoke format clean images images-test images-check crds dashboards gpu-wheels gpu-check
 
 setup: $(STAMP) $(HELM) system-packages
 
-# Debian packages the tests run for real: dnsmasq (the e2e cluster's DNS, e2e/cluster_dns.py).
+# Debian packages the tests run for real: dnsmasq (the e2e cluster's DNS, e2e/cluster_dns.py) and
+# Prometheus (the server and promtool: the chart's alert rules and dashboards' queries, evaluated).
 # Installed as root when missing; anyone else is told the one command to run.
-SYSTEM_PACKAGES := dnsmasq-base
-system-packages:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+SYSTEM_PACKAGES := dnsmasq-base prometheus
+# What `make images` needs where no Docker engine answers: podman with runc, and mmdebstrap to make
+# a base from Debian's packages where no registry answers (images/build.py).
+IMAGE_PACKAGES := podman runc uidmap mmdebstrap
+define install_packages
+	@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			echo "make setup: installing $$missing (apt-get)"; \
+			echo "make: installing $$missing (apt-get)"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 		else \
-			echo "make setup: the e2e tests need: sudo apt-get install -y $$missing" >&2; \
+			echo "make: these need: sudo apt-get install -y $$missing" >&2; \
 		fi; \
 	fi
+endef
+system-packages:
+	$(call install_packages,$(SYSTEM_PACKAGES))
+
+image-packages:
+	$(if $(shell docker info >/dev/null 2>&1 && echo docker),,$(call install_packages,$(IMAGE_PACKAGES)))
 
 $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,7 +66,10 @@ test: setup
 
 # From an applied manifest to a trained checkpoint on this machine, then broken on purpose
 # (e2e/: the API-server double, the operator, a KubeRay stand-in, real tiny training runs).
-e2e: setup
+# e2e/test_containers.py runs the RayJob's pods in the runtime image's CPU flavour: built (or
+# found current, in seconds) first.
+e2e: setup image-packages
+	$(PY) images/build.py runtime-cpu
 	RAY_AUTH_MODE=disabled $(PY) -m pytest e2e --durations=25 $(PYTEST_ARGS)
 
 lint: setup
@@ -108,17 +121,17 @@ crds: setup
 dashboards:
 	$(PY) helm/render_dashboards.py
 
-# The operator and runtime images (images/*/Dockerfile), where a Docker engine answers.
-IMAGE_TAG ?= 0.1.0
-images:
-	@if docker info >/dev/null 2>&1; then \
-		docker build -f images/operator/Dockerfile -t hybridflow-operator:$(IMAGE_TAG) . && \
-		docker build -f images/runtime/Dockerfile -t hybridflow-runtime:$(IMAGE_TAG) . ; \
-	else \
-		echo "make images: no Docker engine answers on this machine (docker info failed); nothing built." >&2; \
-		echo "Build on a machine with Docker: docker build -f images/operator/Dockerfile ." >&2; \
-		exit 1; \
-	fi
+# The operator image and the runtime image's GPU and CPU flavours (images/*/Dockerfile), with
+# Docker where an engine answers, else podman; a base made from Debian's packages where no
+# registry answers (images/build.py). Default: all three, the GPU flavour skipped (saying why)
+# where no base with Python 3.12+ can be had; CI builds IMAGES="operator runtime-cpu".
+IMAGES ?=
+images: setup image-packages
+	$(PY) images/build.py $(IMAGES)
+
+# The built images run as pods run them (tests/images; CI runs it after `make images`).
+images-test: setup image-packages
+	RAY_AUTH_MODE=disabled $(PY) -m pytest tests/images --durations=10 $(PYTEST_ARGS)
 
 # Without a Docker engine: does the runtime image's pinned Python set resolve for the image's
 # Python and platform? (pip --dry-run, metadata only; CI runs it.)

@@ -5,8 +5,9 @@ vllm requiring another torch, a wheel yanked, a Python the image does not have) 
 only on the first machine that builds the image. This asks pip the same question without
 building anything: ``pip install --dry-run --report`` for the image's interpreter (its Python
 version and ABI, Linux x86_64 manylinux wheels only), reading package metadata only (PEP 658),
-for exactly what ``images/runtime/Dockerfile`` installs: its torch pin, then the project's base
-dependencies and its ``gpu`` extra, under ``constraints/gpu.txt``.
+for exactly what ``images/runtime/Dockerfile`` installs in its GPU flavour: its torch pin, then
+what ``images/requirements.py gpu`` lists (the base dependencies, the ``gpu`` and ``pod`` extras),
+under ``constraints/gpu.txt``.
 
 Run by CI (``make images-check``); exits 1 naming what did not resolve, else prints the versions
 of the pinned packages and the number of distributions the image would hold.
@@ -32,20 +33,26 @@ MANYLINUX_GLIBC = range(17, 40)
 
 
 def image_python(dockerfile: str) -> str:
-    """The Python version of the image, from its base (``FROM nvidia/cuda:...-ubuntu24.04``)."""
-    base = re.search(r"^FROM\s+\S+?-(ubuntu\d+\.\d+)\s*$", dockerfile, re.M)
+    """The Python version of the image, from its default base (``ARG BASE=nvidia/cuda:...-ubuntu24.04``)."""
+    base = re.search(r"^ARG\s+BASE=\S+?-(ubuntu\d+\.\d+)\s*$", dockerfile, re.M)
     if base is None or base.group(1) not in UBUNTU_PYTHON:
-        raise SystemExit(f"{DOCKERFILE}: cannot tell the image's Python from its FROM line")
+        raise SystemExit(f"{DOCKERFILE}: cannot tell the image's Python from its ARG BASE line")
     return UBUNTU_PYTHON[base.group(1)]
 
 
 def image_requirements(dockerfile: str) -> list[str]:
-    """What the Dockerfile's pip installs ask for: the torch pin, then the project with its gpu extra."""
-    torch = re.search(r"pip install [^\n]*?(torch==\S+)", dockerfile)
-    if torch is None or '".[gpu]"' not in dockerfile:
-        raise SystemExit(f'{DOCKERFILE}: expected `pip install ... torch==X` and `pip install ... ".[gpu]"`')
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [torch.group(1), *project["dependencies"], *project["optional-dependencies"]["gpu"]]
+    """What the GPU flavour's pip installs ask for: the torch pin, then ``requirements.py gpu``."""
+    torch = re.search(r"-c constraints/gpu\.txt (torch==\S+)", dockerfile)
+    if torch is None or "images/requirements.py" not in dockerfile:
+        raise SystemExit(
+            f"{DOCKERFILE}: expected `pip install -c constraints/gpu.txt torch==X` and images/requirements.py"
+        )
+    sys.path.insert(0, str(ROOT / "images"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.pop(0)
+    return [torch.group(1), *requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()), "gpu")]
 
 
 def main() -> int:

@@ -62,20 +62,49 @@ def test_final_user_is_a_numeric_non_root_user(path: Path) -> None:
     )
 
 
+def image_requirements(flavour: str) -> list[str]:
+    """What ``images/requirements.py <flavour>`` prints (the images' dependency layer)."""
+    sys.path.insert(0, str(ROOT / "images"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.pop(0)
+    return requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()), flavour)
+
+
 def test_operator_image_installs_the_base_dependencies_only() -> None:
     steps = instructions(ROOT / "images" / "operator" / "Dockerfile")
-    installs = [args for keyword, args in steps if keyword == "RUN" and "pip install" in args]
-    assert installs and all("[" not in args for args in installs), installs
-    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert not {Requirement(r).name for r in base} & {"torch", "ray", "vllm", "megatron-core"}
-    assert steps[0][1].startswith("python:3.12") and "slim" in steps[0][1]
+    runs = [args for keyword, args in steps if keyword == "RUN" and "pip install" in args]
+    assert any("images/requirements.py base" in args for args in runs), runs
+    assert all(".[" not in args for args in runs), runs
+    names = {Requirement(r).name for r in image_requirements("base")}
+    assert not names & {"torch", "ray", "vllm", "megatron-core"}, names
+    assert steps[0] == ("ARG", "BASE=python:3.12.12-slim-bookworm") and steps[1][1].startswith("${BASE}")
+
+
+def test_both_runtime_flavours_install_rays_dashboard_and_agent() -> None:
+    """KubeRay's probes call Ray's dashboard agent and dashboard, and its submitter the job API:
+    both runtime flavours install ``ray[default]`` (the ``pod`` extra); plain ``ray`` has neither."""
+    for flavour in ("cpu", "gpu"):
+        assert "ray[default]==2.60.0" in image_requirements(flavour), flavour
+    with pytest.raises(ValueError, match="expected one of"):
+        image_requirements("tpu")
+
+
+def test_the_cpu_flavour_installs_the_pinned_cpu_torch() -> None:
+    runs = " ".join(
+        args for keyword, args in instructions(ROOT / "images" / "runtime" / "Dockerfile") if keyword == "RUN"
+    )
+    pin = (ROOT / "constraints" / "cpu.txt").read_text().split("torch==")[1].split()[0]
+    assert f"--no-index --find-links /wheels -c constraints/cpu.txt torch=={pin}" in re.sub(r"\s+", " ", runs)
 
 
 def test_runtime_image_pins_satisfy_the_gpu_extra() -> None:
     steps = instructions(ROOT / "images" / "runtime" / "Dockerfile")
-    assert steps[0][0] == "FROM" and steps[0][1].startswith("nvidia/cuda:")
+    assert steps[0][0] == "ARG" and steps[0][1].startswith("BASE=nvidia/cuda:")
     runs = " ".join(args for keyword, args in steps if keyword == "RUN")
-    assert 'pip install --no-cache-dir -c constraints/gpu.txt ".[gpu]"' in runs
+    assert "pip install --no-cache-dir -c constraints/gpu.txt -r /tmp/requirements.txt" in runs
+    assert 'python3 images/requirements.py "$FLAVOUR"' in runs
     pins = {}
     for line in (ROOT / "constraints" / "gpu.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -140,14 +169,14 @@ def test_the_runtime_image_has_what_kuberays_probes_and_hooks_run() -> None:
 
     steps = instructions(ROOT / "images" / "runtime" / "Dockerfile")
     assert (
-        steps[0][1].startswith("nvidia/cuda:") and "ubuntu" in steps[0][1]
-    )  # bash and grep are essential there
+        steps[0][1].startswith("BASE=nvidia/cuda:") and "ubuntu" in steps[0][1]
+    )  # bash and grep are essential there (and in the Debian base make images uses here)
     installs = " ".join(args for keyword, args in steps if keyword == "RUN" and "apt-get install" in args)
     assert re.search(r"\bwget\b", installs), installs
     env = " ".join(args for keyword, args in steps if keyword == "ENV")
     assert "PATH=/opt/hybridflow/bin:$PATH" in env and "VIRTUAL_ENV=/opt/hybridflow" in env
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert STOP_COMMAND in scripts  # installed into the venv's bin by `pip install .[gpu]`
+    assert STOP_COMMAND in scripts  # installed into the venv's bin by `pip install .`
 
 
 def test_the_resolution_check_asks_for_what_the_dockerfile_installs() -> None:
