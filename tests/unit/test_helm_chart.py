@@ -33,7 +33,7 @@ OPERATOR_SOURCES = ROOT / "operator" / "hybridflow_operator"
 KUBERNETES_VERSION = "1.37.0"
 RELEASE, NAMESPACE = "hf", "hybridflow-system"
 # Custom resources kubernetes-validate has no schema for; checked field by field below.
-MONITOR_KINDS = {"ServiceMonitor", "PodMonitor"}
+MONITOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def helm_binary() -> str:
@@ -82,6 +82,7 @@ VALUES_MATRIX: dict[str, dict[str, Any]] = {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
             "jobsPodMonitor": {"enabled": True, "interval": "30s"},
+            "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
         },
     },
     "cluster-wide-monitors": {
@@ -334,6 +335,15 @@ def test_job_pod_monitor_selects_the_controller_pods_the_operator_builds(tmp_pat
     assert ports[endpoint["port"]] == rayjob.CONTROLLER_METRICS_PORT
     (service_monitor,) = by_kind(docs, "ServiceMonitor")
     assert service_monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_the_prometheus_rule_carries_the_rules_promtool_checks(tmp_path: Path) -> None:
+    """The PrometheusRule's spec is rules/hybridflow.rules.yaml unchanged (that file is what
+    promtool checks and tests/integration/test_prometheus.py fires); off by default."""
+    (rule,) = by_kind(render(VALUES_MATRIX["namespaces-and-monitors"], tmp_path), "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "rules" / "hybridflow.rules.yaml").read_text())
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert by_kind(render(VALUES_MATRIX["defaults"], tmp_path), "PrometheusRule") == []
 
 
 def test_dashboards_ship_as_sidecar_config_maps_and_can_be_turned_off(tmp_path: Path) -> None:

@@ -10,8 +10,6 @@ describes is exported as ``hybridflow_training_metric{name="<key>"}``.
 
 from __future__ import annotations
 
-import math
-
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from hybridflow.metrics.catalogue import TRAINING_METRICS, UNCATALOGUED, MetricDefinition, find_definition
@@ -21,7 +19,12 @@ __all__ = ["TrainingMetricsExporter", "report_values"]
 
 
 def report_values(report: StepReport) -> dict[str, float]:
-    """A step report as one flat dict of step-report keys (the catalogue's ``key`` field)."""
+    """A step report as one flat dict of step-report keys (the catalogue's ``key`` field).
+
+    NaN and infinities are kept: Prometheus stores them, and a reward or loss that became NaN is
+    what the chart's ``HybridFlowNonFiniteTraining`` alert is for (dropping it would leave the
+    gauge at its last finite value, a diverged run looking healthy). Only the CRD's status,
+    which JSON cannot carry them in, leaves them out."""
     values: dict[str, float] = {
         "step": float(report.step),
         "total_steps": float(report.total_steps),
@@ -30,7 +33,7 @@ def report_values(report: StepReport) -> dict[str, float]:
     if report.last_checkpoint_step is not None:
         values["checkpoint/last_step"] = float(report.last_checkpoint_step)
     for key, value in report.metrics.items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        if isinstance(value, int | float) and not isinstance(value, bool):
             values[key] = float(value)
     return values
 
