@@ -33,6 +33,15 @@ Each rule is one function below, named after the Go function it follows:
    timeout, as the source has it). Readiness: initial delay 10 s, period 5 s, failure threshold
    10, timeout 2 s (head 5 s); liveness: 30 s, 5 s, 120, 2 s (head 5 s).
 
+8. ``BuildJobSubmitCommand`` (K8sJobMode, ``common/job.go``): wait until the dashboard's
+   ``/api/gcs_healthz`` answers (``BasePythonHealthCommand``, ``python -c`` with urllib, 10 s
+   timeout, every 2 s), then ``if ! ray job status ... <id>; then ray job submit --address
+   http://<dashboardURL> --no-wait [--runtime-env-json ...] --submission-id <id>
+   [--entrypoint-num-cpus/gpus] -- <entrypoint> ; fi ; ray job logs --address ... --follow <id>``.
+9. ``configureSubmitterContainer`` (``rayjob_controller.go``): when the template's container has
+   no command, ``/bin/bash -ce --`` and that command joined by spaces as the one arg; then
+   ``PYTHONUNBUFFERED=1``, ``RAY_DASHBOARD_ADDRESS`` and ``RAY_JOB_SUBMISSION_ID`` appended.
+
 Not modelled: autoscaling, GCS fault tolerance, TLS, the history-server collector (the operator
 uses none of them); token authentication is the e2e stand-in's (``configureTokenAuth``).
 """
@@ -43,6 +52,8 @@ import copy
 import math
 import re
 from typing import Any
+
+import yaml
 
 JsonObject = dict[str, Any]
 
@@ -318,3 +329,114 @@ def build_cluster_pods(rayjob: JsonObject, cluster: str) -> list[tuple[str, Json
             )
             pods.append((f"{cluster}-{group['groupName']}-worker-{index}", pod))
     return pods
+
+
+PYTHON_HEALTH = (
+    "python -c \"import urllib.request; r=urllib.request.urlopen('%s', timeout=%d); "
+    "exit(0 if b'success' in r.read() else 1)\""
+)
+"""``utils.BasePythonHealthCommand`` (v1.7.0)."""
+
+
+def _go_quote(text: str) -> str:
+    """``strconv.Quote``: a double-quoted Go string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def job_submit_command(rayjob: JsonObject, dashboard_url: str, job_id: str) -> list[str]:
+    """``BuildJobSubmitCommand`` in K8sJobMode (rule 8): the words the submitter's bash runs."""
+    import json
+
+    spec = rayjob["spec"]
+    address = dashboard_url if dashboard_url.startswith("http://") else f"http://{dashboard_url}"
+    if spec.get("metadata") or spec.get("entrypointResources"):
+        raise NotImplementedError(
+            "metadata and entrypointResources are not modelled (the operator sets neither)"
+        )
+    health = PYTHON_HEALTH % (f"{address}/api/gcs_healthz", 10)
+    waiting = _go_quote(f"Waiting for Ray Dashboard GCS to become healthy at {address} ...")
+    command = [
+        "until",
+        health,
+        ">/dev/null",
+        "2>&1",
+        ";",
+        "do",
+        "echo",
+        waiting,
+        ";",
+        "sleep",
+        "2",
+        ";",
+        "done",
+        ";",
+    ]
+    command += [
+        "if",
+        "!",
+        "ray",
+        "job",
+        "status",
+        "--address",
+        address,
+        job_id,
+        ">/dev/null",
+        "2>&1",
+        ";",
+        "then",
+    ]
+    command += ["ray", "job", "submit", "--address", address, "--no-wait"]
+    if spec.get("runtimeEnvYAML"):
+        runtime_env = json.dumps(yaml.safe_load(spec["runtimeEnvYAML"]), separators=(",", ":"))
+        command += ["--runtime-env-json", _go_quote(runtime_env)]
+    if job_id:
+        command += ["--submission-id", job_id]
+    if float(spec.get("entrypointNumCpus") or 0) > 0:
+        command += ["--entrypoint-num-cpus", f"{float(spec['entrypointNumCpus']):f}"]
+    if float(spec.get("entrypointNumGpus") or 0) > 0:
+        command += ["--entrypoint-num-gpus", f"{float(spec['entrypointNumGpus']):f}"]
+    command += ["--", spec["entrypoint"].strip(), ";", "fi", ";"]
+    return [*command, "ray", "job", "logs", "--address", address, "--follow", job_id]
+
+
+def submitter_pod(rayjob: JsonObject, dashboard_url: str, job_id: str) -> JsonObject:
+    """The submitter Job's pod (rules 8 and 9): the RayJob's ``submitterPodTemplate`` (else KubeRay's
+    default container: the head's image, 1 CPU, 1Gi) with its command and environment."""
+    spec = rayjob["spec"]
+    template = copy.deepcopy(spec.get("submitterPodTemplate") or {})
+    if not template:
+        head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        template = {
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "ray-job-submitter",
+                        "image": head["image"],
+                        "resources": {
+                            "limits": {"cpu": "1", "memory": "1Gi"},
+                            "requests": {"cpu": "500m", "memory": "200Mi"},
+                        },
+                    }
+                ],
+            }
+        }
+    container = template["spec"]["containers"][0]
+    if not container.get("command"):
+        container["command"] = ["/bin/bash", "-ce", "--"]
+        container["args"] = [" ".join(job_submit_command(rayjob, dashboard_url, job_id))]
+    container.setdefault("env", []).extend(
+        [
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "RAY_DASHBOARD_ADDRESS", "value": dashboard_url},
+            {"name": "RAY_JOB_SUBMISSION_ID", "value": job_id},
+        ]
+    )
+    metadata = template.setdefault("metadata", {})
+    metadata["labels"] = {
+        **(metadata.get("labels") or {}),
+        "ray.io/originated-from-cr-name": rayjob["metadata"]["name"],
+        "ray.io/originated-from-crd": "RayJob",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}

@@ -14,7 +14,13 @@ import yaml
 
 from hybridflow.spec import parse_job_manifest
 from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
-from kube.kuberay_pods import build_cluster_pods, convert_param_map, head_service_fqdn, quantity
+from kube.kuberay_pods import (
+    build_cluster_pods,
+    convert_param_map,
+    head_service_fqdn,
+    quantity,
+    submitter_pod,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -123,3 +129,28 @@ def test_boolean_parameters_are_switches_except_three() -> None:
         convert_param_map({"block": "true", "log-color": "false", "x": "False"})
         == " --block  --log-color=false "
     )
+
+
+def test_the_submitter_waits_for_the_dashboard_then_submits_once_and_follows() -> None:
+    """``BuildJobSubmitCommand`` (K8sJobMode) in the operator's submitter template, whose container
+    has no command: KubeRay's ``/bin/bash -ce --`` and the joined words."""
+    job = rayjob()
+    dashboard = f"{FQDN}:8265"
+    pod = submitter_pod(job, dashboard, "grpo-tiny-1-abcde")
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["/bin/bash", "-ce", "--"]
+    (script,) = container["args"]
+    address = f"http://{dashboard}"
+    assert script.startswith(
+        f"until python -c \"import urllib.request; r=urllib.request.urlopen('{address}/api/gcs_healthz'"
+    )
+    assert f"if ! ray job status --address {address} grpo-tiny-1-abcde >/dev/null 2>&1 ; then" in script
+    assert (
+        f"ray job submit --address {address} --no-wait --submission-id grpo-tiny-1-abcde -- "
+        "hybridflow run --in-cluster /etc/hybridflow/job.yaml ; fi ;"
+    ) in script
+    assert script.endswith(f"ray job logs --address {address} --follow grpo-tiny-1-abcde")
+    variables = env(container)
+    assert variables["RAY_JOB_SUBMISSION_ID"] == "grpo-tiny-1-abcde" and variables["PYTHONUNBUFFERED"] == "1"
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # the operator's template is kept
+    assert pod["metadata"]["labels"]["ray.io/originated-from-cr-name"] == job["metadata"]["name"]
