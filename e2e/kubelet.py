@@ -25,9 +25,9 @@ with the cluster's resolver (``cluster_dns.py``) as its DNS, the way the kubelet
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -37,22 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "images"))
+import build
+
+sys.path.pop(0)
+Engine = build.Engine
 JsonObject = dict[str, Any]
 Lookup = Callable[[str, str, str], str | None]
 """``lookup(kind, name, key)``: a Secret's or ConfigMap's value (kind ``secret`` or ``configmap``)."""
-
-
-@dataclass
-class Engine:
-    """The podman command line (with the project's settings) and its environment."""
-
-    argv: tuple[str, ...]
-    env: dict[str, str]
-
-    def run(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*self.argv, *args], env=self.env, text=True, capture_output=True, check=False, timeout=timeout
-        )
 
 
 @dataclass
@@ -107,11 +99,13 @@ class Kubelet:
         self.pods[name] = pod
         for index, init in enumerate(pod.spec.get("initContainers") or []):
             args = self._run_args(pod, init, f"{name}-init-{index}-{uuid.uuid4().hex[:6]}")
-            result = self.engine.run("run", "--rm", *args, timeout=600)
+            result = self.engine.run("run", "--rm", *args, capture=True, timeout=600)
             if result.returncode != 0:
                 raise RuntimeError(f"init container {init['name']} of {name} failed: {result.stderr[-2000:]}")
         pod.container_name = f"{name}-{uuid.uuid4().hex[:6]}"
-        started = self.engine.run("run", "-d", *self._run_args(pod, pod.container, pod.container_name))
+        started = self.engine.run(
+            "run", "-d", *self._run_args(pod, pod.container, pod.container_name), capture=True
+        )
         if started.returncode != 0:
             raise RuntimeError(f"pod {name} did not start: {started.stderr[-2000:]}")
         threading.Thread(target=self._probe_loop, args=(pod,), name=f"probe-{name}", daemon=True).start()
@@ -241,7 +235,7 @@ class Kubelet:
                 return False
         try:
             result = self.engine.run(
-                "exec", pod.container_name, *probe["exec"]["command"], timeout=timeout + 5
+                "exec", pod.container_name, *probe["exec"]["command"], capture=True, timeout=timeout + 5
             )
         except subprocess.TimeoutExpired:
             return False
@@ -261,33 +255,35 @@ class Kubelet:
         )
         if hook:
             try:
-                pod.prestop = self.engine.run("exec", pod.container_name, *hook, timeout=max(1.0, grace))
+                pod.prestop = self.engine.run(
+                    "exec", pod.container_name, *hook, capture=True, timeout=max(1.0, grace)
+                )
             except subprocess.TimeoutExpired:
                 pod.prestop = None
             pod.prestop_seconds = time.monotonic() - began
         left = max(0, int(grace - (time.monotonic() - began)))
-        self.engine.run("stop", "-t", str(left), pod.container_name, timeout=left + 60)
+        self.engine.run("stop", "-t", str(left), pod.container_name, capture=True, timeout=left + 60)
         return pod
 
     def logs(self, name: str) -> str:
         pod = self.pods.get(name)
         container = pod.container_name if pod else name
-        result = self.engine.run("logs", container)
+        result = self.engine.run("logs", container, capture=True)
         return result.stdout + result.stderr
 
     def exit_code(self, container_name: str) -> int | None:
         result = self.engine.run(
-            "inspect", "--format", "{{.State.ExitCode}} {{.State.Running}}", container_name
+            "inspect", "--format", "{{.State.ExitCode}} {{.State.Running}}", container_name, capture=True
         )
         code, _, running = result.stdout.strip().partition(" ")
         return None if running == "true" or not code else int(code)
 
     def remove_all(self, prefix: str) -> None:
-        listed = self.engine.run("ps", "-a", "--format", "{{.Names}}").stdout.split()
+        listed = self.engine.run("ps", "-a", "--format", "{{.Names}}", capture=True).stdout.split()
         for container in listed:
             if container.startswith(prefix):
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.engine.run("rm", "-f", "-t", "0", container, timeout=60)
+                    self.engine.run("rm", "-f", "-t", "0", container, capture=True, timeout=60)
 
 
 def _bytes(quantity: str) -> str:
@@ -305,12 +301,5 @@ def _expand(value: str, env: dict[str, str]) -> str:
 
 
 def engine_from_env() -> Engine:
-    """podman with the project's settings (images/podman/containers.conf, runc where installed)."""
-    import shutil
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env.setdefault("CONTAINERS_CONF", str(root / "images" / "podman" / "containers.conf"))
-    podman = shutil.which("podman") or "podman"
-    runtime = ("--runtime", runc) if (runc := shutil.which("runc")) else ()
-    return Engine((podman, *runtime), env)
+    """The engine ``make images`` used (images/build.py): podman with the project's settings here."""
+    return build.find_engine()

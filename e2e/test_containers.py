@@ -58,16 +58,18 @@ def _children(image: str) -> list[dict[str, Any]]:
 @pytest.fixture
 def container_cluster(tmp_path: Path) -> Iterator[ContainerCluster]:
     engine = engine_from_env()
-    if engine.run("image", "inspect", RUNTIME_IMAGE).returncode != 0:
+    if engine.run("image", "inspect", RUNTIME_IMAGE, capture=True).returncode != 0:
         pytest.fail(f"{RUNTIME_IMAGE} is not built: run `make images IMAGES=runtime-cpu` first")
     suffix = uuid.uuid4().hex[:6]
     network, octet = f"hf-e2e-{suffix}", 100 + int(suffix, 16) % 100
     subnet = f"10.90.{octet}"
-    created = engine.run("network", "create", "--disable-dns", "--subnet", f"{subnet}.0/24", network)
+    created = engine.run(
+        "network", "create", "--disable-dns", "--subnet", f"{subnet}.0/24", network, capture=True
+    )
     assert created.returncode == 0, created.stderr
     infra = f"hf-e2e-infra-{suffix}"  # keeps the bridge (and the resolver's address) up
     engine.run("run", "-d", "--name", infra, "--network", network, "--ip", f"{subnet}.254",
-               "localhost/hybridflow-base:bookworm", "sleep", "infinity")  # fmt: skip
+               RUNTIME_IMAGE, "sleep", "infinity", capture=True)  # fmt: skip
     children = _children("img:e2e")
     config = next(child for child in children if child["kind"] == "ConfigMap")
 
@@ -87,9 +89,9 @@ def container_cluster(tmp_path: Path) -> Iterator[ContainerCluster]:
             yield ContainerCluster(kubelet, dns, subnet, children)
     finally:
         for name in list(kubelet.pods) if "kubelet" in locals() else []:
-            kubelet.engine.run("rm", "-f", "-t", "0", kubelet.pods[name].container_name)
-        engine.run("rm", "-f", "-t", "0", infra)
-        engine.run("network", "rm", "-f", network)
+            kubelet.engine.run("rm", "-f", "-t", "0", kubelet.pods[name].container_name, capture=True)
+        engine.run("rm", "-f", "-t", "0", infra, capture=True)
+        engine.run("network", "rm", "-f", network, capture=True)
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> float:
@@ -114,7 +116,7 @@ def test_the_rayjobs_pods_form_a_cluster_and_terminate_as_on_kubernetes(
     head_ready = _wait(lambda: head_pod.ready, 120, "the head passes its readiness probe")
     worker_pod = kubelet.start(worker_name, NAMESPACE, worker, cluster.ip(1))  # after wait-gcs-ready
     _wait(lambda: worker_pod.ready, 120, "the worker passes its readiness probe")
-    status = kubelet.engine.run("exec", head_pod.container_name, "ray", "status")
+    status = kubelet.engine.run("exec", head_pod.container_name, "ray", "status", capture=True)
     active = status.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
     # Ray names the nodes by RAY_NODE_TYPE_NAME (the pods' ray.io/group): the worker joined
     # through the Service's name, and brought its 2 (simulated) GPUs and the pool's resource.
@@ -149,9 +151,11 @@ def test_pid_1_of_kuberays_command_passes_sigterm_to_ray(container_cluster: Cont
     (head_name, head), *_ = build_cluster_pods(rayjob, "pid1")
     pod = kubelet.start(head_name, NAMESPACE, head, cluster.ip(5))
     _wait(lambda: pod.ready, 120, "the head is ready")
-    pid1 = kubelet.engine.run("exec", pod.container_name, "cat", "/proc/1/cmdline").stdout.replace("\0", " ")
+    pid1 = kubelet.engine.run(
+        "exec", pod.container_name, "cat", "/proc/1/cmdline", capture=True
+    ).stdout.replace("\0", " ")
     began = time.monotonic()
-    stopped = kubelet.engine.run("stop", "-t", "60", pod.container_name, timeout=120)
+    stopped = kubelet.engine.run("stop", "-t", "60", pod.container_name, timeout=120, capture=True)
     seconds = time.monotonic() - began
     assert stopped.returncode == 0, stopped.stderr
     assert seconds < 60, f"PID 1 ({pid1.strip()}) ignored SIGTERM: stopped by SIGKILL after {seconds:.0f} s"

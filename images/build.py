@@ -110,9 +110,11 @@ class Engine:
     def name(self) -> str:
         return Path(self.argv[0]).name
 
-    def run(self, *args: str, capture: bool = False) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, capture: bool = False, timeout: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*self.argv, *args], env=self.env, text=True, capture_output=capture, check=False
+            [*self.argv, *args], env=self.env, text=True, capture_output=capture, check=False, timeout=timeout
         )
 
 
