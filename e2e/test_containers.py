@@ -1,21 +1,23 @@
 """The operator's RayJob run as real containers of the built runtime image (``make images``).
 
 The pods are KubeRay v1.7's (``kube.kuberay_pods``: the generated ``ray start`` behind
-``/bin/bash -c``, the injected environment, probes, ``/dev/shm`` and the worker's
-``wait-gcs-ready`` init container) run by a kubelet over podman (``kubelet.py``) on a bridge
-network: each pod has its own address, the head Service's name resolves through a real resolver
-(dnsmasq) exactly while the test says the Service exists, probes gate readiness, and deletion
-runs the preStop hook, then SIGTERM to PID 1 and SIGKILL at the grace period.
+``/bin/bash -c``, the injected environment, probes, ``/dev/shm``, the worker's ``wait-gcs-ready``
+init container, the submitter's ``ray job submit``) run by a kubelet over podman (``kubelet.py``)
+on a bridge network: each pod has its own address, the head Service's name resolves through a
+real resolver (dnsmasq) exactly while the test says the Service exists, probes gate readiness, and
+deletion runs the preStop hook, then SIGTERM to PID 1 and SIGKILL at the grace period.
 
 Shown here: the cluster forms as on Kubernetes (the worker waits for the head's GCS by the
-Service's name, then joins), the readiness probes pass only once Ray serves them, and the pods
-terminate as the kubelet terminates them, with the time each step took. Running the GRPO example
-to Succeeded in containers, and suspend, eviction and SIGKILL there, are issue 40's next steps
-(see docs/operator.md).
+Service's name, then joins), the readiness probes pass only once Ray serves them, the pods
+terminate as the kubelet terminates them, and the GRPO example runs to SUCCEEDED through
+KubeRay's submitter, its controller pushing the RLHFJob's status with the job's ServiceAccount
+(the operator's Role) and checkpointing on the claim. Suspend, eviction and SIGKILL in
+containers, and the operator from its image, are issue 40's next steps (docs/operator.md).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -160,3 +162,175 @@ def test_pid_1_of_kuberays_command_passes_sigterm_to_ray(container_cluster: Cont
     assert stopped.returncode == 0, stopped.stderr
     assert seconds < 60, f"PID 1 ({pid1.strip()}) ignored SIGTERM: stopped by SIGKILL after {seconds:.0f} s"
     print(f"PID 1: {pid1.strip()[:120]}; stopped {seconds:.1f} s after SIGTERM")
+
+
+def _job_manifest(steps: int) -> dict[str, Any]:
+    """grpo-tiny as a cluster user applies it: the model and prompts on the claim ``models``, the
+    checkpoints and outputs on ``ckpt``; sizes cut to this machine (as test_e2e.manifest does)."""
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
+    spec = doc["spec"]
+    doc["metadata"] = {"name": "grpo-tiny", "namespace": NAMESPACE}
+    spec["models"] = {role: {"path": "/models/model"} for role in spec["models"]}
+    spec["data"]["trainFiles"] = ["/models/data/target_char.jsonl"]
+    spec["rollout"]["maxResponseTokens"] = 8
+    spec["training"].update(totalSteps=steps, promptsPerStep=4, miniBatchSize=32, microBatchSizePerGpu=16)
+    spec["volumes"] = [{"claimName": "models", "mountPath": "/models"}]
+    spec["checkpoint"] = {
+        "intervalSteps": 2,
+        "keepLast": 3,
+        "volume": {"claimName": "ckpt", "mountPath": "/ckpt"},
+    }
+    spec["outputDir"] = "/ckpt/outputs"
+    # No CUDA in these containers: the workers hold Ray's simulated GPUs to a GPU node's contract.
+    spec["pods"] = {"env": [{"name": "HYBRIDFLOW_GPU_CONTRACT", "value": "emulate"}]}
+    return doc
+
+
+def _readable_copy(source: Path, target: Path) -> Path:
+    """``source`` copied where the pods' user (10001) may read it (pytest's temp dirs are 0700)."""
+    import shutil
+
+    shutil.copytree(source, target)
+    for path in [target, *target.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return target
+
+
+def test_the_grpo_example_runs_to_succeeded_in_containers(tmp_path: Path, tiny: Path) -> None:
+    """The whole RayJob in containers: head and worker pods, then KubeRay's submitter pod, whose
+    ``ray job submit`` sends the entrypoint through the head Service's dashboard; the controller
+    trains in the head container, pushes the RLHFJob's status to the API server and checkpoints on
+    the claim. What KubeRay would read: the Ray job SUCCEEDED."""
+    from kube.harness import EmulatedCluster
+    from kube.kuberay_pods import submitter_pod
+
+    engine = engine_from_env()
+    if engine.run("image", "inspect", RUNTIME_IMAGE, capture=True).returncode != 0:
+        pytest.fail(f"{RUNTIME_IMAGE} is not built: run `make images IMAGES=runtime-cpu` first")
+    suffix = uuid.uuid4().hex[:6]
+    network, subnet = f"hf-e2e-{suffix}", f"10.91.{100 + int(suffix, 16) % 100}"
+    assert (
+        engine.run(
+            "network", "create", "--disable-dns", "--subnet", f"{subnet}.0/24", network, capture=True
+        ).returncode
+        == 0
+    )
+    infra = f"hf-e2e-infra-{suffix}"
+    engine.run("run", "-d", "--name", infra, "--network", network, "--ip", f"{subnet}.254",
+               RUNTIME_IMAGE, "sleep", "infinity", capture=True)  # fmt: skip
+    claims = {
+        "models": _readable_copy(tiny, tmp_path / "claims" / "models"),
+        "ckpt": tmp_path / "claims" / "ckpt",
+    }
+    claims["ckpt"].mkdir()
+    claims["ckpt"].chmod(0o777)
+    doc = _job_manifest(steps=2)
+    kubelet: Kubelet | None = None
+    try:
+        with (
+            EmulatedCluster(host=f"{subnet}.1") as api,
+            ClusterDNS(tmp_path / "dns", address=f"{subnet}.1") as dns,
+        ):
+            children = _apply(api, doc)
+            rayjob = next(child for child in children if child["kind"] == "RayJob")
+            account = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
+                "serviceAccountName"
+            ]
+            kubeconfig = tmp_path / "sa" / "kubeconfig"
+            kubeconfig.parent.mkdir()
+            kubeconfig.write_text(
+                yaml.safe_dump(api.kubeconfig_as(f"system:serviceaccount:{NAMESPACE}:{account}", NAMESPACE))
+            )
+            kubeconfig.chmod(0o644)
+            kubeconfig.parent.chmod(0o755)
+            claims["sa-kubeconfig"] = kubeconfig.parent
+            kubelet = Kubelet(
+                engine, network=network, dns=f"{subnet}.1", root=tmp_path / "pods",
+                image_for=lambda _image: RUNTIME_IMAGE, claims=claims, lookup=_lookup(children),
+            )  # fmt: skip
+            cluster = "grpo-tiny-1"
+            (head_name, head), (worker_name, worker), *_ = build_cluster_pods(rayjob, cluster)
+            _with_credentials(head)
+            service = head_service_name(cluster, NAMESPACE)
+            head_pod = kubelet.start(head_name, NAMESPACE, head, f"{subnet}.10")
+            dns.add(service, f"{subnet}.10")
+            _wait(lambda: head_pod.ready, 120, "the head is ready")
+            worker_pod = kubelet.start(worker_name, NAMESPACE, worker, f"{subnet}.11")
+            _wait(lambda: worker_pod.ready, 120, "the worker is ready")
+            submitter = submitter_pod(rayjob, f"{service}:8265", f"{cluster}-e2e")
+            began = time.monotonic()
+            submitter_run = kubelet.start("submitter", NAMESPACE, submitter, f"{subnet}.12")
+            _wait(
+                lambda: kubelet.exit_code(submitter_run.container_name) is not None, 900, "the submitter ends"
+            )
+            seconds = time.monotonic() - began
+            status = kubelet.engine.run(
+                "exec", head_pod.container_name, "ray", "job", "status", f"{cluster}-e2e", capture=True
+            )
+            logs = kubelet.logs("submitter")
+            assert "succeeded" in status.stdout.lower(), status.stdout + logs[-3000:]
+            steps = [
+                json.loads(line)["step"]
+                for line in (claims["ckpt"] / "outputs" / "metrics.jsonl").read_text().splitlines()
+            ]
+            assert steps == [1, 2], steps
+            assert (claims["ckpt"] / "checkpoints" / "step_000002").is_dir()
+            pushed = api.custom.get_namespaced_custom_object(
+                "hybridflow.io", "v1alpha1", NAMESPACE, "rlhfjobs", "grpo-tiny"
+            )
+            assert (pushed.get("status") or {}).get("progress", {}).get("step") == 2, pushed.get("status")
+            print(f"GRPO (2 steps) in containers: submitted to SUCCEEDED in {seconds:.0f} s")
+    finally:
+        if kubelet is not None:
+            kubelet.remove_all("grpo-tiny-1-")
+            kubelet.remove_all("submitter-")
+        engine.run("rm", "-f", "-t", "0", infra, capture=True)
+        engine.run("network", "rm", "-f", network, capture=True)
+
+
+def _apply(api: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The RLHFJob, then the operator's children of it but the RayJob, as the operator makes them
+    (owned by the stored RLHFJob's uid: the garbage collector deletes children of any other)."""
+    from kubernetes import utils
+
+    api.emulator.register_crd(yaml.safe_load((ROOT / "crds" / "hybridflow.io_rlhfjobs.yaml").read_text()))
+    stored = api.custom.create_namespaced_custom_object(
+        "hybridflow.io", "v1alpha1", NAMESPACE, "rlhfjobs", doc
+    )
+    job = parse_job_manifest(
+        {**doc, "metadata": {**doc["metadata"], "uid": stored["metadata"]["uid"]}}, "e2e"
+    )
+    children = build_children(job, JobRef.of(job), attempt=1, defaults=RayJobDefaults(image="img:e2e"))
+    for child in children:
+        if child["kind"] != "RayJob":
+            utils.create_from_dict(api.api_client, child, namespace=NAMESPACE)
+    return children
+
+
+def _lookup(children: list[dict[str, Any]]) -> Any:
+    configs = {child["metadata"]["name"]: child["data"] for child in children if child["kind"] == "ConfigMap"}
+
+    def lookup(kind: str, name: str, key: str) -> str | None:
+        if kind == "configmap-keys" and name in configs:
+            return " ".join(configs[name])
+        if kind == "configmap" and name in configs:
+            return str(configs[name][key])
+        return None
+
+    return lookup
+
+
+def _with_credentials(pod: dict[str, Any]) -> None:
+    """The pod's ServiceAccount credentials: a kubeconfig for the API-server double (a pod gets a
+    token and KUBERNETES_SERVICE_HOST; the double serves plain HTTP, so a kubeconfig stands in)."""
+    container = pod["spec"]["containers"][0]
+    pod["spec"].setdefault("volumes", []).append(
+        {"name": "sa-kubeconfig", "persistentVolumeClaim": {"claimName": "sa-kubeconfig"}}
+    )
+    container.setdefault("volumeMounts", []).append(
+        {"name": "sa-kubeconfig", "mountPath": "/var/run/hybridflow-sa", "readOnly": True}
+    )
+    container["env"] = [
+        {"name": "KUBECONFIG", "value": "/var/run/hybridflow-sa/kubeconfig"},
+        *container.get("env", []),
+    ]

@@ -218,8 +218,11 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
     API objects built on it.
     """
 
-    def __init__(self, emulator: ApiServerEmulator | None = None) -> None:
+    def __init__(self, emulator: ApiServerEmulator | None = None, *, host: str = "127.0.0.1") -> None:
+        """``host``: the address to serve on (a container network's gateway, for pods run as
+        containers: e2e/test_containers.py)."""
         self.emulator = emulator if emulator is not None else ApiServerEmulator()
+        self.host = host
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -266,7 +269,7 @@ class EmulatedCluster(contextlib.AbstractContextManager["EmulatedCluster"]):
 
     async def _serve_until_stopped(self) -> None:
         self._stop = asyncio.Event()
-        async with self.emulator, kmock.Server(self.emulator, host="127.0.0.1") as server:
+        async with self.emulator, kmock.Server(self.emulator, host=self.host) as server:
             self._url = f"http://{server.host}:{server.port}"
             self._ready.set()
             await self._stop.wait()
