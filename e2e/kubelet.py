@@ -19,7 +19,11 @@ with the cluster's resolver (``cluster_dns.py``) as its DNS, the way the kubelet
   thresholds), HTTP GET to the pod's address or exec in the container; :attr:`Pod.ready` follows it.
 * **Deletion**: the preStop hook (``podman exec``) with the grace period as its deadline, then
   SIGTERM to PID 1 and SIGKILL when the grace period (counted from the deletion) runs out
-  (``podman stop -t``), as the kubelet's ``killContainer`` does.
+  (``podman stop -t``), as the kubelet's ``killContainer`` does (Kubernetes v1.33
+  ``pkg/kubelet/kuberuntime/kuberuntime_container.go``: the hook's time counts against the grace
+  period). Readiness follows ``pkg/kubelet/prober/worker.go`` (``doProbe``: initial delay, then
+  one probe a period, ready after ``successThreshold`` successes, unready after
+  ``failureThreshold`` failures).
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Kubelet:
         self.engine, self.network, self.dns, self.root = engine, network, dns, root
         self.image_for, self.claims, self.lookup = image_for, claims, lookup
         self.pods: dict[str, Pod] = {}
+        self._started: list[str] = []
 
     # ------------------------------------------------------------------ start
 
@@ -103,6 +108,7 @@ class Kubelet:
             if result.returncode != 0:
                 raise RuntimeError(f"init container {init['name']} of {name} failed: {result.stderr[-2000:]}")
         pod.container_name = f"{name}-{uuid.uuid4().hex[:6]}"
+        self._started.append(pod.container_name)
         started = self.engine.run(
             "run", "-d", *self._run_args(pod, pod.container, pod.container_name), capture=True
         )
@@ -278,12 +284,11 @@ class Kubelet:
         code, _, running = result.stdout.strip().partition(" ")
         return None if running == "true" or not code else int(code)
 
-    def remove_all(self, prefix: str) -> None:
-        listed = self.engine.run("ps", "-a", "--format", "{{.Names}}", capture=True).stdout.split()
-        for container in listed:
-            if container.startswith(prefix):
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.engine.run("rm", "-f", "-t", "0", container, capture=True, timeout=60)
+    def close(self) -> None:
+        """Remove every container this kubelet started (init containers remove themselves)."""
+        for container in self._started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.engine.run("rm", "-f", "-t", "0", container, capture=True, timeout=60)
 
 
 def _bytes(quantity: str) -> str:

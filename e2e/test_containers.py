@@ -17,6 +17,7 @@ containers, and the operator from its image, are issue 40's next steps (docs/ope
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster_dns import ClusterDNS, head_service_name
-from kubelet import Kubelet, engine_from_env
+from kubelet import Engine, Kubelet, Pod, engine_from_env
 
 from hybridflow.spec import parse_job_manifest
 from hybridflow_operator.builders import JobRef, RayJobDefaults, build_children
@@ -57,43 +58,61 @@ def _children(image: str) -> list[dict[str, Any]]:
     return build_children(job, JobRef.of(job), attempt=1, defaults=RayJobDefaults(image=image))
 
 
-@pytest.fixture
-def container_cluster(tmp_path: Path) -> Iterator[ContainerCluster]:
-    engine = engine_from_env()
-    if engine.run("image", "inspect", RUNTIME_IMAGE, capture=True).returncode != 0:
-        pytest.fail(f"{RUNTIME_IMAGE} is not built: run `make images IMAGES=runtime-cpu` first")
+@dataclass(frozen=True)
+class PodNetwork:
+    """A bridge network of its own for the pods: ``<subnet>.0/24``, the resolver on ``.1``."""
+
+    name: str
+    subnet: str
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.subnet}.1"
+
+
+@contextlib.contextmanager
+def pod_network(engine: Engine, octets: str) -> Iterator[PodNetwork]:
+    """Create the network (its own DNS off: the cluster's resolver serves it), held up by an infra
+    container, and remove both afterwards."""
     suffix = uuid.uuid4().hex[:6]
-    network, octet = f"hf-e2e-{suffix}", 100 + int(suffix, 16) % 100
-    subnet = f"10.90.{octet}"
+    network = PodNetwork(f"hf-e2e-{suffix}", f"{octets}.{100 + int(suffix, 16) % 100}")
     created = engine.run(
-        "network", "create", "--disable-dns", "--subnet", f"{subnet}.0/24", network, capture=True
+        "network", "create", "--disable-dns", "--subnet", f"{network.subnet}.0/24", network.name, capture=True
     )
     assert created.returncode == 0, created.stderr
     infra = f"hf-e2e-infra-{suffix}"  # keeps the bridge (and the resolver's address) up
-    engine.run("run", "-d", "--name", infra, "--network", network, "--ip", f"{subnet}.254",
+    engine.run("run", "-d", "--name", infra, "--network", network.name, "--ip", f"{network.subnet}.254",
                RUNTIME_IMAGE, "sleep", "infinity", capture=True)  # fmt: skip
-    children = _children("img:e2e")
-    config = next(child for child in children if child["kind"] == "ConfigMap")
-
-    def lookup(kind: str, name: str, key: str) -> str | None:
-        if kind == "configmap-keys" and name == config["metadata"]["name"]:
-            return " ".join(config["data"])
-        if kind == "configmap" and name == config["metadata"]["name"]:
-            return str(config["data"][key])
-        return None
-
     try:
-        with ClusterDNS(tmp_path / "dns", address=f"{subnet}.1") as dns:
-            kubelet = Kubelet(
-                engine, network=network, dns=f"{subnet}.1", root=tmp_path / "pods",
-                image_for=lambda _image: RUNTIME_IMAGE, claims={}, lookup=lookup,
-            )  # fmt: skip
-            yield ContainerCluster(kubelet, dns, subnet, children)
+        yield network
     finally:
-        for name in list(kubelet.pods) if "kubelet" in locals() else []:
-            kubelet.engine.run("rm", "-f", "-t", "0", kubelet.pods[name].container_name, capture=True)
         engine.run("rm", "-f", "-t", "0", infra, capture=True)
-        engine.run("network", "rm", "-f", network, capture=True)
+        engine.run("network", "rm", "-f", network.name, capture=True)
+
+
+def runtime_engine() -> Engine:
+    engine = engine_from_env()
+    if engine.run("image", "inspect", RUNTIME_IMAGE, capture=True).returncode != 0:
+        pytest.fail(f"{RUNTIME_IMAGE} is not built: run `make images IMAGES=runtime-cpu` first")
+    return engine
+
+
+@pytest.fixture
+def container_cluster(tmp_path: Path) -> Iterator[ContainerCluster]:
+    engine = runtime_engine()
+    children = _children("img:e2e")
+    with (
+        pod_network(engine, "10.90") as network,
+        ClusterDNS(tmp_path / "dns", address=network.gateway) as dns,
+    ):
+        kubelet = Kubelet(
+            engine, network=network.name, dns=network.gateway, root=tmp_path / "pods",
+            image_for=lambda _image: RUNTIME_IMAGE, claims={}, lookup=_lookup(children),
+        )  # fmt: skip
+        try:
+            yield ContainerCluster(kubelet, dns, network.subnet, children)
+        finally:
+            kubelet.close()
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> float:
@@ -204,88 +223,77 @@ def test_the_grpo_example_runs_to_succeeded_in_containers(tmp_path: Path, tiny: 
     from kube.harness import EmulatedCluster
     from kube.kuberay_pods import submitter_pod
 
-    engine = engine_from_env()
-    if engine.run("image", "inspect", RUNTIME_IMAGE, capture=True).returncode != 0:
-        pytest.fail(f"{RUNTIME_IMAGE} is not built: run `make images IMAGES=runtime-cpu` first")
-    suffix = uuid.uuid4().hex[:6]
-    network, subnet = f"hf-e2e-{suffix}", f"10.91.{100 + int(suffix, 16) % 100}"
-    assert (
-        engine.run(
-            "network", "create", "--disable-dns", "--subnet", f"{subnet}.0/24", network, capture=True
-        ).returncode
-        == 0
-    )
-    infra = f"hf-e2e-infra-{suffix}"
-    engine.run("run", "-d", "--name", infra, "--network", network, "--ip", f"{subnet}.254",
-               RUNTIME_IMAGE, "sleep", "infinity", capture=True)  # fmt: skip
-    claims = {
-        "models": _readable_copy(tiny, tmp_path / "claims" / "models"),
-        "ckpt": tmp_path / "claims" / "ckpt",
-    }
-    claims["ckpt"].mkdir()
-    claims["ckpt"].chmod(0o777)
-    doc = _job_manifest(steps=2)
-    kubelet: Kubelet | None = None
-    try:
-        with (
-            EmulatedCluster(host=f"{subnet}.1") as api,
-            ClusterDNS(tmp_path / "dns", address=f"{subnet}.1") as dns,
-        ):
-            children = _apply(api, doc)
-            rayjob = next(child for child in children if child["kind"] == "RayJob")
-            account = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
-                "serviceAccountName"
-            ]
-            kubeconfig = tmp_path / "sa" / "kubeconfig"
-            kubeconfig.parent.mkdir()
-            kubeconfig.write_text(
-                yaml.safe_dump(api.kubeconfig_as(f"system:serviceaccount:{NAMESPACE}:{account}", NAMESPACE))
-            )
-            kubeconfig.chmod(0o644)
-            kubeconfig.parent.chmod(0o755)
-            claims["sa-kubeconfig"] = kubeconfig.parent
-            kubelet = Kubelet(
-                engine, network=network, dns=f"{subnet}.1", root=tmp_path / "pods",
-                image_for=lambda _image: RUNTIME_IMAGE, claims=claims, lookup=_lookup(children),
-            )  # fmt: skip
-            cluster = "grpo-tiny-1"
-            (head_name, head), (worker_name, worker), *_ = build_cluster_pods(rayjob, cluster)
-            _with_credentials(head)
-            service = head_service_name(cluster, NAMESPACE)
-            head_pod = kubelet.start(head_name, NAMESPACE, head, f"{subnet}.10")
-            dns.add(service, f"{subnet}.10")
-            _wait(lambda: head_pod.ready, 120, "the head is ready")
-            worker_pod = kubelet.start(worker_name, NAMESPACE, worker, f"{subnet}.11")
-            _wait(lambda: worker_pod.ready, 120, "the worker is ready")
-            submitter = submitter_pod(rayjob, f"{service}:8265", f"{cluster}-e2e")
+    engine, cluster = runtime_engine(), "grpo-tiny-1"
+    claims = {"models": _readable_copy(tiny, tmp_path / "claims" / "models")}
+    claims["ckpt"] = _writable_dir(tmp_path / "claims" / "ckpt")
+    with (
+        pod_network(engine, "10.91") as network,
+        EmulatedCluster(host=network.gateway) as api,
+        ClusterDNS(tmp_path / "dns", address=network.gateway) as dns,
+    ):
+        children = _apply(api, _job_manifest(steps=2))
+        rayjob = next(child for child in children if child["kind"] == "RayJob")
+        claims["sa-kubeconfig"] = _service_account_kubeconfig(api, rayjob, tmp_path / "sa")
+        kubelet = Kubelet(
+            engine, network=network.name, dns=network.gateway, root=tmp_path / "pods",
+            image_for=lambda _image: RUNTIME_IMAGE, claims=claims, lookup=_lookup(children),
+        )  # fmt: skip
+        try:
+            head = _start_cluster(kubelet, dns, network, rayjob, cluster)
             began = time.monotonic()
-            submitter_run = kubelet.start("submitter", NAMESPACE, submitter, f"{subnet}.12")
-            _wait(
-                lambda: kubelet.exit_code(submitter_run.container_name) is not None, 900, "the submitter ends"
+            submitter = submitter_pod(
+                rayjob, f"{head_service_name(cluster, NAMESPACE)}:8265", f"{cluster}-e2e"
             )
+            run = kubelet.start("submitter", NAMESPACE, submitter, f"{network.subnet}.12")
+            _wait(lambda: kubelet.exit_code(run.container_name) is not None, 900, "the submitter ends")
             seconds = time.monotonic() - began
-            status = kubelet.engine.run(
-                "exec", head_pod.container_name, "ray", "job", "status", f"{cluster}-e2e", capture=True
+            status = engine.run(
+                "exec", head.container_name, "ray", "job", "status", f"{cluster}-e2e", capture=True
             )
-            logs = kubelet.logs("submitter")
-            assert "succeeded" in status.stdout.lower(), status.stdout + logs[-3000:]
-            steps = [
-                json.loads(line)["step"]
-                for line in (claims["ckpt"] / "outputs" / "metrics.jsonl").read_text().splitlines()
-            ]
-            assert steps == [1, 2], steps
-            assert (claims["ckpt"] / "checkpoints" / "step_000002").is_dir()
-            pushed = api.custom.get_namespaced_custom_object(
-                "hybridflow.io", "v1alpha1", NAMESPACE, "rlhfjobs", "grpo-tiny"
-            )
-            assert (pushed.get("status") or {}).get("progress", {}).get("step") == 2, pushed.get("status")
-            print(f"GRPO (2 steps) in containers: submitted to SUCCEEDED in {seconds:.0f} s")
-    finally:
-        if kubelet is not None:
-            kubelet.remove_all("grpo-tiny-1-")
-            kubelet.remove_all("submitter-")
-        engine.run("rm", "-f", "-t", "0", infra, capture=True)
-        engine.run("network", "rm", "-f", network, capture=True)
+            assert "succeeded" in status.stdout.lower(), status.stdout + kubelet.logs("submitter")[-3000:]
+        finally:
+            kubelet.close()
+        metrics = (claims["ckpt"] / "outputs" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in metrics] == [1, 2], metrics
+        assert (claims["ckpt"] / "checkpoints" / "step_000002").is_dir()
+        pushed = api.custom.get_namespaced_custom_object(
+            "hybridflow.io", "v1alpha1", NAMESPACE, "rlhfjobs", "grpo-tiny"
+        )
+        assert (pushed.get("status") or {}).get("progress", {}).get("step") == 2, pushed.get("status")
+    print(f"GRPO (2 steps) in containers: submitted to SUCCEEDED in {seconds:.0f} s")
+
+
+def _writable_dir(path: Path) -> Path:
+    """A claim the pods' user may write (pytest's temp dirs are 0700)."""
+    path.mkdir(parents=True)
+    path.chmod(0o777)
+    return path
+
+
+def _service_account_kubeconfig(api: Any, rayjob: dict[str, Any], folder: Path) -> Path:
+    """A folder with the kubeconfig of the head pod's ServiceAccount (authorized by the operator's
+    Role), mounted into the head by :func:`_with_credentials`."""
+    account = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["serviceAccountName"]
+    folder.mkdir()
+    config = api.kubeconfig_as(f"system:serviceaccount:{NAMESPACE}:{account}", NAMESPACE)
+    (folder / "kubeconfig").write_text(yaml.safe_dump(config))
+    (folder / "kubeconfig").chmod(0o644)
+    folder.chmod(0o755)
+    return folder
+
+
+def _start_cluster(
+    kubelet: Kubelet, dns: ClusterDNS, network: PodNetwork, rayjob: dict[str, Any], cluster: str
+) -> Pod:
+    """The head (with the ServiceAccount's credentials) and its Service, then the worker; both ready."""
+    (head_name, head), (worker_name, worker), *_ = build_cluster_pods(rayjob, cluster)
+    _with_credentials(head)
+    head_pod = kubelet.start(head_name, NAMESPACE, head, f"{network.subnet}.10")
+    dns.add(head_service_name(cluster, NAMESPACE), f"{network.subnet}.10")
+    _wait(lambda: head_pod.ready, 120, "the head is ready")
+    worker_pod = kubelet.start(worker_name, NAMESPACE, worker, f"{network.subnet}.11")
+    _wait(lambda: worker_pod.ready, 120, "the worker is ready")
+    return head_pod
 
 
 def _apply(api: Any, doc: dict[str, Any]) -> list[dict[str, Any]]:

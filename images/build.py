@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from requirements import requirements  # images/requirements.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "images" / "runtime" / "wheels"
 PODMAN_CONF = ROOT / "images" / "podman" / "containers.conf"
@@ -174,11 +176,6 @@ def ensure_local_base(engine: Engine, suite: str) -> None:
 
 
 def requirement_lines(flavour: str) -> list[str]:
-    sys.path.insert(0, str(ROOT / "images"))
-    try:
-        from requirements import requirements
-    finally:
-        sys.path.pop(0)
     return requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()), flavour)
 
 

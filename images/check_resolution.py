@@ -23,6 +23,8 @@ import tempfile
 import tomllib
 from pathlib import Path
 
+from requirements import requirements  # images/requirements.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "images" / "runtime" / "Dockerfile"
 CONSTRAINTS = ROOT / "constraints" / "gpu.txt"
@@ -47,11 +49,6 @@ def image_requirements(dockerfile: str) -> list[str]:
         raise SystemExit(
             f"{DOCKERFILE}: expected `pip install -c constraints/gpu.txt torch==X` and images/requirements.py"
         )
-    sys.path.insert(0, str(ROOT / "images"))
-    try:
-        from requirements import requirements
-    finally:
-        sys.path.pop(0)
     return [torch.group(1), *requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()), "gpu")]
 
 

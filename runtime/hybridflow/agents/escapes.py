@@ -346,6 +346,7 @@ def sandbox_processes() -> list[int]:
     """Pids of processes a sandbox call may have left: in a nested PID namespace, running a
     sandbox's code, or from a sandbox's directory (``/proc``; no dependency)."""
     found = []
+    own_cgroups = Path("/proc/self/cgroup").read_bytes()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -355,7 +356,7 @@ def sandbox_processes() -> list[int]:
         except OSError:
             continue
         nested = any(line.startswith("NSpid:") and len(line.split()) > 2 for line in status.splitlines())
-        if nested and _container_engines_own(entry):
+        if nested and _container_engines_own(entry, own_cgroups):
             continue  # a podman/Docker container's process on the same host, not a sandbox's
         with contextlib.suppress(OSError):
             cmdline += os.readlink(entry / "cwd").encode()
@@ -368,11 +369,11 @@ CONTAINER_CGROUPS = (b"libpod", b"buildah", b"docker", b"containerd", b"crio")
 """Cgroup path parts of container engines' processes, which also run in nested PID namespaces."""
 
 
-def _container_engines_own(entry: Path) -> bool:
+def _container_engines_own(entry: Path, own: bytes) -> bool:
     """Whether the process is another container's on this host (its cgroup names a container engine
     that this process's own cgroup does not: inside a pod, both name the pod's) rather than a sandbox's."""
     try:
-        cgroups, own = (entry / "cgroup").read_bytes(), Path("/proc/self/cgroup").read_bytes()
+        cgroups = (entry / "cgroup").read_bytes()
     except OSError:
         return False
     if b"hybridflow-sandbox" in cgroups:
