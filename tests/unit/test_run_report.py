@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,80 @@ def test_report_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n', encoding="utf-8")
     with pytest.raises(ReportError, match=r"metrics.jsonl:2: not JSON"):
         load_records(tmp_path)
+
+
+# Two steps of a PPO run on this machine's CPU (tests/integration/test_run_job.py), timing/* and
+# perf/step_seconds as written; the first step compiled, the second saved a checkpoint and an export.
+PPO_STEPS: tuple[dict[str, float], ...] = (
+    {
+        "perf/step_seconds": 0.737,
+        "timing/weight_sync": 0.041,
+        "timing/generate": 0.066,
+        "timing/reward": 0.030,
+        "timing/old_log_probs": 0.032,
+        "timing/ref_log_probs": 0.032,
+        "timing/values": 0.033,
+        "timing/advantages": 0.002,
+        "timing/critic_update": 0.159,
+        "timing/actor_update": 0.234,
+        "timing/compile": 0.100,
+        "timing/other": 0.009,
+    },
+    {
+        "perf/step_seconds": 0.324,
+        "timing/weight_sync": 0.026,
+        "timing/generate": 0.052,
+        "timing/reward": 0.003,
+        "timing/old_log_probs": 0.039,
+        "timing/ref_log_probs": 0.019,
+        "timing/values": 0.031,
+        "timing/advantages": 0.002,
+        "timing/critic_update": 0.063,
+        "timing/actor_update": 0.081,
+        "timing/other": 0.008,
+        "timing/checkpoint": 0.284,
+        "export/seconds": 1.5,
+    },
+)
+
+
+def breakdown(text: str) -> dict[str, list[str]]:
+    section = text.split("step breakdown (mean over steps):\n")[1].split("\n\n")[0]
+    return {line.split()[0]: line.split()[1:] for line in section.splitlines()[1:] if line.strip()}
+
+
+def write_records(output_dir: Path, records: Sequence[dict[str, float]]) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"step": step, **record}) for step, record in enumerate(records, start=1)]
+    (output_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_the_shares_of_the_step_phases_add_up_to_the_step(tmp_path: Path) -> None:
+    """Before: the checkpoint (after the step) had a share, and compile's mean was over step 1 only: 147%."""
+    write_records(tmp_path / "run", PPO_STEPS)
+    text = render_report(tmp_path / "run")
+    phases = breakdown(text)
+    assert phases.pop("step") == ["0.530", "100.0%"]
+    assert list(phases)[:2] == ["weight_sync", "generate"] and list(phases)[-1] == "other"  # as a step runs
+    assert phases["compile"] == ["0.050", "9.4%"]  # 0.1 s in one of two steps
+    assert "checkpoint" not in phases
+    assert abs(sum(float(share.rstrip("%")) for _, share in phases.values()) - 100.0) < 0.3
+    assert "overlap" not in text
+    after = text.split("after the step")[1].split("\n\n")[0].splitlines()
+    assert [line.split() for line in after[1:]] == [
+        ["checkpoint", "0.284", "1", "of", "2"],
+        ["export", "1.500", "1", "of", "2"],
+    ]
+
+
+def test_phases_that_overlap_are_said_to_not_hidden(tmp_path: Path) -> None:
+    """A step function that times a phase inside another: the report says the phases add up to 150%."""
+    write_records(
+        tmp_path / "run", [{"perf/step_seconds": 2.0, "timing/generate": 2.0, "timing/reward": 1.0}]
+    )
+    text = render_report(tmp_path / "run")
+    assert breakdown(text)["reward"] == ["1.000", "50.0%"]
+    assert "(the phases add up to 150.0% of the step: they overlap)" in text
 
 
 def report(step: int) -> StepReport:

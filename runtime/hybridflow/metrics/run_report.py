@@ -3,7 +3,9 @@
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one object per step, the step-report keys of
 ``catalogue.py``) and the checkpoint directory's ``latest`` pointer, and returns text: the steps
 run, a table of the learning curves at evenly spaced steps, the mean time of each phase of a
-step and its share, and the newest complete checkpoint. :func:`plot_curves` draws reward and KL
+step and its share (the shares add up to 100%, or a line says by how much phases overlap), what
+ran after the steps and is not in their seconds (checkpoints, exports), and the newest complete
+checkpoint. :func:`plot_curves` draws reward and KL
 against the step into a small PNG. Everything here reads files only: no Ray, no torch.
 """
 
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.metrics.catalogue import CHECKPOINT_PHASE, OTHER_PHASE, STEP_PHASES
+
 __all__ = ["ReportError", "load_records", "plot_curves", "render_report"]
 
 # (key, column title, digits) of the table; absent keys show as "-".
@@ -27,6 +31,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("perf/tokens_per_second", "tok/s", 0),
     ("perf/step_seconds", "step s", 2),
 )
+TIMING, STEP_SECONDS = "timing/", "perf/step_seconds"
 PLOTTED: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward (mean)"),
     ("kl/actor_ref", "KL(actor || ref)"),
@@ -79,22 +84,56 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def _number(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _phase_order(phases: set[str]) -> list[str]:
+    """Catalogue phases in the order a step runs them, then any others (a plugin's records) by name."""
+    known = [phase.name for phase in (*STEP_PHASES, OTHER_PHASE) if phase.name in phases]
+    return known + sorted(phases - set(known))
+
+
 def _phase_lines(records: Sequence[dict[str, Any]]) -> list[str]:
-    phases = sorted({key for r in records for key in r if key.startswith("timing/")})
-    step_seconds = [
-        r["perf/step_seconds"] for r in records if isinstance(r.get("perf/step_seconds"), int | float)
-    ]
-    mean_step = sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
-    body = []
-    for key in phases:
-        values = [r[key] for r in records if isinstance(r.get(key), int | float)]
-        mean = sum(values) / len(values)
-        share = f"{100 * mean / mean_step:.1f}%" if mean_step > 0 else "-"
-        body.append([key.removeprefix("timing/"), f"{mean:.3f}", share])
-    if not body:
+    """The step's phases: each one's mean seconds over every timed step and its share of the step.
+
+    A phase a step did not run counts 0 seconds in that step's mean (``compile`` on the first steps
+    only), so the shares of phases that partition each step (the trainer's: disjoint intervals, the
+    rest as ``other``) add up to 100%. Phases that overlap (a step function writing ``timing/*`` of its
+    own) add up to more, and a last line says by how much instead of hiding it. The checkpoint runs
+    after the step and is not part of it (:func:`_after_step_lines`).
+    """
+    timed = [r for r in records if (_number(r, STEP_SECONDS) or 0.0) > 0]
+    after = {f"{TIMING}{CHECKPOINT_PHASE.name}"}
+    phases = {k.removeprefix(TIMING) for r in timed for k in r if k.startswith(TIMING) and k not in after}
+    if not timed or not phases:
         return ["(no timing/* figures recorded)"]
+    mean_step = sum(_number(r, STEP_SECONDS) or 0.0 for r in timed) / len(timed)
+    body, total = [], 0.0
+    for name in _phase_order(phases):
+        mean = sum(_number(r, TIMING + name) or 0.0 for r in timed) / len(timed)
+        total += mean
+        body.append([name, f"{mean:.3f}", f"{100 * mean / mean_step:.1f}%"])
     body.append(["step", f"{mean_step:.3f}", "100.0%"])
-    return _table(["phase", "mean s", "share"], body)
+    lines = _table(["phase", "mean s", "share"], body)
+    if abs(total / mean_step - 1) > 0.005:
+        lines.append(
+            f"(the phases add up to {100 * total / mean_step:.1f}% of the step: "
+            + ("they overlap" if total > mean_step else "part of the step is untimed")
+            + ")"
+        )
+    return lines
+
+
+def _after_step_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """What runs after a step and is not in its seconds: checkpoints and exports, on their steps only."""
+    body = []
+    for name, key in (("checkpoint", f"{TIMING}{CHECKPOINT_PHASE.name}"), ("export", "export/seconds")):
+        values = [v for r in records if (v := _number(r, key)) is not None]
+        if values:
+            body.append([name, f"{sum(values) / len(values):.3f}", f"{len(values)} of {len(records)}"])
+    return _table(["after the step", "mean s", "steps"], body) if body else []
 
 
 def _last_checkpoint(checkpoint_dir: Path) -> str:
@@ -129,6 +168,8 @@ def render_report(
     ]
     lines += _table(["step", *(title for _, title, _ in columns)], body)
     lines += ["", "step breakdown (mean over steps):", *_phase_lines(records), ""]
+    if after_step := _after_step_lines(records):
+        lines += [*after_step, ""]
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else Path(output_dir) / "checkpoints"
     lines.append(f"last checkpoint: {_last_checkpoint(directory)}")
     return "\n".join(lines)
