@@ -360,8 +360,8 @@ def test_a_lora_job_trains_and_syncs_the_adapter_alone_and_exports_it_gated(
     adapter tensor, only adapter parameters change in the checkpoint, and the export passes its
     parity gate and is listed as the job's artifact (what the in-cluster status push sends).
     """
+    from hybridflow.checkpoint.exports import read_artifacts
     from hybridflow.export import verify_export
-    from hybridflow.export.publish import read_artifacts
     from hybridflow.incluster.status import progress_status
 
     path = manifest(tiny, tmp_path / "lora", "grpo-tiny.yaml", totalSteps=2, learningRate=2e-2)

@@ -9,70 +9,27 @@ probes with the trainer's own forward pass):
 2. :func:`~hybridflow.export.parity.check_export_parity` re-hashes it, loads it with
    transformers (the base plus the adapter for an adapter export) and compares its log-probs
    on the probes with the trainer's.
-3. Passed: the export is an :class:`Artifact`, appended to ``<exports>/artifacts.json`` (the
-   list survives restarts: a resumed attempt reads it back), which the runner reports as
-   ``status.artifacts``. Refused: the directory is renamed ``step-<N>.rejected`` (kept for a
+3. Passed: the export is an :class:`~hybridflow.checkpoint.exports.Artifact`, which the runner
+   appends to ``<exports>/artifacts.json`` (:mod:`hybridflow.checkpoint.exports`: the list
+   survives restarts, a resumed attempt reads it back) and reports as ``status.artifacts``. Refused: the directory is renamed ``step-<N>.rejected`` (kept for a
    post-mortem, never listed) and the report says by how much and where.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from hybridflow.checkpoint.exports import REJECTED_SUFFIX, Artifact
 from hybridflow.export.hf import MANIFEST_FILE, ExportDtype, ExportKind, export_hf
 from hybridflow.export.parity import ExportParityError, ParityReport, check_export_parity
 from hybridflow.models.lora import LoRAConfig
 
-__all__ = [
-    "ARTIFACTS_FILE",
-    "EXPORTS_DIRECTORY",
-    "STATUS_ARTIFACTS",
-    "Artifact",
-    "ExportOutcome",
-    "export_checked",
-    "export_directory",
-    "read_artifacts",
-    "record_artifact",
-]
-
-EXPORTS_DIRECTORY = "exports"
-"""Beside the checkpoints (``spec.checkpoint_dir``): on the checkpoint volume in a cluster."""
-
-ARTIFACTS_FILE = "artifacts.json"
-
-STATUS_ARTIFACTS = 100
-"""The newest exports ``status.artifacts`` lists (every export stays in :data:`ARTIFACTS_FILE`): a
-status is one object the API server caps in size, and a job exporting every few steps for days
-would outgrow it."""
-
-
-@dataclass(frozen=True)
-class Artifact:
-    """One published export, as ``status.artifacts`` lists it (camelCase there)."""
-
-    step: int
-    kind: str
-    path: str
-    manifest_sha256: str
-    """sha256 of the export's manifest, which lists every file's own sha256: one value that pins them all."""
-    parity_max_abs_diff: float
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "path": self.path,
-            "manifestSha256": self.manifest_sha256,
-            "parityMaxAbsDiff": round(self.parity_max_abs_diff, 6),
-        }
+__all__ = ["ExportOutcome", "export_checked"]
 
 
 @dataclass(frozen=True)
@@ -82,10 +39,6 @@ class ExportOutcome:
     artifact: Artifact | None
     report: ParityReport
     directory: str
-
-
-def export_directory(checkpoint_dir: str | os.PathLike[str], step: int) -> Path:
-    return Path(checkpoint_dir) / EXPORTS_DIRECTORY / f"step-{step}"
 
 
 def _sha256(path: Path) -> str:
@@ -128,7 +81,7 @@ def export_checked(
             base_model_dir=source_model_dir if kind == "adapter" else None,
         )
     except ExportParityError as refused:
-        rejected = directory.with_name(directory.name + ".rejected")
+        rejected = directory.with_name(directory.name + REJECTED_SUFFIX)
         shutil.rmtree(rejected, ignore_errors=True)
         directory.rename(rejected)
         return ExportOutcome(None, refused.report, str(rejected))
@@ -140,28 +93,3 @@ def export_checked(
         parity_max_abs_diff=report.max_abs_diff,
     )
     return ExportOutcome(artifact, report, str(directory))
-
-
-def read_artifacts(checkpoint_dir: str | os.PathLike[str]) -> list[Artifact]:
-    """The artifacts recorded so far (a fresh job: none); an unreadable file is an error naming it."""
-    path = Path(checkpoint_dir) / EXPORTS_DIRECTORY / ARTIFACTS_FILE
-    if not path.exists():
-        return []
-    try:
-        return [Artifact(**entry) for entry in json.loads(path.read_text())]
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"{path}: not a list of export artifacts ({error}); remove it to start the list anew"
-        ) from error
-
-
-def record_artifact(checkpoint_dir: str | os.PathLike[str], artifact: Artifact) -> list[Artifact]:
-    """Step 3: add ``artifact`` (replacing one of the same step) and rewrite the list atomically; returns it."""
-    artifacts = [known for known in read_artifacts(checkpoint_dir) if known.step != artifact.step]
-    artifacts = sorted([*artifacts, artifact], key=lambda known: known.step)
-    path = Path(checkpoint_dir) / EXPORTS_DIRECTORY / ARTIFACTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    staging.write_text(json.dumps([asdict(known) for known in artifacts], indent=1))
-    os.replace(staging, path)
-    return artifacts

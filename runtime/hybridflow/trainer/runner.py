@@ -45,17 +45,17 @@ from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_functi
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import recording_controller_work, unmeasured_seconds
 from hybridflow.checkpoint import CheckpointManager
-from hybridflow.controller import Batch, Deployment, deploy
-from hybridflow.controller.resource_pool import ResourcePool, place_pool
-from hybridflow.data import PromptDataset, PromptSampler
-from hybridflow.export.parity import build_probe_token_ids
-from hybridflow.export.publish import (
+from hybridflow.checkpoint.exports import (
     STATUS_ARTIFACTS,
     Artifact,
     export_directory,
     read_artifacts,
     record_artifact,
 )
+from hybridflow.controller import Batch, Deployment, deploy
+from hybridflow.controller.resource_pool import ResourcePool, place_pool
+from hybridflow.data import PromptDataset, PromptSampler
+from hybridflow.export.parity import build_probe_token_ids
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
