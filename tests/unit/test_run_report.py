@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.checkpoint.exports import Artifact, export_directory, record_artifact
 from hybridflow.cli import main
 from hybridflow.metrics.progress import ProgressDisplay
 from hybridflow.metrics.run_report import ReportError, load_records, render_report
@@ -139,6 +140,35 @@ def test_phases_that_overlap_are_said_to_not_hidden(tmp_path: Path) -> None:
     text = render_report(tmp_path / "run")
     assert breakdown(text)["reward"] == ["1.000", "50.0%"]
     assert "(the phases add up to 150.0% of the step: they overlap)" in text
+
+
+def test_every_export_is_listed_with_its_parity_gap_passed_or_refused(tmp_path: Path) -> None:
+    """Before: the report did not mention exports. Written here as the runner writes them."""
+    run, checkpoints = tmp_path / "run", tmp_path / "ckpt"
+    gate = [
+        {"export/seconds": 4.0, "export/parity_max_abs_diff": 0.00069, "export/passed": 1.0},
+        {"export/seconds": 4.2, "export/parity_max_abs_diff": 0.31, "export/passed": 0.0},
+    ]
+    write_records(run, [{}, gate[0], {}, gate[1]])
+    passed = Artifact(2, "merged", str(export_directory(checkpoints, 2)), "3769af75" * 8, 0.00069)
+    record_artifact(checkpoints, passed)
+    text = render_report(run, checkpoint_dir=checkpoints)
+    section = text.split("exports (parity: largest log-prob gap to the trainer on the probes, nats):\n")[1]
+    assert [line.split() for line in section.splitlines()] == [
+        ["step", "kind", "parity", "max", "gap", "gate", "path"],
+        ["2", "merged", "0.00069", "listed", f"{checkpoints}/exports/step-2"],
+        ["4", "-", "0.31", "refused", f"{checkpoints}/exports/step-4.rejected"],
+    ]
+    write_records(tmp_path / "plain", [{}])
+    assert f"exports: none in {tmp_path}/plain/checkpoints/exports" in render_report(tmp_path / "plain")
+
+
+def test_an_unreadable_artifacts_list_is_an_error_naming_it(tmp_path: Path) -> None:
+    write_records(tmp_path, [{}])
+    (tmp_path / "checkpoints" / "exports").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "exports" / "artifacts.json").write_text("[{}]")
+    with pytest.raises(ReportError, match=r"exports/artifacts.json: not a list of export artifacts"):
+        render_report(tmp_path)
 
 
 def report(step: int) -> StepReport:

@@ -4,8 +4,9 @@ Reads ``OUTPUT_DIR/metrics.jsonl`` (one object per step, the step-report keys of
 ``catalogue.py``) and the checkpoint directory's ``latest`` pointer, and returns text: the steps
 run, a table of the learning curves at evenly spaced steps, the mean time of each phase of a
 step and its share (the shares add up to 100%, or a line says by how much phases overlap), what
-ran after the steps and is not in their seconds (checkpoints, exports), and the newest complete
-checkpoint. :func:`plot_curves` draws reward and KL
+ran after the steps and is not in their seconds (checkpoints, exports), the newest complete
+checkpoint, and every export with its parity figure (``hybridflow.checkpoint.exports``'s list and
+the gate's figures in the metrics). :func:`plot_curves` draws reward and KL
 against the step into a small PNG. Everything here reads files only: no Ray, no torch.
 """
 
@@ -18,6 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.checkpoint.exports import (
+    EXPORTS_DIRECTORY,
+    export_directory,
+    read_artifacts,
+    rejected_directory,
+)
 from hybridflow.metrics.catalogue import CHECKPOINT_PHASE, OTHER_PHASE, STEP_PHASES
 
 __all__ = ["ReportError", "load_records", "plot_curves", "render_report"]
@@ -148,6 +155,38 @@ def _last_checkpoint(checkpoint_dir: Path) -> str:
     return f"none in {checkpoint_dir}"
 
 
+def _export_lines(records: Sequence[dict[str, Any]], checkpoint_dir: Path) -> list[str]:
+    """Every export: from the published list (``artifacts.json``) and the gate's figures in the metrics.
+
+    The list has the exports that passed, with kind, path and parity; a step's metrics have the
+    gate's figures whether it passed or not, so a refused export (kept as ``step-<N>.rejected``)
+    shows too. The parity figure is the largest log-prob gap to the trainer on the probes, in nats.
+    """
+    try:
+        listed = {artifact.step: artifact for artifact in read_artifacts(checkpoint_dir)}
+    except ValueError as err:
+        raise ReportError(str(err)) from err
+    gated = {r["step"]: r for r in records if _number(r, "export/parity_max_abs_diff") is not None}
+    if not listed and not gated:
+        return [f"exports: none in {checkpoint_dir / EXPORTS_DIRECTORY}"]
+    body, paths = [], ["path"]
+    for step in sorted(set(listed) | set(gated)):
+        artifact, record = listed.get(step), gated.get(step, {})
+        if artifact is not None:
+            kind, gap, gate, path = artifact.kind, artifact.parity_max_abs_diff, "listed", artifact.path
+        elif _number(record, "export/passed") == 0:
+            kind, gate, path = "-", "refused", str(rejected_directory(checkpoint_dir, step))
+            gap = record["export/parity_max_abs_diff"]
+        else:  # passed, but not in this checkpoint directory's list
+            kind, gate, path = "-", "passed", str(export_directory(checkpoint_dir, step))
+            gap = record["export/parity_max_abs_diff"]
+        body.append([str(step), kind, f"{gap:.3g}", gate])
+        paths.append(path)
+    rows = _table(["step", "kind", "parity max gap", "gate"], body)
+    title = "exports (parity: largest log-prob gap to the trainer on the probes, nats):"
+    return [title, *(f"{row}  {path}" for row, path in zip(rows, paths, strict=True))]
+
+
 def render_report(
     output_dir: str | os.PathLike[str],
     *,
@@ -171,7 +210,7 @@ def render_report(
     if after_step := _after_step_lines(records):
         lines += [*after_step, ""]
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else Path(output_dir) / "checkpoints"
-    lines.append(f"last checkpoint: {_last_checkpoint(directory)}")
+    lines += [f"last checkpoint: {_last_checkpoint(directory)}", "", *_export_lines(records, directory)]
     return "\n".join(lines)
 
 
