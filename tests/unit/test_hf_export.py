@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from hybridflow.export import (
     MANIFEST_FILE,
     ExportParityError,
     ExportVerificationError,
+    Manifest,
+    ManifestFile,
     build_probe_token_ids,
     check_export_parity,
     check_vllm_export_parity,
@@ -39,6 +42,7 @@ from hybridflow.models.tiny import build_tokenizer, write_tiny_model
 
 pytestmark = pytest.mark.unit
 
+EXPORT_DOC = Path(__file__).resolve().parents[2] / "docs" / "export.md"
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), dropout=0.05)
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
@@ -317,6 +321,20 @@ def test_manifest_names_a_flipped_byte_an_extra_file_and_a_missing_one(
     (out / MANIFEST_FILE).unlink()
     with pytest.raises(FileNotFoundError, match=r"has no hybridflow-export\.json"):
         verify_export(out)
+
+
+def test_the_documented_manifest_is_one_the_writer_writes_and_the_reader_reads() -> None:
+    """docs/export.md shows a manifest: it parses, and its keys are the writer's (``size_bytes``, not ``size``)."""
+    text = EXPORT_DOC.read_text()
+    found = re.search(r"```json\n(.*?)```", text, flags=re.S)
+    assert found, "docs/export.md shows no hybridflow-export.json"
+    documented = json.loads(found.group(1))
+    assert Manifest.from_json(found.group(1), EXPORT_DOC).files  # the reader takes it as it is
+    merged = Manifest(1, "merged", 200, "bfloat16", (ManifestFile("model.safetensors", "0" * 64, 1),), LORA)
+    written = json.loads(merged.to_json())
+    assert set(documented) == set(written)
+    assert all(set(entry) == set(written["files"][0]) for entry in documented["files"])
+    assert [key for key in written["lora"] if f"`{key}`" not in text] == []
 
 
 def test_interrupted_export_leaves_nothing_at_the_final_path_and_keeps_the_previous_export(
