@@ -207,12 +207,13 @@ RULE_REWARDS: dict[str, RewardFunction] = {
 """Reward functions selectable by name in the job config; a toy task's name is also its ``data_source``."""
 
 
-def resolve_reward_function(name_or_path: str) -> RewardFunction:
+def resolve_reward_function(name_or_path: str, field: str = "reward function") -> RewardFunction:
     """The reward function a config value names: a key of ``RULE_REWARDS`` or ``"module.sub:function"``.
 
     An import path may name a nested attribute (``"pkg.mod:Scorer.score"``). Raises
-    ``ValueError`` with a message for the person who wrote the config: the value, what was
-    missing (module or attribute) and what is allowed. Errors raised while importing an
+    ``ValueError`` with a message for the person who wrote the config: ``field`` (the config
+    value's field path, ``spec.rewards[1].function``), the value, what was missing (module or
+    attribute) and what is allowed. Errors raised while importing an
     existing module other than ``ImportError`` propagate unchanged: they are bugs in the
     user's module, and its traceback is the useful message.
     """
@@ -221,11 +222,11 @@ def resolve_reward_function(name_or_path: str) -> RewardFunction:
     allowed = f"a registered name ({', '.join(sorted(RULE_REWARDS))}) or an import path 'module.sub:function'"
     module_name, separator, attribute_path = name_or_path.partition(":")
     if not separator or not module_name or not attribute_path:
-        raise ValueError(f"reward function {name_or_path!r} is not known; use {allowed}")
-    target = import_attribute(name_or_path, "reward function")
+        raise ValueError(f"{field}: {name_or_path!r} is not known; use {allowed}")
+    target = import_attribute(name_or_path, field)
     if not callable(target):
         raise ValueError(
-            f"reward function {name_or_path!r}: {attribute_path!r} in {module_name!r} is a "
+            f"{field}: {name_or_path!r}: {attribute_path!r} in {module_name!r} is a "
             f"{type(target).__name__}, not a function"
         )
     function: RewardFunction = target

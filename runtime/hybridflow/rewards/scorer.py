@@ -46,8 +46,8 @@ class RewardScorer:
     def __init__(
         self, spec: RLHFJobSpec, reward_model: WorkerGroup | None, *, processes: int | None = None
     ) -> None:
-        for f in spec.rewards:
-            resolve_reward_function(f.function)  # fail fast, in the controller, on a bad name
+        for index, f in enumerate(spec.rewards):  # fail fast, in the controller, on a bad name
+            resolve_reward_function(f.function, f"spec.rewards[{index}].function")
         self.functions = [(f.function, f.weight) for f in spec.rewards]
         self.reward_model = reward_model
         self.processes = reward_processes() if processes is None else processes
