@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from hybridflow import __version__
 
 if TYPE_CHECKING:
-    from hybridflow.spec import RLHFJobSpec
+    from hybridflow.spec import RLHFJob, RLHFJobSpec
+    from hybridflow.trainer.runner import RunSummary
 
 EXIT_USER_ERROR = 2
 EXIT_STALLED = 3
@@ -55,7 +56,13 @@ def _stop_on_sigterm(requested: threading.Event | None = None) -> Callable[[], b
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from hybridflow.spec import SpecError, in_cluster_problems, load_job_manifest, parse_job_manifest
+    """``hybridflow validate``: the spec's rules, then what a cluster and this machine would refuse.
+
+    Exits 2 on a spec error, on a plugin or model that ``run`` would refuse here
+    (``hybridflow.preflight``) and, with ``--in-cluster``, on a cluster's admission rules;
+    what does not apply where the job will run is printed as a note.
+    """
+    from hybridflow.spec import SpecError, load_job_manifest
 
     try:
         job = load_job_manifest(args.manifest)
@@ -73,17 +80,42 @@ def _validate(args: argparse.Namespace) -> int:
         print(
             "  placement auto: the pool is the GPU budget; `hybridflow plan` shows the plans `run` chooses from"
         )
-    # Checked on the manifest as written: a cluster resolves no path against the manifest's directory.
+    cluster_problems = _in_cluster_problems(args.manifest, spec)
+    for problem in cluster_problems:
+        # The CRD's admission rules say exactly this when the manifest is applied to a cluster.
+        print(f"{'error' if args.in_cluster else 'note'}: in a cluster: {problem}", file=sys.stderr)
+    local_errors = _preflight_problems(args.manifest, spec, in_cluster=args.in_cluster)
+    return EXIT_USER_ERROR if local_errors or (cluster_problems and args.in_cluster) else 0
+
+
+def _in_cluster_problems(manifest: str, spec: RLHFJobSpec) -> list[str]:
+    """The rules only a cluster has, on the manifest as written (a cluster resolves no path against its directory)."""
     import yaml
 
-    as_written = parse_job_manifest(yaml.safe_load(Path(args.manifest).read_text()), source=args.manifest)
+    from hybridflow.spec import in_cluster_problems, parse_job_manifest
+
+    as_written = parse_job_manifest(yaml.safe_load(Path(manifest).read_text()), source=manifest)
     problems = in_cluster_problems(as_written.spec)
     if spec.placement == "auto":
         problems += _cluster_gpu_problems(spec)
-    for problem in problems:
-        # The CRD's admission rules say exactly this when the manifest is applied to a cluster.
-        print(f"{'error' if args.in_cluster else 'note'}: in a cluster: {problem}", file=sys.stderr)
-    return EXIT_USER_ERROR if problems and args.in_cluster else 0
+    return problems
+
+
+def _preflight_problems(manifest: str, spec: RLHFJobSpec, *, in_cluster: bool) -> list[str]:
+    """Prints what ``run`` would refuse on this machine; returns the problems that are errors.
+
+    Missing local files are notes (the model may come later, or live on another machine);
+    plugins and models are errors, except with ``--in-cluster``, where the job's image and
+    volumes, not this machine, are what count.
+    """
+    from hybridflow import preflight
+
+    for problem in preflight.file_problems(spec):
+        print(f"note: here: {problem} (`hybridflow run` needs it on this machine)", file=sys.stderr)
+    errors = preflight.plugin_problems(spec) + preflight.model_problems(spec)
+    for problem in errors:
+        print(f"{'note: here' if in_cluster else 'error'}: {manifest}: {problem}", file=sys.stderr)
+    return [] if in_cluster else errors
 
 
 def _cluster_gpu_problems(spec: RLHFJobSpec) -> list[str]:
@@ -126,75 +158,22 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """``hybridflow run``: load, place and check the job (before Ray starts), then train on an embedded Ray."""
     if args.in_cluster:
         return _run_in_cluster(args)
-    from hybridflow.spec import SpecError, load_job_manifest
-
-    try:
-        job = load_job_manifest(args.manifest)
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
+    loaded = _load_local_job(args.manifest)
+    if loaded is None:
         return EXIT_USER_ERROR
-    spec = job.spec
-    if spec.placement == "auto":
-        resolved = _resolve_auto_placement(args.manifest, spec, in_cluster=False)
-        if resolved is None:
-            return EXIT_USER_ERROR
-        spec = resolved[0]
-    sources = {
-        "actor": spec.models.actor,
-        "reference": spec.models.reference_or_actor,
-        "critic": spec.models.critic,
-        "reward": spec.models.reward,
-        "cost": spec.models.cost,
-    }
-    missing = [
-        f"spec.models.{role}.path: {source.path} does not exist (models load from local directories)"
-        for role, source in sources.items()
-        if source is not None and not Path(source.path).is_dir()
-    ]
-    missing += [
-        f"spec.data.trainFiles: {f} does not exist" for f in spec.data.train_files if not Path(f).is_file()
-    ]
-    if not missing:
-        from hybridflow.models.compat import tokenizer_model_mismatch
-
-        actor = spec.models.actor
-        mismatch = tokenizer_model_mismatch(actor.path, actor.tokenizer_path or actor.path)
-        if mismatch:
-            missing.append(f"spec.models.actor: {mismatch}")
-    if missing:
-        print("\n".join(f"error: {args.manifest}: {m}" for m in missing), file=sys.stderr)
-        return EXIT_USER_ERROR
-
-    from hybridflow.controller import WorkerStalledError, init_local_ray
-    from hybridflow.data import PromptDataError
-    from hybridflow.rewards.scorer import RewardFunctionError
+    name, spec = loaded
+    from hybridflow.controller import init_local_ray
     from hybridflow.trainer.roles import resource_pools
-    from hybridflow.trainer.runner import UnsupportedAlgorithmError, run_training
 
-    print(f"hybridflow run: {job.metadata.name} ({spec.algorithm.name}, {spec.training.total_steps} steps)")
+    print(f"hybridflow run: {name} ({spec.algorithm.name}, {spec.training.total_steps} steps)")
     print(f"  output: {spec.output_dir}  checkpoints: {spec.checkpoint_dir}")
-    from hybridflow.metrics.progress import ProgressDisplay
-
     init_local_ray(resource_pools(spec, simulated=True))
-    should_stop = _stop_on_sigterm()  # after Ray's start: ray.init installs a SIGTERM handler of its own
-    try:
-        # A live bar on a terminal, one plain line per step otherwise (CI, logs).
-        with ProgressDisplay(sys.stdout, total_steps=spec.training.total_steps) as display:
-            summary = run_training(
-                spec,
-                stop_after_steps=args.max_steps,
-                on_step=display.line,
-                on_report=display.update,
-                should_stop=should_stop,
-            )
-    except WorkerStalledError as err:
-        print(f"{STALLED_PREFIX}{err}", file=sys.stderr)
-        return EXIT_STALLED
-    except (UnsupportedAlgorithmError, PromptDataError, RewardFunctionError, ValueError) as err:
-        print(f"error: {args.manifest}: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    summary = _train_locally(args, spec)
+    if isinstance(summary, int):
+        return summary
     if summary.preempted:
         print(f"preempted after step {summary.last_step}; rerun to resume from {spec.checkpoint_dir}")
         return EXIT_PREEMPTED
@@ -210,6 +189,65 @@ def _run(args: argparse.Namespace) -> int:
             f"nothing to do: the checkpoint in {spec.checkpoint_dir} is already at step {spec.training.total_steps}"
         )
     return 0
+
+
+def _load_local_job(manifest: str) -> tuple[str, RLHFJobSpec] | None:
+    """The job's name and spec, placed (``placement: auto``) and checked by ``hybridflow.preflight``.
+
+    ``None`` after printing every problem: nothing has started yet.
+    """
+    from hybridflow import preflight
+    from hybridflow.spec import SpecError, load_job_manifest
+
+    try:
+        job = load_job_manifest(manifest)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+    spec = job.spec
+    if spec.placement == "auto":
+        resolved = _resolve_auto_placement(manifest, spec, in_cluster=False)
+        if resolved is None:
+            return None
+        spec = resolved[0]
+    problems = preflight.problems(spec)
+    if problems:
+        print("\n".join(f"error: {manifest}: {problem}" for problem in problems), file=sys.stderr)
+        return None
+    return job.metadata.name, spec
+
+
+def _train_locally(args: argparse.Namespace, spec: RLHFJobSpec) -> RunSummary | int:
+    """``run_training`` on the embedded Ray with a progress display; an exit code for a run that failed."""
+    from hybridflow.controller import WorkerError, WorkerStalledError
+    from hybridflow.data import PromptDataError
+    from hybridflow.metrics.progress import ProgressDisplay
+    from hybridflow.rewards.scorer import RewardFunctionError
+    from hybridflow.trainer.runner import UnsupportedAlgorithmError, run_training
+
+    should_stop = _stop_on_sigterm()  # after Ray's start: ray.init installs a SIGTERM handler of its own
+    try:
+        # A live bar on a terminal, one plain line per step otherwise (CI, logs).
+        with ProgressDisplay(sys.stdout, total_steps=spec.training.total_steps) as display:
+            return run_training(
+                spec,
+                stop_after_steps=args.max_steps,
+                on_step=display.line,
+                on_report=display.update,
+                should_stop=should_stop,
+            )
+    except WorkerStalledError as err:
+        print(f"{STALLED_PREFIX}{err}", file=sys.stderr)
+        return EXIT_STALLED
+    except (UnsupportedAlgorithmError, PromptDataError, RewardFunctionError, ValueError) as err:
+        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except WorkerError as err:
+        if not isinstance(err.__cause__, ValueError):
+            raise  # a bug: its traceback, and the worker's in err.remote_traceback, are the message
+        # A refusal at load that no preflight could make (a model read only on the workers).
+        print(f"error: {args.manifest}: {err.__cause__}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def _resolve_auto_placement(
@@ -258,35 +296,19 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
     (the operator's next attempt) resumes from the newest checkpoint on the checkpoint volume.
     A failure exits non-zero so that the RayJob, and then the RLHFJob attempt, fails.
     """
-    import yaml
-
-    from hybridflow.spec import SpecError, parse_job_manifest
-
-    try:
-        document = yaml.safe_load(Path(args.manifest).read_text(encoding="utf-8"))
-        job = parse_job_manifest(document, source=args.manifest)
-    except (OSError, yaml.YAMLError, SpecError) as err:
-        print(f"error: {args.manifest}: {err}", file=sys.stderr)
+    loaded = _load_cluster_job(args.manifest)
+    if loaded is None:
         return EXIT_USER_ERROR
-    placement: dict[str, Any] | None = None
-    if job.spec.placement == "auto":
-        resolved = _resolve_auto_placement(args.manifest, job.spec, in_cluster=True)
-        if resolved is None:
-            return EXIT_USER_ERROR
-        job = job.model_copy(update={"spec": resolved[0]})
-        placement = resolved[1]
-    namespace = job.metadata.namespace or os.environ.get("POD_NAMESPACE")
-    if namespace is None and SERVICE_ACCOUNT_NAMESPACE.is_file():
-        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
-    namespace = namespace or "default"
-
+    job, placement = loaded
+    namespace = _namespace(job)
     import ray
 
+    from hybridflow.controller import WorkerStalledError
     from hybridflow.incluster import StatusPusher, TrainingMetricsExporter
     from hybridflow.incluster.stop import MetricsServer
     from hybridflow.metrics import progress_line
     from hybridflow.metrics.step_report import StepReport
-    from hybridflow.trainer.runner import run_training
+    from hybridflow.trainer.runner import SandboxUnavailableError, run_training
 
     exporter = TrainingMetricsExporter(namespace, job.metadata.name)
     stop_requested = threading.Event()
@@ -299,9 +321,6 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
         print(progress_line(step), flush=True)  # the pod's log
         exporter(step)
         pusher(step)
-
-    from hybridflow.controller import WorkerStalledError
-    from hybridflow.trainer.runner import SandboxUnavailableError
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
     should_stop = _stop_on_sigterm(stop_requested)  # after ray.init, which installs its own handler
@@ -320,6 +339,46 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
         stop.exited()
         server.close()
     return EXIT_PREEMPTED if summary.preempted else 0
+
+
+def _load_cluster_job(manifest: str) -> tuple[RLHFJob, dict[str, Any] | None] | None:
+    """The mounted manifest's job, placed, with ``status.progress.placement``; ``None`` after printing why not.
+
+    The pod is the job's image, so its plugins must import here; a model is checked where the
+    pod sees its ``config.json`` (``hybridflow.preflight``). Missing files are left to the
+    workers, which may mount volumes the head pod does not.
+    """
+    import yaml
+
+    from hybridflow import preflight
+    from hybridflow.spec import SpecError, parse_job_manifest
+
+    try:
+        document = yaml.safe_load(Path(manifest).read_text(encoding="utf-8"))
+        job = parse_job_manifest(document, source=manifest)
+    except (OSError, yaml.YAMLError, SpecError) as err:
+        print(f"error: {manifest}: {err}", file=sys.stderr)
+        return None
+    placement: dict[str, Any] | None = None
+    if job.spec.placement == "auto":
+        resolved = _resolve_auto_placement(manifest, job.spec, in_cluster=True)
+        if resolved is None:
+            return None
+        job = job.model_copy(update={"spec": resolved[0]})
+        placement = resolved[1]
+    problems = preflight.plugin_problems(job.spec) + preflight.model_problems(job.spec)
+    if problems:
+        print("\n".join(f"error: {manifest}: {problem}" for problem in problems), file=sys.stderr, flush=True)
+        return None
+    return job, placement
+
+
+def _namespace(job: RLHFJob) -> str:
+    """The job's namespace: the manifest's, else the pod's (downward API, then its service account)."""
+    namespace = job.metadata.namespace or os.environ.get("POD_NAMESPACE")
+    if namespace is None and SERVICE_ACCOUNT_NAMESPACE.is_file():
+        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return namespace or "default"
 
 
 class _InClusterStop:

@@ -63,8 +63,8 @@ from hybridflow.backends.fsdp.sharded_load import (
     sharded_load_supported,
 )
 from hybridflow.backends.fsdp.ulysses import (
-    check_ulysses_layout,
     fsdp_loss_scale,
+    sequence_parallel_problem,
     ulysses_context,
     ulysses_token_logprobs_and_entropy,
     use_ulysses_attention,
@@ -96,14 +96,9 @@ def _use_sequence_parallelism(model: nn.Module, model_path: str, size: int) -> S
     config = cast(PretrainedConfig, model.config)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    try:
-        check_ulysses_layout(heads, kv_heads, size)
-    except ValueError as err:
-        raise ValueError(
-            f"spec.training.sequenceParallelSize: {size} does not split the attention heads of {model_path} "
-            f"({err}); allowed: a size that divides both num_attention_heads={heads} and "
-            f"num_key_value_heads={kv_heads}"
-        ) from None
+    problem = sequence_parallel_problem(heads, kv_heads, size, model_path)
+    if problem is not None:
+        raise ValueError(problem)
     use_ulysses_attention(model, size)
     try:
         return sequence_parallel_groups(size)

@@ -77,6 +77,7 @@ __all__ = [
     "fsdp_loss_scale",
     "gather_sequence",
     "padded_sequence_len",
+    "sequence_parallel_problem",
     "shard_sequence",
     "ulysses_attention_forward",
     "ulysses_context",
@@ -117,6 +118,24 @@ def check_ulysses_layout(num_heads: int, num_kv_heads: int, sp_size: int) -> Non
             f"num_key_value_heads={num_kv_heads} is not divisible by the sequence-parallel size {sp_size}: "
             "Ulysses gives each rank the same number of whole KV heads"
         )
+
+
+def sequence_parallel_problem(num_heads: int, num_kv_heads: int, sp_size: int, model_path: str) -> str | None:
+    """Why ``spec.training.sequenceParallelSize`` ``sp_size`` cannot split the model at ``model_path``.
+
+    ``None`` when it can. One message for both places that ask: ``hybridflow.preflight`` reads
+    the head counts from ``config.json`` before Ray starts, the FSDP backend from the loaded
+    model (the last word, for a model no preflight could read).
+    """
+    try:
+        check_ulysses_layout(num_heads, num_kv_heads, sp_size)
+    except ValueError as err:
+        return (
+            f"spec.training.sequenceParallelSize: {sp_size} does not split the attention heads of {model_path} "
+            f"({err}); allowed: a size that divides both num_attention_heads={num_heads} and "
+            f"num_key_value_heads={num_kv_heads}"
+        )
+    return None
 
 
 def padded_sequence_len(sequence_len: int, sp_size: int) -> int:
