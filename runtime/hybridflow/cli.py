@@ -505,6 +505,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="HybridFlow RLHF on Ray.")
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_command in (
+        _add_validate_command,
+        _add_run_command,
+        _add_report_command,
+        _add_plan_command,
+        _add_stop_command,
+        _add_make_tiny_command,
+    ):
+        add_command(commands)
+    return parser
+
+
+def _add_validate_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hybridflow validate``: :func:`_validate`."""
     validate = commands.add_parser("validate", help="check an RLHFJob manifest and summarise it")
     validate.add_argument("manifest", help="path to an RLHFJob YAML manifest")
     validate.add_argument(
@@ -514,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(handler=_validate)
 
+
+def _add_run_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hybridflow run``: :func:`_run`, here or as a RayJob's entrypoint."""
     run = commands.add_parser("run", help="train an RLHFJob on an embedded Ray on this machine")
     run.add_argument("manifest", help="path to an RLHFJob YAML manifest")
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
@@ -530,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=_run)
 
+
+def _add_report_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hybridflow report``: :func:`_report`."""
     summary = commands.add_parser("report", help="summarise a run from its metrics and checkpoints")
     summary.add_argument("output_dir", help="the job's spec.outputDir (holds metrics.jsonl)")
     summary.add_argument(
@@ -542,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     summary.add_argument("--rows", type=int, default=10, help="rows of the learning-curve table")
     summary.set_defaults(handler=_report)
+
+
+def _add_plan_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hybridflow plan``: :func:`_plan`."""
     plan = commands.add_parser("plan", help="estimate and rank placements of a job on a GPU budget")
     plan.add_argument(
         "manifest", help="path to an RLHFJob YAML manifest (models are read from config.json only)"
@@ -566,6 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(handler=_plan)
 
+
+def _add_stop_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hybridflow stop``: :func:`_stop`, a Ray pod's preStop hook."""
     stop = commands.add_parser(
         "stop",
         help=(
@@ -581,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stop.set_defaults(handler=_stop)
 
+
+def _add_make_tiny_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hybridflow make-tiny``: :func:`_make_tiny`."""
     tiny = commands.add_parser("make-tiny", help="write a tiny random model, tokenizer and toy prompts")
     tiny.add_argument("--model-dir", default="outputs/tiny-model")
     tiny.add_argument("--data-dir", default="outputs/tiny-data")
@@ -590,7 +620,6 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--prompts", type=int, default=256)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=_make_tiny)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
