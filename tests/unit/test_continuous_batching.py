@@ -173,3 +173,19 @@ def test_the_counter_based_draws_follow_the_distribution_and_never_pick_a_filter
     # The same key and counter draw the same number; another counter another one.
     again = counter_uniforms([3, 3], [5, 6])
     assert float(again[0]) == float(counter_uniforms([3], [5])[0]) and float(again[0]) != float(again[1])
+
+
+def test_the_pad_token_is_never_drawn_greedy_or_sampled() -> None:
+    model = tiny()
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[PAD_TOKEN_ID] = 30.0  # the pad is the most likely token everywhere
+    model.lm_head = biased
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=3, seed=4)
+    results = serve(batcher(model, slots=3), [request(0, greedy), request(1, sampled)])
+    tokens = [sample.token_ids for result in results.values() for sample in result.samples]
+    assert len(tokens) == 4 and all(tokens) and all(PAD_TOKEN_ID not in t for t in tokens)

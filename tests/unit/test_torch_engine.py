@@ -20,6 +20,7 @@ from hybridflow.engines import (
     SamplingParams,
     response_tensors,
 )
+from hybridflow.engines.base import unsampled_token, without_token
 from hybridflow.engines.torch_engine import TorchRolloutEngine, choose_next_tokens
 from hybridflow.models import PAD_TOKEN_ID, build_tiny_model, write_tiny_model
 
@@ -41,7 +42,8 @@ def tiny(arch: str, seed: int = 1) -> PreTrainedModel:
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int]) -> list[list[int]]:
-    """``model.generate(do_sample=False)`` on left-padded prompts; each row cut after its first eos."""
+    """``model.generate(do_sample=False)`` on left-padded prompts, the pad token suppressed unless
+    it is an eos token; each row cut after its first eos."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -55,6 +57,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: li
         do_sample=False,
         eos_token_id=eos_ids,
         pad_token_id=PAD_TOKEN_ID,
+        suppress_tokens=None if PAD_TOKEN_ID in eos_ids else [PAD_TOKEN_ID],  # as the engine
     )
     rows = []
     for tokens in generated[:, width:].tolist():
@@ -368,6 +371,47 @@ def test_logprobs_equal_a_full_forward_pass_at_the_chosen_tokens(arch: str) -> N
     valid = packed["response_mask"].bool()
     assert torch.allclose(packed["rollout_log_probs"][valid], expected[valid], atol=1e-5, rtol=0)
     assert (packed["rollout_log_probs"][~valid] == 0).all()
+
+
+# --------------------------------------------------------------------------- the pad token
+
+
+def pad_loving(arch: str) -> PreTrainedModel:
+    """A tiny model whose most likely next token is always the pad token (a bias of 30 on its logit)."""
+    model = tiny(arch)
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[PAD_TOKEN_ID] = 30.0
+    model.lm_head = biased
+    return model
+
+
+def test_only_a_pad_that_is_not_an_eos_is_banned_and_only_from_the_choice() -> None:
+    assert unsampled_token(5, [1, 2]) == 5
+    assert unsampled_token(2, [1, 2]) is None  # pad == eos (Qwen's <|endoftext|>): it must stay
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    banned = without_token(logits, 1)
+    assert banned[:, 1].isneginf().all() and torch.equal(banned[:, [0, 2]], logits[:, [0, 2]])
+    assert logits[0, 1] == 3.0  # a copy: the log-probs are taken from the unmasked logits
+    assert without_token(logits, None) is logits and without_token(logits, 99) is logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_model_that_prefers_pad_never_gets_it_and_its_logprobs_stay_the_policys(arch: str) -> None:
+    model = pad_loving(arch)
+    engine = TorchRolloutEngine(model)
+    assert PAD_TOKEN_ID not in engine.eos_token_ids
+    greedy = engine.generate(PROMPTS, GREEDY)
+    sampled = engine.generate(PROMPTS, dataclasses.replace(SAMPLED, n=4, return_logprobs=True))
+    assert all(PAD_TOKEN_ID not in row for row in greedy.response_token_ids + sampled.response_token_ids)
+    assert greedy.response_token_ids == hf_greedy(model, PROMPTS, NEW_TOKENS, engine.eos_token_ids)
+    assert sampled.logprobs is not None  # the pad keeps its mass: every other token is unlikely
+    assert max(max(row) for row in sampled.logprobs) < -10
+    as_eos = TorchRolloutEngine(model, eos_token_ids=[PAD_TOKEN_ID], pad_token_id=PAD_TOKEN_ID)
+    assert as_eos.generate(PROMPTS, GREEDY).response_token_ids == [[PAD_TOKEN_ID]] * len(PROMPTS)
 
 
 # --------------------------------------------------------------------------- parameters and layout

@@ -242,3 +242,25 @@ def check_prompts(
             f"the longest prompt ({longest} tokens) plus max_new_tokens={params.max_new_tokens} exceeds "
             f"{max_length_name}={max_length}"
         )
+
+
+def unsampled_token(pad_token_id: int, eos_token_ids: Sequence[int]) -> int | None:
+    """The token no draw may pick: the pad id, unless it is also an eos id (then it ends a turn).
+
+    The pad id fills positions nobody reads; a random or half-trained model still gives it
+    probability, and a pad the engine sampled would reach the tool parser, an environment's
+    ``step`` and the trainer as if the model had meant it. Where pad and eos are one token (Qwen's
+    ``<|endoftext|>``), banning it would forbid stopping, so nothing is banned.
+    """
+    return None if pad_token_id in eos_token_ids else pad_token_id
+
+
+def without_token(logits: torch.Tensor, token_id: int | None) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with ``token_id``'s column at ``-inf`` (a copy), for choosing only.
+
+    The log-probs an engine reports stay those of the unmasked logits: the policy's, as the
+    trainer computes them (top-k and top-p filter the draw the same way and not the log-prob).
+    """
+    if token_id is None or not 0 <= token_id < logits.shape[-1]:
+        return logits
+    return logits.index_fill(-1, torch.tensor([token_id], device=logits.device), float("-inf"))

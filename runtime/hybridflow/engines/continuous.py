@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from transformers import StaticCache
 
-from hybridflow.engines.base import SamplingParams, check_prompts
+from hybridflow.engines.base import SamplingParams, check_prompts, unsampled_token, without_token
 from hybridflow.engines.torch_engine import filtered_probabilities
 
 __all__ = [
@@ -226,6 +226,7 @@ class ContinuousBatcher:
         self._device = next(model.parameters()).device
         self._eos_ids = set(eos_token_ids)
         self._pad_id = pad_token_id
+        self._unsampled = unsampled_token(pad_token_id, eos_token_ids)
         self._vocab_size: int | None = getattr(config, "vocab_size", None)
         self._cache = StaticCache(config=config, max_cache_len=self.width)
         self._full: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's keys and values, all slots
@@ -395,6 +396,7 @@ class ContinuousBatcher:
             return 0
         assert self._pending is not None
         logits = self._pending[:running]
+        choosable = without_token(logits, self._unsampled)  # the log-probs stay the policy's
         tokens = torch.empty(running, dtype=torch.long, device=self._device)
         # Rows that sample alike share the vectorised filters; each draws from its own stream.
         by_params: dict[SamplingParams, list[int]] = {}
@@ -403,9 +405,9 @@ class ContinuousBatcher:
         for params, rows in by_params.items():
             index = torch.tensor(rows, device=self._device)
             if params.greedy:
-                tokens[index] = logits[index].argmax(dim=-1)
+                tokens[index] = choosable[index].argmax(dim=-1)
                 continue
-            probs = filtered_probabilities(logits[index], params)
+            probs = filtered_probabilities(choosable[index], params)
             uniforms = counter_uniforms(
                 [self._running[row].key for row in rows],
                 [len(self._running[row].progress.token_ids) for row in rows],

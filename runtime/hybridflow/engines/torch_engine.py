@@ -23,8 +23,10 @@ Decoding, for ``B = len(prompts) * n`` rows:
    tokens, whose outputs are discarded. The loop ends when every row stopped or after
    ``max_new_tokens`` steps.
 
-With ``temperature == 0`` the tokens equal ``model.generate(do_sample=False)`` with the same
-eos ids, token for token (the tests check it).
+The pad token is never chosen (greedy or sampled) unless it is also an eos id
+(:func:`~hybridflow.engines.base.unsampled_token`); the log-probs stay the unmasked policy's.
+With ``temperature == 0`` the tokens equal ``model.generate(do_sample=False,
+suppress_tokens=[pad])`` with the same eos ids, token for token (the tests check it).
 
 Compiled decoding (``compile_decode=True``, ``spec.rollout.compile``): the decode step, the one
 forward pass that runs ``max_new_tokens`` times per call, goes through ``torch.compile`` with
@@ -60,6 +62,8 @@ from hybridflow.engines.base import (
     RolloutOutput,
     SamplingParams,
     check_prompts,
+    unsampled_token,
+    without_token,
 )
 from hybridflow.models.lora import LoRAConfig, apply_lora, initialize_adapters
 from hybridflow.resharding.fingerprint import FingerprintPlan, state_dict_fingerprint
@@ -150,7 +154,8 @@ class TorchRolloutEngine(RolloutEngine):
     engine share one set of weights.
 
     ``eos_token_ids`` defaults to the model's generation config (what HF ``generate`` stops
-    on), ``pad_token_id`` to its pad id; the pad id only fills masked positions.
+    on), ``pad_token_id`` to its pad id; the pad id only fills masked positions and is never
+    sampled unless it is also an eos id (:func:`~hybridflow.engines.base.unsampled_token`).
 
     ``compile_decode`` compiles the decode step (module docstring); ``cache_width`` is then the
     fixed width of the cache, the longest prompt plus ``max_new_tokens`` the caller will ask
@@ -210,6 +215,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._pad_token_id = (
             pad_token_id if pad_token_id is not None else _configured_pad_id(module, self._eos_token_ids)
         )
+        self._unsampled = unsampled_token(self._pad_token_id, self._eos_token_ids)
         self._state: EngineState = "awake"
         self._parameter_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         self._discarded: set[str] = set()  # parameters sleep(level=2) released and no load has restored
@@ -385,7 +391,7 @@ class TorchRolloutEngine(RolloutEngine):
         next_positions = position_ids[:, -1:].repeat_interleave(samples, dim=0) + 1
         for step in range(params.max_new_tokens):
             logits = last_logits.float()
-            chosen = choose_next_tokens(logits, params, generator)
+            chosen = choose_next_tokens(without_token(logits, self._unsampled), params, generator)
             if params.return_logprobs:
                 logprobs[:, step] = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
             chosen = chosen.masked_fill(finished, self._pad_token_id)

@@ -34,7 +34,7 @@ weights belong to the resharder (which frees them) and the KV cache lives inside
 ``generate`` call.
 
 Decoding follows :class:`~hybridflow.engines.torch_engine.TorchRolloutEngine` (left padding,
-positions counting real tokens, eos kept, pad after stop), so greedy output matches HF
+positions counting real tokens, eos kept, pad after stop and never sampled), so greedy output matches HF
 ``generate(do_sample=False)`` up to floating-point summation order, which TP changes.
 """
 
@@ -55,6 +55,8 @@ from hybridflow.engines.base import (
     RolloutOutput,
     SamplingParams,
     check_prompts,
+    unsampled_token,
+    without_token,
 )
 from hybridflow.mesh import DeviceMesh
 from hybridflow.resharding.layout import DecoderSpec, ModelLayout, decoder_layout
@@ -140,6 +142,7 @@ class TensorParallelRolloutEngine(RolloutEngine):
         self._local_kv_heads = spec.num_kv_heads // mesh.tp_size
         self._eos_token_ids = [int(token) for token in eos_token_ids]
         self._pad_token_id = int(pad_token_id)
+        self._unsampled = unsampled_token(self._pad_token_id, self._eos_token_ids)
         self._weights: GenerationShard | None = None
         self._device, self._dtype = torch.device("cpu"), torch.float32
         self.set_weights(weights)
@@ -451,14 +454,15 @@ class TensorParallelRolloutEngine(RolloutEngine):
         if self._rank == self._output_rank:
             assert logits is not None
             scores = logits.float()
+            choosable = without_token(scores, self._unsampled)  # the log-probs stay the policy's
             if params.greedy:
-                chosen = scores.argmax(dim=-1)
+                chosen = choosable.argmax(dim=-1)
             else:
                 # Imported here: the torch engine's module imports transformers (seconds per
                 # process), which greedy decoding on a TP worker never needs.
                 from hybridflow.engines.torch_engine import choose_next_tokens
 
-                chosen = choose_next_tokens(scores, params, generator)
+                chosen = choose_next_tokens(choosable, params, generator)
             if params.return_logprobs:
                 chosen_logprobs = scores.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
         if self._replica_size > 1:
