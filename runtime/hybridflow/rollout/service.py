@@ -54,7 +54,7 @@ from hybridflow.rollout.buffer import ReplayBuffer, informative, may_submit, sta
 from hybridflow.rollout.routing import RequestRouter
 from hybridflow.rollout.trajectories import TrajectorySource, TrajectoryStats, trajectory_metrics
 from hybridflow.spec import RLHFJobSpec
-from hybridflow.workers.rollout import pack_responses
+from hybridflow.workers.rollout import pack_responses, response_texts
 from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
 
 __all__ = ["ReplicaReplacement", "RolloutService", "ServedRollout", "replica_verdict"]
@@ -734,9 +734,9 @@ class RolloutService:
         )
         # A trajectory's reward reads its last model turn, not the tool results before it.
         texts = (
-            self.tokenizer.batch_decode(
+            response_texts(
+                self.tokenizer,
                 [s.token_ids[slice(*(s.answer_span or (0, len(s.token_ids))))] for s in samples],
-                skip_special_tokens=True,
             )
             if multi_turn
             else None

@@ -67,6 +67,7 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.trainer.overlap import IN_FLIGHT_FILE, RolloutPipeline, load_in_flight, save_in_flight
 from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
 from hybridflow.trainer.step_accounting import controller_overhead, move_compile_time, pool_idle_fractions
+from hybridflow.workers.rollout import response_texts
 
 __all__ = [
     "ALGORITHM_STEPS",
@@ -434,7 +435,7 @@ def _trajectory_source(
         encode_plain=lambda text: list(
             tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         ),
-        decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+        decode=lambda ids: response_texts(tokenizer, [ids])[0],  # the reward functions' reading
         budget=spec.rollout.max_response_tokens,
     )
 

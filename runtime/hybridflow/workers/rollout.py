@@ -35,7 +35,7 @@ state to host memory after the sync and bring them back once the engine sleeps
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,7 +59,14 @@ from hybridflow.workers.weight_push import (
     receive_pushed_weights,
 )
 
-__all__ = ["RolloutWorker", "actor_offloaded", "pack_responses", "prompt_token_ids", "sampling_params"]
+__all__ = [
+    "RolloutWorker",
+    "actor_offloaded",
+    "pack_responses",
+    "prompt_token_ids",
+    "response_texts",
+    "sampling_params",
+]
 
 # Per-prompt fields the rollout repeats alongside each of a prompt's n responses.
 PROMPT_FIELDS = ("uid", "prompt_text", "data_source", "ground_truth", "extra_info")
@@ -323,6 +330,17 @@ def prompt_token_ids(prompts: Batch) -> list[list[int]]:
     return [list(map(int, ids)) for ids in prompts.non_tensors["prompt_token_ids"]]
 
 
+def response_texts(tokenizer: Any, rows: Sequence[Sequence[int]]) -> list[str]:
+    """What generated tokens read as, the one decoding wherever text is taken from them.
+
+    The reward functions' ``response_text``, an agent loop's ``TurnContext.text`` and an
+    environment's ``step(action)`` all get ``tokenizer.decode(ids, skip_special_tokens=True)``:
+    the model's text without its special tokens (the eos that ended the turn, ``<|im_end|>``, a
+    pad), so that what an environment scores is what a reward function would score.
+    """
+    return [str(text) for text in tokenizer.batch_decode(rows, skip_special_tokens=True)]
+
+
 def pack_responses(
     spec: RLHFJobSpec,
     tokenizer: Any,
@@ -351,7 +369,7 @@ def pack_responses(
     repeat = np.repeat(np.arange(len(prompts)), samples)
     per_prompt = {k: prompts.non_tensors[k][repeat] for k in PROMPT_FIELDS if k in prompts.non_tensors}
     if texts is None:
-        texts = tokenizer.batch_decode(output.response_token_ids, skip_special_tokens=True)
+        texts = response_texts(tokenizer, output.response_token_ids)
     return Batch.from_dict(
         {
             **{k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)},
