@@ -77,7 +77,7 @@ class LookupLoop(ToolCallingLoop):
     """``loop: tools`` with one more call syntax: a turn holding :data:`ASK` looks up the prompt's key."""
 
     def after_turn(self, context: TurnContext) -> Finish | Insert:
-        if ASK not in context.text or self.parse(context.text).wants_tools:
+        if context.final is not None or ASK not in context.text or self.parse(context.text).wants_tools:
             return super().after_turn(context)
         outcome = call_tool(
             self.tools,

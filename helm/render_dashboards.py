@@ -235,10 +235,14 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 ),
             ),
             Panel(
-                "Agent tool calls",
-                "spec.agent: tool calls per trajectory, calls answered with an error, and call latency.",
+                "Agent tool calls and environment steps",
+                "spec.agent: tool calls and environment steps per trajectory, calls answered with an error, "
+                "and call latency.",
                 (
                     series("hybridflow_agent_tool_calls_per_trajectory", "{{rlhfjob}} calls per trajectory"),
+                    series(
+                        "hybridflow_agent_env_steps_per_trajectory", "{{rlhfjob}} env steps per trajectory"
+                    ),
                     series("hybridflow_agent_tool_errors", "{{rlhfjob}} errors"),
                     series("hybridflow_agent_tool_error_ratio", "{{rlhfjob}} error fraction"),
                     series("hybridflow_agent_tool_latency_p50_seconds", "{{rlhfjob}} latency p50"),

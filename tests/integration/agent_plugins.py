@@ -17,8 +17,8 @@ class ObservationLoop:
         self.spec = spec
 
     def after_turn(self, context: TurnContext) -> Finish | Insert:
-        if context.turn >= self.spec.max_turns:
-            return Finish()
+        if context.final is not None:  # the last allowed turn (maxTurns or the budget): it ends here
+            return Finish(context.final)
         return Insert(
             f"<|im_start|>user\nobservation {context.turn}<|im_end|>\n<|im_start|>assistant\n",
             [ToolOutcome("ok", True, 0.01, 1)],

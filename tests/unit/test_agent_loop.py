@@ -7,7 +7,8 @@ The rules:
 2. inserted tokens are attended to and masked out of the loss (and so of the KL);
 3. each turn's request continues the trajectory on its session, from everything so far;
 4. the limits hold whatever the loop says: maxTurns, the response budget, the trajectory
-   timeout; a loop that raises ends its trajectory, not the step;
+   timeout; the last allowed turn still reaches the loop (an environment steps and scores it),
+   the tool loop runs no calls for it; a loop that raises ends its trajectory, not the step;
 5. a tool that raises, hangs, returns non-text or is unknown answers the model with an error.
 """
 
@@ -17,7 +18,7 @@ import concurrent.futures
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -128,12 +129,47 @@ def test_the_inserted_tokens_are_attended_and_out_of_the_loss() -> None:
     assert torch.equal(packed["responses"][0, :4], torch.tensor([5, 6, 7, 8]))
 
 
-def test_max_turns_ends_a_trajectory_without_running_its_last_calls() -> None:
+class CountingCalculator(Calculator):
+    """The calculator, counting the calls it answers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, arguments: dict[str, Any]) -> str:
+        self.calls += 1
+        return super().__call__(arguments)
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def test_the_last_allowed_turn_reaches_the_loop_but_the_tool_loop_runs_no_calls_for_it() -> None:
+    spec = AgentSpec(loop="tools", tools=("calculator",), max_turns=2, tool_response_format="[{result}]")
+    calculator = CountingCalculator()
+    drive = TrajectoryDriver(
+        spec, ToolCallingLoop(spec, {"calculator": calculator}), encode=encode, decode=decode, budget=512
+    )
+    _, done = run(drive, drive.begin(group(), {}), [CALL, CALL])
+    (stats,) = done[0].request.tag
+    assert (stats.turns, stats.tool_calls, calculator.calls, stats.finish_reason) == (2, 1, 1, "max_turns")
+    assert done[0].samples[0].finish_reason == "length"
+    # Answering on the last allowed turn is an answer, not a cut.
+    drive = TrajectoryDriver(
+        spec, ToolCallingLoop(spec, {"calculator": calculator}), encode=encode, decode=decode, budget=512
+    )
+    _, done = run(drive, drive.begin(group(), {}), [CALL, "It is 42."])
+    (stats,) = done[0].request.tag
+    assert (stats.turns, stats.tool_calls, stats.finish_reason) == (2, 1, "answer")
+    assert done[0].samples[0].finish_reason == "stop"
+
+
+def test_an_insert_answering_the_last_turn_is_dropped_and_the_trajectory_ends_on_its_model_turn() -> None:
     drive = driver(AgentSpec(loop="tools", tools=("calculator",), max_turns=2))
     _, done = run(drive, drive.begin(group(), {}), ["CALL a", "CALL b"])
+    (sample,) = done[0].samples
+    assert decode(sample.token_ids) == "CALL a<r1>CALL b" and sample.loss_mask[-6:] == [1] * 6
     (stats,) = done[0].request.tag
-    assert (stats.turns, stats.tool_calls, stats.finish_reason) == (2, 1, "max_turns")
-    assert done[0].samples[0].finish_reason == "length"
+    assert (stats.turns, stats.tool_calls, stats.finish_reason) == (2, 2, "max_turns")  # the plugin's ran
 
 
 def test_an_insertion_that_leaves_no_room_ends_the_trajectory_on_its_model_turn() -> None:
@@ -282,16 +318,88 @@ class Countdown:
         return f"left {self.left}", 0.5, self.left == 0
 
 
-def test_an_environment_class_runs_one_episode_per_trajectory_and_its_reward_is_the_trajectorys() -> None:
-    spec = AgentSpec(loop="test_agent_loop:Countdown", max_turns=4, tool_response_format="[{result}]")
+def environment_driver(max_turns: int, budget: int = 64) -> TrajectoryDriver:
+    spec = AgentSpec(loop="test_agent_loop:Countdown", max_turns=max_turns, tool_response_format="[{result}]")
     loop = load_agent_loop(spec)
     assert loop is not None
-    drive = TrajectoryDriver(spec, loop, encode=encode, decode=decode, budget=64)
+    return TrajectoryDriver(spec, loop, encode=encode, decode=decode, budget=budget)
+
+
+def test_an_environment_class_runs_one_episode_per_trajectory_and_its_reward_is_the_trajectorys() -> None:
+    drive = environment_driver(max_turns=4)
     _, done = run(drive, drive.begin(group(n=1), {"steps": 2}), ["go", "go"])
     (sample,) = done[0].samples
     assert decode(sample.token_ids) == "go[left 1]go"
     (stats,) = done[0].request.tag
-    assert (stats.finish_reason, stats.reward, stats.turns) == ("answer", 1.0, 2)
+    assert (stats.finish_reason, stats.reward, stats.turns, stats.env_steps) == ("answer", 1.0, 2, 2)
+    assert trajectory_metrics([stats])["agent/env_steps_per_trajectory"] == 2.0
+    assert trajectory_metrics([stats])["agent/tool_calls_per_trajectory"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("steps", "reason", "reward"),
+    [(2, "answer", 1.0), (3, "max_turns", 1.0)],  # done on the last allowed turn; cut by maxTurns
+)
+def test_the_last_allowed_turn_is_stepped_and_its_reward_counts(
+    steps: int, reason: str, reward: float
+) -> None:
+    """Issue 42: with maxTurns 2 the second turn never reached step() and the episode had no reward."""
+    drive = environment_driver(max_turns=2)
+    _, done = run(drive, drive.begin(group(n=1), {"steps": steps}), ["go", "go"])
+    (sample,) = done[0].samples
+    assert decode(sample.token_ids) == "go[left " + str(steps - 1) + "]go"  # nothing after the last turn
+    (stats,) = done[0].request.tag
+    assert (stats.finish_reason, stats.reward, stats.turns, stats.env_steps) == (reason, reward, 2, 2)
+
+
+def test_a_turn_that_spends_the_budget_is_stepped_and_an_observation_that_does_not_fit_keeps_the_reward() -> (
+    None
+):
+    drive = environment_driver(max_turns=8, budget=12)  # "go" (2) + "[left 4]" (8): then 2 left
+    _, done = run(drive, drive.begin(group(n=1), {"steps": 5}), ["go", "go"])
+    (stats,) = done[0].request.tag
+    assert (stats.finish_reason, stats.reward, stats.env_steps) == ("budget", 1.0, 2)
+    drive = environment_driver(max_turns=8, budget=9)  # "[left 4]" does not fit after "go"
+    _, done = run(drive, drive.begin(group(n=1), {"steps": 5}), ["go"])
+    (stats,) = done[0].request.tag
+    assert (stats.finish_reason, stats.reward, stats.env_steps) == ("budget", 0.5, 1)
+
+
+class Recorder:
+    """An environment that records the actions it is given."""
+
+    actions: ClassVar[list[str]] = []
+
+    def reset(self, row: dict[str, Any]) -> None:
+        pass
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        Recorder.actions.append(action)
+        return "", 0.0, True
+
+
+def test_an_environment_reads_a_turn_as_the_reward_functions_do_without_special_tokens() -> None:
+    """Issue 42: step() received <eos> and <pad> as text while the reward functions never saw them."""
+    from hybridflow.models import IM_END_TOKEN_ID, PAD_TOKEN_ID
+    from hybridflow.models.tiny import build_tokenizer
+    from hybridflow.workers.rollout import response_texts
+
+    Recorder.actions.clear()
+    tokenizer = build_tokenizer()
+    spec = AgentSpec(loop="test_agent_loop:Recorder", max_turns=2)
+    loop = load_agent_loop(spec)
+    assert loop is not None
+    drive = TrajectoryDriver(
+        spec, loop, encode=encode, decode=lambda ids: response_texts(tokenizer, [ids])[0], budget=64
+    )
+    (turn,) = drive.begin(group(), {})
+    ids = [*b"go", PAD_TOKEN_ID, *b"!", IM_END_TOKEN_ID]
+    drive.turn_finished(RequestResult(turn, [SampleResult(ids, [0.0] * 5, [0] * 5, "stop")]))
+    for _ in range(200):
+        if drive.advance()[1]:
+            break
+        threading.Event().wait(0.005)
+    assert Recorder.actions == ["go!"] == response_texts(tokenizer, [ids])
 
 
 class ForgingTool:

@@ -16,6 +16,19 @@ a class constructed with the job's :class:`~hybridflow.spec.agent.AgentSpec`, wh
 loop says: ``maxTurns`` model turns, the response budget (``rollout.maxResponseTokens`` for all
 tokens after the prompt), and ``trajectoryTimeoutSeconds``.
 
+Every model turn reaches the loop, the last one included: the ``maxTurns``-th turn, or a turn
+that spent the budget, comes with ``context.final`` set (``"max_turns"``, ``"budget"``), so that
+an environment steps its last action and scores the episode. After a final turn the trajectory
+ends whatever the loop returns: a :class:`Finish` gives its reward (and, unless the budget is
+spent, its reason); an :class:`Insert` is dropped, its ``reward`` kept. Only a turn that ends
+past ``trajectoryTimeoutSeconds`` is not given to the loop.
+
+``context.text`` is the turn as the reward functions read it (``response_text``): the tokenizer's
+decoding with the special tokens removed (eos, pad, ``<|im_end|>``;
+:func:`hybridflow.workers.rollout.response_texts`). A tool-call markup the tokenizer counts as
+special would be removed too: the built-in parser's ``<tool_call>`` is ordinary text in Qwen2.5's
+tokenizer.
+
 :class:`ToolCallingLoop` (``loop: tools``) parses tool calls with the job's parser, runs them
 (:func:`~hybridflow.agents.tools.call_tool`: timeouts, retries, errors as text), and inserts
 their results in ``agent.toolResponseFormat``; a turn without a call is the answer.
@@ -62,6 +75,10 @@ class TurnContext:
     """Response tokens the trajectory may still take (inserted and generated alike)."""
     trajectory: str = ""
     """The trajectory's id, the same at each of its turns (an environment's episode key)."""
+    final: str | None = None
+    """``None`` when another model turn may follow; else why none can: ``"max_turns"`` (this is
+    the ``maxTurns``-th turn) or ``"budget"`` (the response budget is spent). The trajectory ends
+    after this call whatever it returns (module docstring): a tool loop runs no calls for it."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,8 @@ class Finish:
     reward: float | None = None
     """An environment's score of the episode: the built-in reward function ``environment`` returns
     it, and every reward function finds it in ``extra_info["agent"]["reward"]``."""
+    env_step: bool = False
+    """This answer came from an environment's ``step`` (counted in ``agent/env_steps_per_trajectory``)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,12 @@ class Insert:
     text: str
     tool_calls: list[ToolOutcome] = field(default_factory=list)
     """The calls this turn made (for the metrics: calls, errors, latency)."""
+    reward: float | None = None
+    """The episode's score so far (an environment's summed rewards): the trajectory's reward if
+    it ends before the loop answers again (the insertion does not fit the budget, the time runs
+    out, or this answered a final turn)."""
+    env_step: bool = False
+    """This answer came from an environment's ``step`` (counted in ``agent/env_steps_per_trajectory``)."""
     result: str | None = None
     """What a tool or an environment produced, inserted where ``text`` has ``{result}``. It is
     tokenized as plain text: a special token's string in it (``<|im_end|>``, printed by the model's
@@ -136,6 +161,8 @@ class ToolCallingLoop:
         parsed = self.parse(context.text)
         if not parsed.wants_tools:
             return Finish("answer")
+        if context.final is not None:
+            return Finish(context.final)  # nothing could read the results: the calls are not run
         outcomes = [
             call_tool(
                 self.tools,
@@ -158,6 +185,8 @@ class Environment(Protocol):
     ``reset(row)`` starts the episode for the prompt's dataset row (the model's first turn
     answers the dataset's prompt); ``step(action)`` takes a model turn's text and returns the
     observation the model reads next, the step's reward and whether the episode is over.
+    Every model turn is a step, the last one allowed included; ``action`` is the turn as the
+    reward functions read it (special tokens removed, see the module docstring).
     """
 
     def reset(self, row: Mapping[str, Any]) -> None: ...
@@ -168,7 +197,9 @@ class Environment(Protocol):
 class EnvironmentLoop:
     """An :class:`Environment` class as an agent loop: observations inserted in
     ``agent.toolResponseFormat``; the episode's summed reward is the trajectory's
-    (``Finish(reward=...)``: the reward function ``environment`` returns it)."""
+    (``Finish(reward=...)``: the reward function ``environment`` returns it), whatever ended it:
+    ``done``, ``maxTurns`` (the last turn is stepped too), the budget or the timeout (the sum of
+    the steps taken)."""
 
     def __init__(self, spec: AgentSpec, environment: Callable[[], Environment]) -> None:
         self.spec = spec
@@ -187,15 +218,15 @@ class EnvironmentLoop:
         observation, reward, done = environment.step(context.text)
         total += float(reward)
         with self._lock:
-            if (
-                done or context.turn >= self.spec.max_turns - 1
-            ):  # the service ends it after the next turn anyway
+            if done or context.final is not None:
                 self._episodes.pop(context.trajectory, None)
             else:
                 self._episodes[context.trajectory] = (environment, total)
         if done:
-            return Finish("answer", reward=total)
-        return Insert(self.spec.tool_response_format, result=str(observation))
+            return Finish("answer", reward=total, env_step=True)
+        if context.final is not None:
+            return Finish(context.final, reward=total, env_step=True)
+        return Insert(self.spec.tool_response_format, result=str(observation), reward=total, env_step=True)
 
 
 def load_agent_loop(spec: AgentSpec, runner: SandboxRunner = run_python) -> AgentLoop | None:

@@ -35,8 +35,10 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_seconds: list[float] = field(default_factory=list)
+    env_steps: int = 0
+    """Model turns an environment's ``step`` took (``EnvironmentLoop``; tool loops take none)."""
     reward: float | None = None
-    """The score the loop gave when it finished the trajectory (an environment's), if any."""
+    """The score the loop gave last (an environment's summed rewards so far, or at its end), if any."""
     finish_reason: str | None = None
     """``None`` while running; then ``answer``, ``max_turns``, ``budget``, ``timeout`` or the loop's reason."""
 

@@ -533,6 +533,13 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "agent",
     ),
     _gauge(
+        "hybridflow_agent_env_steps_per_trajectory",
+        "steps",
+        "agent/env_steps_per_trajectory",
+        "Environment steps per trajectory, mean (spec.agent.loop an environment class; 0 for tool loops).",
+        "agent",
+    ),
+    _gauge(
         "hybridflow_agent_tool_errors",
         "calls",
         "agent/tool_errors",

@@ -17,7 +17,10 @@ Protocol (all calls from the service's thread): :meth:`begin` a group, route the
 returns; pass every turn's result to :meth:`turn_finished`; call :meth:`advance` in the
 service's loop and route/finish what it returns. Limits enforced here, whatever the loop says:
 ``agent.maxTurns``, the response budget, ``agent.trajectoryTimeoutSeconds`` (a trajectory past
-it ends with what it has, its pending loop call abandoned).
+it ends with what it has, its pending loop call abandoned). The turn that reaches ``maxTurns`` or
+spends the budget still goes to the loop, marked ``TurnContext.final`` (an environment steps it
+and scores the episode); the trajectory then ends whatever the loop answers
+(:mod:`hybridflow.agents.loop` states the rule).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class TrajectoryStats:
     masked_tokens: int
     finish_reason: str
     reward: float | None = None
+    env_steps: int = 0
 
     def as_extra_info(self) -> dict[str, Any]:
         """What reward functions find in ``extra_info["agent"]``."""
@@ -58,6 +62,7 @@ class TrajectoryStats:
             "turns": self.turns,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,
+            "env_steps": self.env_steps,
             "finish_reason": self.finish_reason,
             "reward": self.reward,
         }
@@ -85,6 +90,8 @@ class _Sample:
     trajectory: Trajectory
     session: str
     pending: concurrent.futures.Future[Finish | Insert] | None = None
+    final: str | None = None
+    """Set when the pending call answers the trajectory's last turn (``TurnContext.final``)."""
 
 
 @dataclass
@@ -144,22 +151,23 @@ class TrajectoryDriver:
         (turn,) = result.samples
         trajectory = sample.trajectory
         trajectory.add_model_turn(list(turn.token_ids), list(turn.logprobs), list(turn.versions))
-        if trajectory.tokens_left <= 0:
-            trajectory.finish_reason = "budget"
-        elif trajectory.turns >= self.spec.max_turns:
-            trajectory.finish_reason = "max_turns"  # no tool runs for a turn nothing could follow
-        elif self._timed_out(trajectory):
+        if self._timed_out(trajectory):
             trajectory.finish_reason = "timeout"
-        else:
-            start, end = trajectory.last_turn
-            context = TurnContext(
-                turn=trajectory.turns,
-                text=self.decode(trajectory.token_ids[start:end]),
-                row=self._groups[sample.group_id].row,
-                tokens_left=trajectory.tokens_left,
-                trajectory=sample.session,
-            )
-            sample.pending = self._pool.submit(self.loop.after_turn, context)
+            return
+        if trajectory.tokens_left <= 0:
+            sample.final = "budget"
+        elif trajectory.turns >= self.spec.max_turns:
+            sample.final = "max_turns"
+        start, end = trajectory.last_turn
+        context = TurnContext(
+            turn=trajectory.turns,
+            text=self.decode(trajectory.token_ids[start:end]),
+            row=self._groups[sample.group_id].row,
+            tokens_left=trajectory.tokens_left,
+            trajectory=sample.session,
+            final=sample.final,
+        )
+        sample.pending = self._pool.submit(self.loop.after_turn, context)
 
     def advance(self) -> tuple[list[GenerationRequest], list[RequestResult]]:
         """The next turns to route and the groups that have ended (each its group's result)."""
@@ -198,13 +206,16 @@ class TrajectoryDriver:
         except Exception as error:  # a broken loop ends this trajectory, not the step
             action = Finish(f"loop_error: {type(error).__name__}: {error}"[:200])
         sample.pending = None
-        if isinstance(action, Finish):
-            trajectory.finish_reason = action.reason
+        trajectory.env_steps += action.env_step
+        if action.reward is not None:
             trajectory.reward = action.reward
+        if isinstance(action, Insert):  # calls a loop ran count, even if a last turn drops them
+            trajectory.tool_calls += len(action.tool_calls)
+            trajectory.tool_errors += sum(not outcome.ok for outcome in action.tool_calls)
+            trajectory.tool_seconds += [outcome.seconds for outcome in action.tool_calls]
+        if isinstance(action, Finish) or sample.final is not None:
+            trajectory.finish_reason = _end_reason(action, sample.final)
             return None
-        trajectory.tool_calls += len(action.tool_calls)
-        trajectory.tool_errors += sum(not outcome.ok for outcome in action.tool_calls)
-        trajectory.tool_seconds += [outcome.seconds for outcome in action.tool_calls]
         if self._timed_out(trajectory):
             trajectory.finish_reason = "timeout"
             return None
@@ -249,6 +260,16 @@ class TrajectoryDriver:
         return group_result(group.request, [sample.trajectory for sample in group.samples])
 
 
+def _end_reason(action: Finish | Insert, final: str | None) -> str:
+    """Why a trajectory ends on the loop's answer: a spent budget whatever the loop says, else
+    the loop's :class:`Finish` reason, else (an ``Insert`` after the last turn) ``max_turns``."""
+    if final == "budget":
+        return final
+    if isinstance(action, Finish):
+        return action.reason
+    return final or "max_turns"
+
+
 def group_result(
     request: GenerationRequest, trajectories: list[Trajectory], *, own_prompts: bool = False
 ) -> RequestResult:
@@ -282,6 +303,7 @@ def group_result(
                 trajectory.masked_tokens,
                 reason,
                 trajectory.reward,
+                trajectory.env_steps,
             )
         )
     return RequestResult(replace(request, tag=stats), samples)
@@ -299,6 +321,7 @@ def trajectory_metrics(stats: list[TrajectoryStats]) -> dict[str, float]:
         "agent/turns_mean": sum(s.turns for s in stats) / count,
         "agent/turns_max": float(max(s.turns for s in stats)),
         "agent/tool_calls_per_trajectory": calls / count,
+        "agent/env_steps_per_trajectory": sum(s.env_steps for s in stats) / count,
         "agent/tool_errors": float(sum(s.tool_errors for s in stats)),
         "agent/tool_error_fraction": sum(s.tool_errors for s in stats) / max(calls, 1),
         "agent/trajectory_tokens_mean": tokens / count,

@@ -141,7 +141,14 @@ class AgentSpec(SpecModel):
         ),
     )
     max_turns: int = Field(
-        default=4, ge=1, le=256, description="Model turns per trajectory at most; the last one ends it."
+        default=4,
+        ge=1,
+        le=256,
+        description=(
+            "Model turns per trajectory at most (the first answers the prompt). The last one still "
+            "reaches the loop: an environment's step() takes it and its reward counts; the tool loop "
+            "runs no calls for it. Nothing is inserted after it: the trajectory ends there."
+        ),
     )
     max_turn_tokens: int | None = Field(
         default=None,
@@ -173,9 +180,10 @@ class AgentSpec(SpecModel):
         min_length=1,
         max_length=1024,
         description=(
-            "The tokens appended after a model turn with tool calls, as text with '{result}' where "
-            "the results go (Qwen/Hermes chat format by default). Encoded once per tool turn; the "
-            "model's own tokens are never decoded and encoded again."
+            "The tokens appended after a model turn with tool calls, or an environment's observation, "
+            "as text with '{result}' where the results go. The default is ChatML (Qwen/Hermes: "
+            "<|im_start|>user ... <|im_end|>): a model whose chat template is not ChatML needs its own. "
+            "Encoded once per inserted turn; the model's own tokens are never decoded and encoded again."
         ),
     )
     trajectory_timeout_seconds: int = Field(
