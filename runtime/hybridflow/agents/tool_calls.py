@@ -22,18 +22,26 @@ __all__ = ["ParsedTurn", "ToolCall", "load_parser", "parse_hermes"]
 
 @dataclass(frozen=True)
 class ToolCall:
+    """One call the model wrote (docs/agents.md has the table of these fields)."""
+
     name: str
+    """The tool's ``name`` as ``agent.tools`` lists it; an unknown one answers ``error: no tool named ...``."""
     arguments: Any
+    """What the tool's ``__call__`` receives: for the built-in tools, the JSON object the model wrote."""
 
 
 @dataclass(frozen=True)
 class ParsedTurn:
+    """What a parser found in one model turn; empty (no calls, no errors) means the turn is the answer."""
+
     calls: list[ToolCall] = field(default_factory=list)
+    """The calls in the order the model wrote them; each runs and its result is a line of the tool turn."""
     errors: list[str] = field(default_factory=list)
-    """One message per malformed call, for the model (each counts as a failed tool call)."""
+    """One message per malformed call, for the model, after the results (each counts as a failed tool call)."""
 
     @property
     def wants_tools(self) -> bool:
+        """A call or a malformed one: the loop inserts a tool turn; else the turn is the answer."""
         return bool(self.calls or self.errors)
 
 
