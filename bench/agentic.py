@@ -1,18 +1,19 @@
-"""Learning with a tool: the lookup task (``bench/lookup_task.py``) with and without its tool, and the sandbox.
+"""Learning with a tool: the lookup task (``examples/plugins/lookup_task.py``) with and without its tool, and the sandbox.
 
 Each prompt asks for the letter of a key; the letter is a hash of the key, so only the ``lookup``
 tool knows it. Both runs train the tiny random model with GRPO through the same code path as
 ``hybridflow run`` (the rollout service, the agent loop, token-exact trajectories), in one
 embedded Ray, with the same steps and prompts:
 
-* **with the tool**: ``agent.loop: lookup_task:LookupLoop`` with the ``lookup`` tool, at most two
-  model turns, ChatML's tool turn (:data:`TOOL_TURN`). Rewards: ``target_char`` (weight 1) and
-  ``lookup_task:called_lookup`` (weight :data:`CALL_REWARD`, a format reward for calling).
-* **without it**: ``agent.loop: single-turn``, ``target_char`` alone. The best it can learn is a
-  guess: ``1 / len(LETTERS)`` = 0.25.
+* **with the tool**: ``examples/grpo-tiny-lookup.yaml`` as written (its model, data, output and
+  step count replaced): ``agent.loop: lookup_task:LookupLoop`` with the ``lookup`` tool, at most
+  two model turns, ChatML's tool turn. Rewards: ``target_char`` (weight 1) and
+  ``lookup_task:called_lookup`` (weight 0.1, a format reward for calling).
+* **without it**: the same manifest with ``agent.loop: single-turn``, ``target_char`` alone, one
+  turn of 16 tokens. The best it can learn is a guess: ``1 / len(LETTERS)`` = 0.25.
 
-Both start from a format cold start (:func:`cold_start`): a few supervised steps on what a turn
-looks like (with the tool, "call, then write something"), never on an answer.
+Both start from a format cold start (``lookup_task.warm_up``): a few supervised steps on what a
+turn looks like (with the tool, "call, then write something"), never on an answer.
 
 Why the cold start and the format reward. A byte-level random model finds no call syntax by
 itself, and a model that does not keep calling never learns what a result is for. Measured
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -48,17 +48,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = ROOT / "examples" / "plugins"
+EXAMPLE = ROOT / "examples" / "grpo-tiny-lookup.yaml"
 # The loop, tool and reward plugins are imported by path in the rollout service's process too.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
-sys.path.insert(0, str(BENCH))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(PLUGINS))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lookup_task  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hybridflow.agents.escapes import ESCAPE_LIMITS, MODES, try_escapes  # noqa: E402
 from hybridflow.agents.sandbox import probe, run_python  # noqa: E402
@@ -70,99 +69,23 @@ from hybridflow.trainer.runner import run_training  # noqa: E402
 
 STEPS, QUICK_STEPS = 150, 4
 TARGET_GAIN = 0.3
-TURN_TOKENS = 16
-COLD_START_STEPS = 30
-LEARNING_RATE = 5e-3
-CALL_REWARD = 0.1
-"""Weight of ``lookup_task.called_lookup``: the format reward that keeps the model calling."""
-TOOL_TURN = "\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
-"""ChatML's tool turn (Qwen2's template has the role): the letters sit 13 tokens before the answer."""
-
-
-def cold_start(model_dir: Path, out: Path, rows: list[dict[str, Any]], steps: int, *, tool: bool) -> Path:
-    """Supervised steps on the format of a call, never on an answer.
-
-    With ``tool``, the first turn is ``?`` (the loop's call) and the turn after the tool turn
-    (whose result is empty here) is random printable text; without, the one turn is random
-    printable text. Random text keeps the answer turn as undecided as the random model's (the
-    answer letters are 4 of 95 characters), so that which letter to write, and that it is the
-    tool's, is left to RL. The loss is on the model's turns only.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
-    rng = random.Random(1)
-
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    examples = []
-    for row in rows[:64]:
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        answer = encode(
-            "".join(chr(rng.randrange(32, 127)) for _ in range(TURN_TOKENS)) + tokenizer.eos_token
-        )
-        parts = [(encode(prompt), False)]
-        if tool:
-            parts += [(encode(lookup_task.ASK + tokenizer.eos_token), True)]
-            parts += [(encode(TOOL_TURN.replace("{result}", "")), False)]
-        parts.append((answer, True))
-        ids = [token for part, _ in parts for token in part]
-        labels = [token if trained else -100 for part, trained in parts for token in part]
-        examples.append((torch.tensor([ids]), torch.tensor([labels])))
-    for _ in range(steps):
-        optimizer.zero_grad()
-        for ids, labels in examples:
-            (model(input_ids=ids, labels=labels).loss / len(examples)).backward()
-        optimizer.step()
-    shutil.copytree(model_dir, out)
-    model.save_pretrained(out)
-    return out
 
 
 def spec_for(tools: bool, model: Path, data: Path, workdir: Path, steps: int) -> RLHFJobSpec:
-    spec = load_job_manifest(ROOT / "examples" / "grpo-tiny-agent.yaml").spec
-    agent = spec.agent.model_dump(by_alias=True, exclude_none=True)
-    if tools:
-        agent.update(
-            {
-                "loop": "lookup_task:LookupLoop",
-                "tools": ["lookup_task:Lookup"],
-                "maxTurns": 2,
-                "maxTurnTokens": TURN_TOKENS,
-                "toolResponseFormat": TOOL_TURN,
-            }
-        )
-        response_tokens = 2 * TURN_TOKENS + 32  # two turns and the tool turn (29 tokens)
-        rewards = (
-            *spec.rewards,
-            spec.rewards[0].model_validate({"function": "lookup_task:called_lookup", "weight": CALL_REWARD}),
-        )
-    else:
-        agent.update({"loop": "single-turn", "tools": []})
-        response_tokens = TURN_TOKENS
-        rewards = spec.rewards
-    return spec.model_copy(
-        update={
-            "models": spec.models.model_validate({"actor": {"path": str(model)}}),
-            "data": spec.data.model_copy(update={"train_files": (str(data),)}),
-            "agent": spec.agent.model_validate(agent),
-            "rewards": rewards,
-            "algorithm": spec.algorithm.model_copy(update={"samples_per_prompt": 8}),
-            "rollout": spec.rollout.model_copy(update={"max_response_tokens": response_tokens}),
-            "training": spec.training.model_copy(
-                update={
-                    "total_steps": steps,
-                    "prompts_per_step": 8,
-                    "mini_batch_size": 64,
-                    "micro_batch_size_per_gpu": 16,
-                    "learning_rate": LEARNING_RATE,
-                }
-            ),
-            "checkpoint": spec.checkpoint.model_copy(update={"interval_steps": steps}),
-            "output_dir": str(workdir / ("with-tool" if tools else "without-tool")),
-        }
-    )
+    """The example's job (with the tool), or the same job single-turn without the format reward."""
+    spec = load_job_manifest(EXAMPLE).spec
+    update: dict[str, Any] = {
+        "models": spec.models.model_validate({"actor": {"path": str(model)}}),
+        "data": spec.data.model_copy(update={"train_files": (str(data),)}),
+        "training": spec.training.model_copy(update={"total_steps": steps}),
+        "checkpoint": spec.checkpoint.model_copy(update={"interval_steps": steps}),
+        "output_dir": str(workdir / ("with-tool" if tools else "without-tool")),
+    }
+    if not tools:
+        update["agent"] = spec.agent.model_copy(update={"loop": "single-turn", "tools": ()})
+        update["rewards"] = tuple(r for r in spec.rewards if r.function == "target_char")
+        update["rollout"] = spec.rollout.model_copy(update={"max_response_tokens": lookup_task.TURN_TOKENS})
+    return spec.model_copy(update=update)
 
 
 def train(spec: RLHFJobSpec, tag: str) -> dict[str, Any]:
@@ -233,9 +156,11 @@ def main() -> None:
     data = workdir / "lookup.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     random_model = write_tiny_model(workdir / "tiny-model")
-    cold_steps = 2 if args.quick else COLD_START_STEPS
-    with_tool_model = cold_start(random_model, workdir / "cold-start-tool", rows, cold_steps, tool=True)
-    without_tool_model = cold_start(
+    cold_steps = 2 if args.quick else lookup_task.WARM_UP_STEPS
+    with_tool_model = lookup_task.warm_up(
+        random_model, workdir / "cold-start-tool", rows, cold_steps, tool=True
+    )
+    without_tool_model = lookup_task.warm_up(
         random_model, workdir / "cold-start-no-tool", rows, cold_steps, tool=False
     )
     figures: dict[str, Any] = {

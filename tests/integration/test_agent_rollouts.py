@@ -7,11 +7,15 @@
 * ``examples/grpo-tiny-agent.yaml`` (the tool-calling loop, calculator and sandboxed Python)
   trains; a job whose samples an openai-client agent drives through the chat endpoint trains on
   sessions of two turns, the inserted tokens masked.
+* ``examples/grpo-tiny-lookup.yaml`` (learning tool use from a random model) runs as documented.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -189,3 +193,35 @@ def test_an_agent_driving_the_chat_endpoint_with_the_openai_client_trains_the_jo
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["agent/turns_mean"] == 2 and row["agent/masked_token_fraction"] > 0
+
+
+def test_the_tool_learning_example_runs_as_documented(tmp_path: Path) -> None:
+    """docs/agents.md's two commands: the lookup task's preparation (2 warm-up steps here, not 30),
+    then ``PYTHONPATH=examples/plugins hybridflow run examples/grpo-tiny-lookup.yaml`` (2 steps)."""
+    plugins = ROOT / "examples" / "plugins"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    prepare = [
+        sys.executable,
+        str(plugins / "lookup_task.py"),
+        str(tmp_path / "lookup"),
+        "--warm-up-steps",
+        "2",
+    ]
+    subprocess.run(prepare, check=True, capture_output=True, env=env, timeout=300)
+    doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-lookup.yaml").read_text())
+    spec = doc["spec"]
+    spec["models"]["actor"]["path"] = str(tmp_path / "lookup" / "warm-model")
+    spec["data"]["trainFiles"] = [str(tmp_path / "lookup" / "lookup.jsonl")]
+    spec["training"].update({"totalSteps": 2, "promptsPerStep": 2, "miniBatchSize": 16})
+    spec["outputDir"] = str(tmp_path / "out")
+    path = tmp_path / "lookup.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    run = [sys.executable, "-m", "hybridflow.cli", "run", str(path)]
+    result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    # The warm-up makes calls common from the first step; the second turn reads the tool's letters.
+    assert all(row["agent/tool_calls_per_trajectory"] > 0 and row["agent/turns_mean"] > 1 for row in rows)
+    assert all(row["agent/env_steps_per_trajectory"] == 0 for row in rows)
