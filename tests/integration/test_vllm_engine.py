@@ -88,7 +88,8 @@ def engine(model_dirs: tuple[Path, Path]) -> Iterator[Any]:
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int]) -> list[list[int]]:
-    """``model.generate(do_sample=False)`` on left-padded prompts; each row cut after its first eos."""
+    """``model.generate(do_sample=False)`` on left-padded prompts, the pad suppressed unless it is an
+    eos (as the engines do); each row cut after its first eos."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -102,6 +103,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: li
         do_sample=False,
         eos_token_id=eos_ids,
         pad_token_id=PAD_TOKEN_ID,
+        suppress_tokens=None if PAD_TOKEN_ID in eos_ids else [PAD_TOKEN_ID],
     )
     rows = []
     for tokens in generated[:, width:].tolist():
@@ -118,6 +120,44 @@ def test_greedy_matches_hf_generate(engine: Any, hf_models: tuple[PreTrainedMode
     assert output.response_token_ids == hf_greedy(hf_models[0], PROMPTS, NEW_TOKENS, engine.eos_token_ids)
     assert output.finish_reasons == ["length"] * len(PROMPTS)  # a random model rarely stops
     assert output.logprobs is None
+
+
+def pad_loving_model(path: Path) -> Path:
+    """A tiny model at ``path`` whose pad logit leads every other token's by about 30 everywhere.
+
+    The residual stream's dimension 0 is a constant 4 (every embedding's, and no layer writes to
+    it), so after the final norm it is large and positive; only the pad's lm_head row reads it.
+    """
+    write_tiny_model(path, "qwen2", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        model.lm_head.weight[:, 0] = 0.0
+        normed = model(torch.tensor([PROMPTS[2]]), output_hidden_states=True).hidden_states[-1][0, :, 0]
+        model.lm_head.weight[PAD_TOKEN_ID] = 0.0
+        model.lm_head.weight[PAD_TOKEN_ID, 0] = 30.0 / float(normed.min())
+    model.save_pretrained(path)
+    return path
+
+
+def test_the_pad_token_is_biased_out_of_the_draw_and_the_log_probs_stay_raw(tmp_path: Path) -> None:
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+    path = pad_loving_model(tmp_path / "pad-loving")
+    logits = AutoModelForCausalLM.from_pretrained(path)(torch.tensor([PROMPTS[0]])).logits[0]
+    assert (logits.argmax(-1) == PAD_TOKEN_ID).all()  # unbanned, every position would pick it
+    with VLLMRolloutEngine(path, max_model_len=384, seed=0) as vllm_engine:
+        assert vllm_engine.vllm_params(GREEDY, None).logit_bias == {PAD_TOKEN_ID: -100.0}
+        greedy = vllm_engine.generate(PROMPTS, GREEDY)
+        sampled = vllm_engine.generate(
+            PROMPTS,
+            SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=2, seed=3, return_logprobs=True),
+        )
+    assert all(PAD_TOKEN_ID not in row for row in greedy.response_token_ids + sampled.response_token_ids)
+    assert sampled.logprobs is not None and max(max(row) for row in sampled.logprobs) < -10  # raw
 
 
 def test_the_server_mode_batcher_serves_requests_as_the_engine_generates_them(engine: Any) -> None:

@@ -32,8 +32,12 @@ end at this engine's eos ids (the model's generation config, as in HF ``generate
 torch engine), passed as ``stop_token_ids`` with ``ignore_eos=True`` so that the tokenizer's
 own eos does not add a stop the torch engine would not have. A response that stopped keeps its
 eos token as its last token, and vLLM reports ``"stop"``; one cut at ``max_new_tokens``,
-``"length"``. Greedy output equals HF ``generate(do_sample=False)`` token for token in float32
-(the integration tests check it). vLLM refuses ``n > 1`` with greedy decoding, so a greedy call
+``"length"``. The pad token (the model's, when it is not an eos id:
+:func:`~hybridflow.engines.base.unsampled_token`) gets ``logit_bias`` -100, vLLM's most
+negative: the torch engines mask it to -inf, vLLM 0.32 has no ban list by token id, and a bias of
+-100 scales its probability by e^-100 (a pad that leads every token by more than 100 logits
+would still be chosen). Greedy output equals HF ``generate(do_sample=False, suppress_tokens=[pad])``
+token for token in float32 (the integration tests check it). vLLM refuses ``n > 1`` with greedy decoding, so a greedy call
 asks for one response per prompt and repeats it ``n`` times.
 
 **Seeds.** vLLM draws each request from its own generator when the request has a seed, and
@@ -138,6 +142,7 @@ from hybridflow.engines.base import (
     RolloutOutput,
     SamplingParams,
     check_prompts,
+    unsampled_token,
 )
 from hybridflow.engines.vllm_groups import mapped_group_ranks, vllm_rank_order
 from hybridflow.engines.vllm_lora import (
@@ -217,6 +222,22 @@ def _configured_eos_ids(model_dir: Path, config: Any) -> list[int]:
     except OSError:  # no generation_config.json
         eos_ids = []
     return eos_ids or _as_id_list(getattr(config, "eos_token_id", None))
+
+
+def _configured_pad_id(model_dir: Path, config: Any) -> int | None:
+    """The pad id of the generation config, else of the model config; ``None`` where neither has one."""
+    from transformers import GenerationConfig
+
+    try:
+        pad_ids = _as_id_list(GenerationConfig.from_pretrained(model_dir).pad_token_id)
+    except OSError:  # no generation_config.json
+        pad_ids = []
+    pad_ids = pad_ids or _as_id_list(getattr(config, "pad_token_id", None))
+    return pad_ids[0] if pad_ids else None
+
+
+PAD_LOGIT_BIAS = -100.0
+"""The bias on the pad token's logit: vLLM clamps biases to [-100, 100]."""
 
 
 def _hf_parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -507,6 +528,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self._eos_token_ids = (
             list(eos_token_ids) if eos_token_ids is not None else _configured_eos_ids(path, config)
         )
+        pad_id = _configured_pad_id(path, config)
+        self._unsampled = None if pad_id is None else unsampled_token(pad_id, self._eos_token_ids)
         self._parameter_shapes = _hf_parameter_shapes(config)
 
         memory: dict[str, Any] = {}
@@ -647,6 +670,8 @@ class VLLMRolloutEngine(RolloutEngine):
             stop_token_ids=list(self._eos_token_ids),
             ignore_eos=True,  # stop on stop_token_ids alone, see the module docstring
             detokenize=False,
+            # The raw log-probs are taken before logits processors: the bias changes the draw only.
+            logit_bias=None if self._unsampled is None else {self._unsampled: PAD_LOGIT_BIAS},
         )
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
