@@ -135,7 +135,7 @@ def warm_up(model_dir: Path, out: Path, rows: list[dict[str, Any]], steps: int, 
 
     examples = []
     for row in rows[:64]:
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        prompt = str(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False))
         answer = encode(
             "".join(chr(rng.randrange(32, 127)) for _ in range(TURN_TOKENS)) + tokenizer.eos_token
         )
@@ -149,8 +149,8 @@ def warm_up(model_dir: Path, out: Path, rows: list[dict[str, Any]], steps: int, 
         examples.append((torch.tensor([ids]), torch.tensor([labels])))
     for _ in range(steps):
         optimizer.zero_grad()
-        for ids, labels in examples:
-            (model(input_ids=ids, labels=labels).loss / len(examples)).backward()
+        for input_ids, targets in examples:
+            (model(input_ids=input_ids, labels=targets).loss / len(examples)).backward()
         optimizer.step()
     shutil.copytree(model_dir, out)
     model.save_pretrained(out)
