@@ -209,11 +209,13 @@ DASHBOARDS: tuple[Dashboard, ...] = (
             Panel(
                 "Rollout replicas",
                 "Server mode: replicas serving, replicas replaced in this attempt, the seconds the last "
-                "replacement took, and how many policy versions the step's samples span.",
+                "replacement took (and of them, until its successor had loaded), and how many policy "
+                "versions the step's samples span.",
                 (
                     series("hybridflow_rollout_replicas_serving", "{{rlhfjob}} serving"),
                     series("hybridflow_rollout_replicas_replaced", "{{rlhfjob}} replaced"),
                     series("hybridflow_rollout_replica_replace_seconds", "{{rlhfjob}} seconds to replace"),
+                    series("hybridflow_rollout_replica_load_seconds", "{{rlhfjob}} seconds to load"),
                     series("hybridflow_rollout_version_span_mean", "{{rlhfjob}} version span mean"),
                     series("hybridflow_rollout_version_span_max", "{{rlhfjob}} version span max"),
                     series(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import threading
 import time
@@ -148,7 +149,8 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
     doc["spec"]["algorithm"].update({"name": "remax", "samplesPerPrompt": 2})
     path.write_text(yaml.safe_dump(doc))
     spec = load_job_manifest(path).spec
-    summary = run_training(spec, simulated=True, on_step=lambda line: None, should_stop=replaced)
+    said: list[str] = []
+    summary = run_training(spec, simulated=True, on_step=said.append, should_stop=replaced)
     killer.join(timeout=10)
     assert killed, "no replica was running after step 2"
     assert summary.preempted and summary.last_step < 400
@@ -161,6 +163,32 @@ def test_a_killed_replica_is_replaced_and_no_step_is_lost_or_repeated(tiny: Path
     assert len(seconds) == 1 and 0 < seconds[0] < 60
     assert rows[-1]["rollout/replicas_serving"] == 2
     assert all("reward/greedy_baseline" in row for row in rows)  # the greedy pass ran every step
+    assert_the_replacement_serves_from_the_step_after_it_loaded(rows, said)
+
+
+def assert_the_replacement_serves_from_the_step_after_it_loaded(
+    rows: list[dict[str, float]], said: list[str]
+) -> None:
+    """The join rule (``replica_join``), in steps, not seconds: the service saw the successor
+    loaded in step L (during the step's wait or at its end) and routes it requests from step L
+    or L + 1, never later; the per-step metrics agree (one replica serving from the kill's
+    detection until then, two from then on, the replacement reported on that very step)."""
+    found = [
+        re.search(r"loaded after ([0-9.]+) s, in step (\d+); serving from step (\d+)", line) for line in said
+    ]
+    matches = [match for match in found if match is not None]
+    assert len(matches) == 1, [line for line in said if "replica" in line]
+    loaded_in, serving_from = int(matches[0].group(2)), int(matches[0].group(3))
+    assert serving_from in (loaded_in, loaded_in + 1)
+    detected = next(row["step"] for row in rows if row["rollout/replicas_replaced"] == 1)
+    by_step = {int(row["step"]): row for row in rows}
+    assert [by_step[step]["rollout/replicas_serving"] for step in range(int(detected), serving_from)] == [
+        1.0
+    ] * (serving_from - int(detected))
+    assert all(by_step[step]["rollout/replicas_serving"] == 2 for step in range(serving_from, len(rows) + 1))
+    reported = by_step[serving_from]
+    assert "rollout/replica_replace_seconds" in reported  # on the first step it serves
+    assert 0 < reported["rollout/replica_load_seconds"] <= reported["rollout/replica_replace_seconds"]
 
 
 @pytest.mark.usefixtures("ray_cluster")

@@ -1,4 +1,5 @@
-"""Server mode's pure rules: routing, the submission gate, the replay buffer, dynamic sampling, replica health."""
+"""Server mode's pure rules: routing, the submission gate, the replay buffer, dynamic sampling, replica health,
+when a replacement joins."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from hybridflow.rollout.buffer import ReplayBuffer, informative, may_submit, staleness_histogram
 from hybridflow.rollout.routing import RequestRouter
-from hybridflow.rollout.service import replica_verdict
+from hybridflow.rollout.service import replica_join, replica_verdict
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +112,19 @@ def test_a_replica_is_replaced_when_silent_or_without_progress_while_it_has_work
     assert verdict(99, 10, False) is None  # idle for long, but it had nothing to do
     assert verdict(99, 60, True) == "produced no token for 40 s with work queued"
     assert verdict(60, 99, False) == "answered no poll for 40 s"
+
+
+def test_a_replacement_joins_at_the_first_look_after_every_rank_loaded() -> None:
+    """Asked at each step boundary (and while the controller waits): a t_g-2 replica whose ranks
+    load at looks 2 and 3 joins at look 3, the one after which it serves, not at a later push."""
+
+    def join(loaded: int, failed: bool = False, serving: bool = False) -> str:
+        return replica_join(serving=serving, ranks=2, ranks_loaded=loaded, start_failed=failed)
+
+    looks = [join(loaded) for loaded in (0, 1, 2, 2)]
+    assert looks == ["loading", "loading", "join", "join"]
+    assert looks.index("join") == 2  # the first look with both ranks loaded
+    assert join(2, serving=True) == "serving"  # in the routing already: nothing to join
+    # A rank that failed to start: started again at once, not after the other rank's load.
+    assert join(1, failed=True) == "failed" and join(0, failed=True) == "failed"
+    assert replica_join(serving=False, ranks=1, ranks_loaded=1, start_failed=False) == "join"

@@ -470,6 +470,15 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "rollout service",
     ),
     _gauge(
+        "hybridflow_rollout_replica_load_seconds",
+        "seconds",
+        "rollout/replica_load_seconds",
+        "Seconds from detecting a failed replica to its successor's model loaded on every rank "
+        "(on the step it rejoined; the rest of replica_replace_seconds is the wait for the next step "
+        "boundary, at most one step, and the push of the weights).",
+        "rollout service",
+    ),
+    _gauge(
         "hybridflow_rollout_version_span_mean",
         "updates",
         "rollout/version_span_mean",

@@ -20,11 +20,16 @@ Between two calls nothing waits on the replicas: they keep generating while the 
 **Replicas that fail alone.** A replica whose process died (a poll raises), or that has work and
 produced no token for ``rollout.replicaTimeoutSeconds`` (a poll that does not answer counts the
 same), leaves the routing; its open requests are routed again from their prompts (same seeds),
-and a new replica starts on the same bundle. Once its model is loaded, the next push (after the
-step, or at once if the controller is waiting for generation) rebuilds the bridge with it (a
-collective group cannot take a new member) and loads the current weights into it; from then on
-it serves. :attr:`RolloutService.replacements` records each one, with the seconds from
-detection to serving.
+and a new replica starts on the same bundle. It joins at the first moment the service looks at
+it after its model loaded on every rank (:func:`replica_join`, the rule): the service looks at the
+step boundary (the push after every step) and whenever the controller waits for generation. At
+the boundary after step ``k`` it joins that push (the bridge is rebuilt with it: a collective
+group cannot take a new member), receives version ``k`` with the others and is routed requests
+from step ``k + 1``; while the controller waits in step ``k`` it joins at once, by a push of the
+current version, and serves in step ``k`` (the only way on when no replica serves). Either way no
+step boundary passes between the service seeing it loaded and routing requests to it.
+:attr:`RolloutService.replacements` records each one: the seconds from detection to loaded and to
+serving, the step it was seen loaded in and the first step it serves.
 
 **Checkpoints.** :meth:`checkpoint_state` first drains: it submits everything the gate allows
 and waits until every open request has finished, so the saved state is the buffer alone, with
@@ -41,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -57,7 +62,14 @@ from hybridflow.spec import RLHFJobSpec
 from hybridflow.workers.rollout import pack_responses, response_texts
 from hybridflow.workers.weight_push import WEIGHTS_BRIDGE
 
-__all__ = ["ReplicaReplacement", "RolloutService", "ServedRollout", "replica_verdict"]
+__all__ = [
+    "ReplicaJoin",
+    "ReplicaReplacement",
+    "RolloutService",
+    "ServedRollout",
+    "replica_join",
+    "replica_verdict",
+]
 
 PUSH_ATTEMPTS = 3
 """Weight pushes tried before the step fails (each after replacing the replicas that died in the last)."""
@@ -106,14 +118,51 @@ def replica_verdict(
     return None
 
 
+ReplicaJoin = Literal["serving", "loading", "failed", "join"]
+"""Where a replica stands for the routing: see :func:`replica_join`."""
+
+
+def replica_join(*, serving: bool, ranks: int, ranks_loaded: int, start_failed: bool) -> ReplicaJoin:
+    """Whether a replica joins the routing now: the join rule, pure.
+
+    The service asks at every moment a replica may join without pausing a step: at the step
+    boundary (the push after each step) and while the controller waits for generation (the
+    actor idle). ``ranks_loaded``: how many of its ``ranks`` returned from ``start`` (model
+    loaded); ``start_failed``: one of them raised. ``"join"``: every rank loaded, so it joins now
+    (the push in progress, or one of the current version, gives it the weights); ``"loading"``:
+    ask again at the next moment; ``"failed"``: replace it again; ``"serving"``: nothing to do.
+
+    >>> replica_join(serving=False, ranks=2, ranks_loaded=1, start_failed=False)
+    'loading'
+    >>> replica_join(serving=False, ranks=2, ranks_loaded=2, start_failed=False)
+    'join'
+    """
+    if serving:
+        return "serving"
+    if start_failed:  # before waiting for the other ranks: they would only load for nothing
+        return "failed"
+    if ranks_loaded < ranks:
+        return "loading"
+    return "join"
+
+
 @dataclass(frozen=True)
 class ReplicaReplacement:
-    """One replaced replica: which, why, and how long until its successor served."""
+    """One replaced replica: which, why, and when its successor loaded and served.
+
+    Seconds count from the failure's detection (``time.monotonic``). Steps are the trainer's:
+    ``loaded_in_step`` is the step in which the successor's last rank returned from ``start``
+    (before that step's push), ``serving_from_step`` the first step it serves: the same step or
+    the next, by :func:`replica_join`.
+    """
 
     index: int
     reason: str
     detected_at: float
     serving_after_seconds: float | None = None
+    loaded_after_seconds: float | None = None
+    loaded_in_step: int | None = None
+    serving_from_step: int | None = None
 
 
 @dataclass
@@ -133,6 +182,9 @@ class _Replica:
     alive_seconds: float = 0.0
     has_work: bool = False
     replacing: ReplicaReplacement | None = None
+    ranks_started: list[float] = field(default_factory=list)  # when each rank's start returned
+    loaded_at: float | None = None  # when the last did (or the service saw them all, if earlier)
+    loaded_in_step: int | None = None
 
     @property
     def ranks(self) -> list[Any]:
@@ -258,7 +310,7 @@ class RolloutService:
         rendezvous = handles[0].open_rendezvous.remote() if size > 1 else None
         starts = [handle.start.remote(rendezvous) for handle in handles]
         now = time.monotonic()
-        return _Replica(
+        replica = _Replica(
             index,
             handles[0],
             starts[0],
@@ -267,6 +319,19 @@ class RolloutService:
             last_answer_at=now,
             last_progress_at=now,
         )
+        for start in starts:
+            start.future().add_done_callback(lambda _, replica=replica: self._rank_started(replica))
+        return replica
+
+    def _rank_started(self, replica: _Replica) -> None:
+        """Ray's callback thread, as each rank's ``start`` returns (or raises): the last one loaded the replica.
+
+        Timed here, not when the service next looks, so that a replacement's record says when its
+        load ended (and in which step), whatever the join rule then did with it.
+        """
+        replica.ranks_started.append(time.monotonic())  # one append per rank: atomic
+        if len(replica.ranks_started) == len(replica.ranks) and replica.loaded_at is None:
+            replica.loaded_at, replica.loaded_in_step = replica.ranks_started[-1], self.version + 1
 
     def shutdown(self, wait_seconds: float = 10.0) -> None:
         """Kill every replica and wait (bounded) until Ray reports each dead, so that its GPU is free."""
@@ -336,9 +401,9 @@ class RolloutService:
         import ray
 
         self._probe_liveness()
-        # A new replica joins once its model is loaded; one still loading joins at a later push,
-        # so that the step never waits for it.
-        members = sorted(r.index for r in list(self.replicas.values()) if r.serving or self._loaded(r))
+        # A replica that loaded joins this push; one still loading joins at a later moment, so
+        # that the step never waits for it (replica_join).
+        members = sorted(r.index for r in list(self.replicas.values()) if r.serving or self._joins(r))
         if tuple(members) != self._bridge_members:
             self._build_bridge(members)
         abort = self.spec.rollout.on_weight_update == "abort"
@@ -370,21 +435,30 @@ class RolloutService:
                 self._continue_aborted(index, result)
         return failure
 
-    def _loaded(self, replica: _Replica) -> bool:
-        """Whether a joining replica has loaded its model on every rank (one whose start failed is started again).
+    def _joins(self, replica: _Replica) -> bool:
+        """:func:`replica_join` for a replica not serving, now (one whose start failed is started again).
 
-        A loaded tensor-parallel replica gets one outstanding ``watch`` per follower here.
+        A joining tensor-parallel replica gets one outstanding ``watch`` per follower. (Its load is
+        timed by :meth:`_rank_started`; here only if Ray's callback has not run yet.)
         """
         import ray
 
         starts = [replica.ready, *replica.follower_starts]
-        if ray.wait(starts, num_returns=len(starts), timeout=0)[1]:
-            return False
+        loaded, _ = ray.wait(starts, num_returns=len(starts), timeout=0)
+        failure = ""
         try:
-            ray.get(starts)
+            ray.get(loaded)
         except Exception as error:
-            self._replace(replica, f"failed to start: {failure_summary(error)}")
+            failure = failure_summary(error)
+        verdict = replica_join(
+            serving=replica.serving, ranks=len(starts), ranks_loaded=len(loaded), start_failed=bool(failure)
+        )
+        if verdict == "failed":
+            self._replace(replica, f"failed to start: {failure}")
+        if verdict != "join":
             return False
+        if replica.loaded_at is None:
+            replica.loaded_at, replica.loaded_in_step = time.monotonic(), self.version + 1
         if len(replica.watches) < len(replica.followers):
             replica.watches = [follower.watch.remote() for follower in replica.followers]
         return True
@@ -424,18 +498,29 @@ class RolloutService:
             replica.last_answer_at = replica.last_progress_at = now
             self.router.add(replica.index)
             if replica.replacing is not None:
-                done = ReplicaReplacement(
-                    replica.index,
-                    replica.replacing.reason,
-                    replica.replacing.detected_at,
-                    now - replica.replacing.detected_at,
-                )
-                self.replacements.append(done)
-                replica.replacing = None
-                self.log(
-                    f"rollout replica {done.index} replaced ({done.reason}); serving again after "
-                    f"{done.serving_after_seconds:.1f} s"
-                )
+                self._record_replacement(replica, now)
+
+    def _record_replacement(self, replica: _Replica, now: float) -> None:
+        """A successor serves: its :class:`ReplicaReplacement` (self.version: the weights it got)."""
+        assert replica.replacing is not None
+        detected = replica.replacing.detected_at
+        loaded_at = now if replica.loaded_at is None else replica.loaded_at  # joins only via _joins
+        done = ReplicaReplacement(
+            replica.index,
+            replica.replacing.reason,
+            detected,
+            serving_after_seconds=now - detected,
+            loaded_after_seconds=loaded_at - detected,
+            loaded_in_step=replica.loaded_in_step,
+            serving_from_step=self.version + 1,
+        )
+        self.replacements.append(done)
+        replica.replacing = None
+        self.log(
+            f"rollout replica {done.index} replaced ({done.reason}); serving again after "
+            f"{done.serving_after_seconds:.1f} s (loaded after {done.loaded_after_seconds:.1f} s, in step "
+            f"{done.loaded_in_step}; serving from step {done.serving_from_step})"
+        )
 
     def _continue_aborted(self, index: int, result: RequestResult) -> None:
         request_id = result.request.request_id
@@ -539,7 +624,7 @@ class RolloutService:
         """
         import ray
 
-        if any(not replica.serving and self._loaded(replica) for replica in list(self.replicas.values())):
+        if any(not replica.serving and self._joins(replica) for replica in list(self.replicas.values())):
             self.push(self.version)
         self._check_submissions()
 
@@ -792,8 +877,11 @@ class RolloutService:
         new = self.replacements[self._replacements_reported :]
         self._replacements_reported = len(self.replacements)
         seconds = [r.serving_after_seconds for r in new if r.serving_after_seconds is not None]
-        if seconds:  # replacements that completed with this step's push: detection to serving
+        if seconds:  # replacements that completed since the last step's metrics: detection to serving
             metrics["rollout/replica_replace_seconds"] = max(seconds)
+            metrics["rollout/replica_load_seconds"] = max(
+                r.loaded_after_seconds for r in new if r.loaded_after_seconds is not None
+            )
         now = time.monotonic()
         window = now - self._poll_window_started
         idle: list[float] = []
