@@ -92,6 +92,12 @@ SFT_STEPS, QUICK_SFT_STEPS = 300, 40
 SHORT_PROBABILITY, SHORT_LENGTHS, LONG_LENGTHS = 0.85, (1, 4), (24, MAX_RESPONSE)
 LETTERS = "abcdefgh"
 TARGET_SPEEDUP, TARGET_REWARD_GAIN, TARGET_TAIL, TARGET_REPLACE_SECONDS = 1.5, 0.3, 8.0, 60.0
+TARGETS = {
+    "async_over_sync_tokens_per_second": TARGET_SPEEDUP,
+    "reward_gain_async": TARGET_REWARD_GAIN,
+    "response_length_p99_over_p50": TARGET_TAIL,
+    "replica_replace_seconds": TARGET_REPLACE_SECONDS,
+}
 HEADLINE_KEYS = (
     "async_over_sync_tokens_per_second",
     "async_over_sync_spread",
@@ -122,7 +128,7 @@ def long_tail_model(workdir: Path, data: Path, sft_steps: int) -> Path:
     model_dir = write_tiny_model(workdir / "base-model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     spec = load_job_manifest(write_manifest(workdir, model_dir, data, "probe", mode="batch", steps=1)).spec
-    prompts = PromptDataset.from_spec(spec.data, tokenizer).take(range(64)).prompt_token_ids
+    prompts = first_prompts(model_dir, spec, 64)
     letter_ids: list[int] = [int(cast(int, tokenizer.convert_tokens_to_ids(letter))) for letter in LETTERS]
     eos = int(tokenizer.eos_token_id)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -154,6 +160,12 @@ def long_tail_model(workdir: Path, data: Path, sft_steps: int) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def first_prompts(model_dir: Path, spec: RLHFJobSpec, count: int) -> list[list[int]]:
+    """The job's first ``count`` prompts, tokenized as the trainer tokenizes them."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return PromptDataset.from_spec(spec.data, tokenizer).take(range(count)).prompt_token_ids
 
 
 def response_lengths(model_dir: Path, prompts: list[list[int]]) -> list[int]:
@@ -329,6 +341,30 @@ def medians_over_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def comparison(
+    per_round: dict[str, list[dict[str, Any]]], learning: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The two modes side by side: still runs by round (``figures_of`` each), learning runs one each."""
+    throughput = {name: medians_over_rounds(results) for name, results in per_round.items()}
+    spread = ratio_spread(
+        throughput["async"]["rounds_tokens_per_second"], throughput["sync"]["rounds_tokens_per_second"]
+    )
+    return {
+        "throughput": throughput,
+        "learning": learning,
+        "async_over_sync_tokens_per_second": spread["median"],
+        "async_over_sync_spread": spread,
+        "async_over_sync_tokens_per_second_learning": round(
+            learning["async"]["tokens_per_second"] / learning["sync"]["tokens_per_second"], 3
+        ),
+        "rollout_idle_fraction_sync": throughput["sync"]["rollout_idle_fraction"],
+        "rollout_idle_fraction_async": throughput["async"]["rollout_idle_fraction"],
+        "reward_gain_async": learning["async"]["reward_gain"],
+        "reward_gain_sync": learning["sync"]["reward_gain"],
+        "staleness_histogram": learning["async"]["staleness_histogram"],
+    }
+
+
 def replica_processes() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
@@ -365,7 +401,17 @@ def replace_seconds(workdir: Path, model: Path, data: Path) -> dict[str, float |
     }
 
 
-def main() -> None:
+def long_tail_task(workdir: Path, sft_steps: int) -> tuple[Path, Path]:
+    """The task's prompts (a JSONL file) and the long-tail policy fine-tuned for it."""
+    data = workdir / "target_char.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in make_toy_dataset("target_char", 256, seed=0)))
+    started = time.monotonic()
+    model = long_tail_model(workdir, data, sft_steps)
+    print(f"fine-tuned the long-tail policy in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return data, model
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--quick",
@@ -373,23 +419,20 @@ def main() -> None:
         default=os.environ.get("HYBRIDFLOW_BENCH_QUICK") == "1",
         help="a smoke run (CI): one round of 4 steps, a short fine-tune, no kill run; figures prefixed smoke_",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     steps, rounds, sft_steps = (
         (QUICK_STEPS, QUICK_ROUNDS, QUICK_SFT_STEPS) if args.quick else (STEPS, ROUNDS, SFT_STEPS)
     )
     learning_steps = QUICK_STEPS if args.quick else LEARNING_STEPS
     workdir = Path(tempfile.mkdtemp(prefix="hybridflow-async-rollout-"))
-    data = workdir / "target_char.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in make_toy_dataset("target_char", 256, seed=0)))
-    started = time.monotonic()
-    model = long_tail_model(workdir, data, sft_steps)
-    print(f"fine-tuned the long-tail policy in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    data, model = long_tail_task(workdir, sft_steps)
     probe = load_job_manifest(write_manifest(workdir, model, data, "probe", mode="batch", steps=1)).spec
-    prompts = PromptDataset.from_spec(probe.data, tokenizer).take(range(64)).prompt_token_ids
-    lengths = response_lengths(model, prompts)
+    lengths = response_lengths(model, first_prompts(model, probe, 64))
     p50, p99 = percentile(lengths, 0.5), percentile(lengths, 0.99)
-
     modes = {"sync": "batch", "async": "server"}
     init_local_ray(resource_pools(probe, simulated=True))
 
@@ -410,16 +453,12 @@ def main() -> None:
             per_round[name].append(
                 measured(name, f"{name}-still-{round_index + 1}", STILL_LEARNING_RATE, steps)
             )
-    throughput = {name: medians_over_rounds(results) for name, results in per_round.items()}
     # Learning: the same jobs at the learning rate the demo uses, over the same budget (in quick
     # mode the still runs stand in: it proves only that the bench runs).
     learning = (
         {name: per_round[name][0] for name in modes}
         if args.quick
         else {name: measured(name, f"{name}-learning", LEARNING_RATE, learning_steps) for name in modes}
-    )
-    spread = ratio_spread(
-        throughput["async"]["rounds_tokens_per_second"], throughput["sync"]["rounds_tokens_per_second"]
     )
     figures: dict[str, Any] = {
         "shape": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES, "max_response_tokens": MAX_RESPONSE},
@@ -431,29 +470,13 @@ def main() -> None:
         "response_length_p50": p50,
         "response_length_p99": p99,
         "response_length_p99_over_p50": round(p99 / max(p50, 1.0), 2),
-        "throughput": throughput,
-        "learning": learning,
-        "async_over_sync_tokens_per_second": spread["median"],
-        "async_over_sync_spread": spread,
-        "async_over_sync_tokens_per_second_learning": round(
-            learning["async"]["tokens_per_second"] / learning["sync"]["tokens_per_second"], 3
-        ),
-        "rollout_idle_fraction_sync": throughput["sync"]["rollout_idle_fraction"],
-        "rollout_idle_fraction_async": throughput["async"]["rollout_idle_fraction"],
-        "reward_gain_async": learning["async"]["reward_gain"],
-        "reward_gain_sync": learning["sync"]["reward_gain"],
-        "staleness_histogram": learning["async"]["staleness_histogram"],
+        **comparison(per_round, learning),
         **(
             dict.fromkeys(("replica_replace_seconds", "replica_load_seconds"))
             if args.quick
             else replace_seconds(workdir, model, data)
         ),
-        "targets": {
-            "async_over_sync_tokens_per_second": TARGET_SPEEDUP,
-            "reward_gain_async": TARGET_REWARD_GAIN,
-            "response_length_p99_over_p50": TARGET_TAIL,
-            "replica_replace_seconds": TARGET_REPLACE_SECONDS,
-        },
+        "targets": TARGETS,
     }
     print(json.dumps(as_smoke_run(figures) if args.quick else figures))
 
