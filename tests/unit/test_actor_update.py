@@ -341,3 +341,25 @@ def test_packed_update_equals_the_padded_one(model_dir: Path) -> None:
         assert packed["actor/policy_loss"] == pytest.approx(padded["actor/policy_loss"], rel=1e-4, abs=1e-6)
     for name, tensor in padded_state.items():
         torch.testing.assert_close(packed_state[name], tensor, rtol=0, atol=1e-3, msg=name)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+def test_weight_decay_shrinks_the_weights_by_lr_times_decay_per_step(
+    model_dir: Path, weight_decay: float
+) -> None:
+    """With zero advantages the gradient is 0 and Adam moves nothing: only the decay acts.
+
+    AdamW's decoupled decay is ``p <- p * (1 - lr * weightDecay)`` per optimizer step; the default
+    0 leaves the weights exactly as they were (today's behaviour).
+    """
+    spec = _spec(model_dir, entropyCoef=0.0, training={"weightDecay": weight_decay})
+    assert _spec(model_dir).training.weight_decay == 0.0
+    actor = _actor(spec)
+    before = full_state_dict(actor.model)
+    batch = _rollout(0)
+    actor.update_policy(batch.with_fields(advantages=torch.zeros_like(batch.tensors["advantages"])))
+    after = full_state_dict(actor.model)
+    shrink = 1.0 - spec.training.learning_rate * weight_decay
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor * shrink, rtol=1e-6, atol=1e-7, msg=name)

@@ -292,7 +292,7 @@ def test_snake_case_keys_are_unknown_like_in_the_crd() -> None:
         "spec.training.totalSteps: required field is missing",
         "spec.training.total_steps: unknown field (allowed: backend, totalSteps, promptsPerStep, "
         "miniBatchSize, microBatchSizePerGpu, maxTokensPerMicroBatch, packSequences, learningRate, criticLearningRate, warmupSteps, lrSchedule, "
-        "maxGradNorm, precision, activationCheckpointing, sharedPromptMinTokens, compile, fsdpUnitMinParameters, offloadDuringGeneration, tensorParallelSize, "
+        "maxGradNorm, weightDecay, precision, activationCheckpointing, sharedPromptMinTokens, compile, fsdpUnitMinParameters, offloadDuringGeneration, tensorParallelSize, "
         "pipelineParallelSize, sequenceParallelSize, seed, lora)",
     ]
 

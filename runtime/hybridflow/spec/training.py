@@ -208,6 +208,16 @@ class TrainingSpec(SpecModel):
         ge=0,
         description="Gradients are rescaled so their global L2 norm is at most this; 0 disables clipping.",
     )
+    weight_decay: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "AdamW's decoupled weight decay of the actor and the critic: each optimizer step also "
+            "shrinks every trained weight by learningRate * weightDecay of itself. 0 (the default) "
+            "turns it off. FSDP decays every trained parameter alike (as veRL's FSDP workers); "
+            "megatron leaves biases and norm weights undecayed (megatron-core's parameter groups)."
+        ),
+    )
     precision: Literal["bf16", "fp32"] = Field(
         default="bf16",
         description=(

@@ -184,7 +184,9 @@ class FSDPTrainingBackend:
             self._model.requires_grad_(False)
             return
         training = self.spec.training
-        self._optimizer = build_optimizer(self._model, learning_rate=learning_rate)
+        self._optimizer = build_optimizer(
+            self._model, learning_rate=learning_rate, weight_decay=training.weight_decay
+        )
         self._scheduler = build_lr_scheduler(
             self._optimizer,
             warmup_steps=training.warmup_steps,

@@ -93,7 +93,9 @@ class MegatronTrainingBackend:
             self._model = model
             return
         self._model = wrap_data_parallel(model)
-        self._optimizer = build_optimizer(self._model, learning_rate=learning_rate)
+        self._optimizer = build_optimizer(
+            self._model, learning_rate=learning_rate, weight_decay=training.weight_decay
+        )
         self._scheduler = build_lr_scheduler(
             self._optimizer,
             warmup_steps=training.warmup_steps,
