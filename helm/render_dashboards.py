@@ -308,6 +308,7 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 "PPO diagnostics.",
                 (
                     series("hybridflow_clip_fraction", "{{rlhfjob}} {{role}} clipfrac"),
+                    series("hybridflow_dual_clip_fraction", "{{rlhfjob}} dual clipfrac"),
                     series("hybridflow_approx_kl", "{{rlhfjob}} approx kl"),
                 ),
             ),

@@ -90,3 +90,28 @@ def test_importance_weights_scale_each_tokens_policy_loss() -> None:
             ref_log_probs=None,
             correction=RolloutCorrection("token-truncate", max_weight=2.0),
         )
+
+
+def test_clip_ratio_c_dual_clips_and_reports_the_fraction() -> None:
+    plain = AlgorithmSpec.model_validate({"name": "ppo", "entropyCoef": 0.0})
+    dual = AlgorithmSpec.model_validate({"name": "ppo", "entropyCoef": 0.0, "clipRatioC": 3.0})
+    log_probs = torch.log(torch.tensor([[5.0, 1.0]]))  # ratio 5 and 1 against old log-probs 0
+    inputs = {
+        "old_log_probs": torch.zeros(1, 2),
+        "advantages": torch.tensor([[-1.0, -1.0]]),
+        "response_mask": torch.ones(1, 2),
+        "ref_log_probs": None,
+    }
+    entropy = torch.zeros(1, 2)
+    loss, metrics = actor_objective(plain, log_probs, entropy, **inputs)  # type: ignore[arg-type]
+    assert loss.item() == pytest.approx((5.0 + 1.0) / 2) and "actor/dual_clipfrac" not in metrics
+    loss, metrics = actor_objective(dual, log_probs, entropy, **inputs)  # type: ignore[arg-type]
+    assert loss.item() == pytest.approx((3.0 + 1.0) / 2)
+    assert metrics["actor/dual_clipfrac"] == pytest.approx(0.5)
+    assert metrics["actor/policy_loss"].item() == pytest.approx(2.0)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5])
+def test_clip_ratio_c_must_exceed_one(value: float) -> None:
+    with pytest.raises(ValueError, match="clipRatioC\n  Input should be greater than 1"):
+        AlgorithmSpec.model_validate({"name": "ppo", "clipRatioC": value})

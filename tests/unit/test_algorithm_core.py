@@ -326,6 +326,30 @@ def test_policy_loss_clip_higher_widens_the_upper_bound_only() -> None:
     assert metrics["clipfrac"].item() == pytest.approx(0.5)
 
 
+def test_dual_clip_caps_the_loss_of_negative_advantages_by_hand() -> None:
+    # ratios 5, 2, 0.5, 5, 1; advantages -1, -1, -1, +1, -2; clip 0.2, c = 3.
+    logprob = t([[math.log(5.0), math.log(2.0), math.log(0.5), math.log(5.0), 0.0]]).requires_grad_()
+    old_logprob = torch.zeros_like(logprob)
+    advantages = t([[-1.0, -1.0, -1.0, 1.0, -2.0]])
+    mask = torch.ones(1, 5)
+    loss, metrics = policy_loss_clipped(logprob, old_logprob, advantages, mask, 0.2, 0.2, clip_ratio_c=3.0)
+    # token 0: max(5, 1.2) = 5 > c * 1 = 3 -> 3 (dual-clipped, no gradient); token 1: max(2, 1.2) = 2
+    # below 3 -> 2; token 2: max(0.5, 0.8) = 0.8 (clipped low); token 3: A > 0, never dual-clipped:
+    # max(-5, -1.2) = -1.2; token 4: ratio 1 -> 2, below c * 2 = 6.
+    assert loss.item() == pytest.approx((3.0 + 2.0 + 0.8 - 1.2 + 2.0) / 5)
+    assert metrics["dual_clipfrac"].item() == pytest.approx(1 / 5)
+    assert metrics["clipfrac"].item() == pytest.approx(2 / 5)  # tokens 2 and 3
+    loss.backward()
+    assert logprob.grad is not None
+    # d(-A ratio)/d logprob = -A ratio on the unclipped tokens 1 and 4; 0 on the clipped ones.
+    torch.testing.assert_close(logprob.grad, t([[0.0, 2.0 / 5, 0.0, 0.0, 2.0 / 5]]))
+    without, stats = policy_loss_clipped(logprob, old_logprob, advantages, mask, 0.2, 0.2)
+    assert without.item() == pytest.approx((5.0 + 2.0 + 0.8 - 1.2 + 2.0) / 5)
+    assert stats["dual_clipfrac"].item() == 0.0
+    with pytest.raises(ValueError, match=r"clip_ratio_c=1\.0 must be greater than 1"):
+        policy_loss_clipped(logprob, old_logprob, advantages, mask, clip_ratio_c=1.0)
+
+
 def test_value_loss_clipped_hand_computed() -> None:
     values = t([[1.0, 0.0, 50.0]]).requires_grad_()
     old_values = t([[0.0, 0.0, 0.0]])

@@ -787,6 +787,13 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "role",
     ),
     _gauge(
+        "hybridflow_dual_clip_fraction",
+        "ratio",
+        "actor/dual_clipfrac",
+        "Fraction of tokens whose negative-advantage loss the dual clip capped (algorithm.clipRatioC set).",
+        "learning",
+    ),
+    _gauge(
         "hybridflow_grad_norm",
         "norm",
         "{role}/grad_norm",

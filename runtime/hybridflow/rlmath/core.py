@@ -339,6 +339,25 @@ def reinforce_plus_plus_advantages(
 # --------------------------------------------------------------------------- losses
 
 
+def _dual_clip(
+    per_token: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, capped)``: dual-clip PPO (Ye et al., 2020, "Mastering Complex Control in MOBA Games
+    with Deep Reinforcement Learning"), ``c = clip_ratio_c > 1``.
+
+    Where ``A_t < 0`` the clipped loss is also bounded above, ``loss_t = min(loss_t, -A_t * c)``,
+    so a token whose ratio has run far past ``1 + clip_ratio_high`` (a stale or off-policy
+    sample) cannot take an unbounded step; its gradient is 0 there. None leaves the loss as is.
+    """
+    if clip_ratio_c is None:
+        return per_token, torch.zeros(per_token.shape, dtype=torch.bool, device=per_token.device)
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be greater than 1 (dual-clip PPO's bound)")
+    bound = -advantages * clip_ratio_c
+    capped = (advantages < 0) & (per_token > bound)
+    return torch.where(capped, bound, per_token), capped
+
+
 def policy_loss_clipped(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
@@ -350,6 +369,7 @@ def policy_loss_clipped(
     aggregation: LossAggregation = "token-mean",
     normalizer: LossNormalizer | None = None,
     token_weights: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (Schulman et al., 2017), reduced over the valid tokens by ``aggregation``.
 
@@ -359,13 +379,15 @@ def policy_loss_clipped(
 
         loss_t = max(-A_t * ratio, -A_t * clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
 
+    then, with ``clip_ratio_c``, capped where ``A_t < 0`` (dual-clip PPO: :func:`_dual_clip`).
     Separate low/high bounds allow DAPO's "clip-higher" (Yu et al., 2025, section 3.1: a
     larger ``clip_ratio_high`` lets low-probability tokens rise, against entropy collapse).
     ``aggregation`` and ``normalizer`` are those of
     :func:`hybridflow.rlmath.aggregation.aggregate` (default: token-mean of this batch).
     Returns ``(loss, metrics)``:
     ``metrics["clipfrac"]`` is the fraction of valid tokens where the clipped term was
-    chosen (its gradient is 0 there), ``metrics["approx_kl"]`` the token-mean of
+    chosen (its gradient is 0 there), ``metrics["dual_clipfrac"]`` the fraction the dual clip
+    capped (0 without ``clip_ratio_c``), ``metrics["approx_kl"]`` the token-mean of
     ``old_logprob - logprob`` (k1 estimate of KL(old || new)) and ``metrics["approx_kl_k3"]``
     its k3 estimate ``mean(ratio - 1 - log ratio)`` (never negative, lower variance: the one
     an early stop at ``targetKl`` reads); all detached scalars.
@@ -381,13 +403,16 @@ def policy_loss_clipped(
     ratio = torch.exp(log_ratio)
     unclipped_loss = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped_loss, clipped_loss)
+    per_token, dual_clipped = _dual_clip(
+        torch.maximum(unclipped_loss, clipped_loss), advantages, clip_ratio_c
+    )
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, valid, aggregation, normalizer)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped_loss > unclipped_loss).to(logprob.dtype), valid),
+            "dual_clipfrac": masked_mean(dual_clipped.to(logprob.dtype), valid),
             "approx_kl": masked_mean(-log_ratio, valid),
             # k3 (Schulman 2020) of KL(old || new) from samples of old: (r - 1) - log r >= 0.
             "approx_kl_k3": masked_mean(ratio - 1.0 - log_ratio, valid),

@@ -1,7 +1,7 @@
 """The actor's training objective, shared by every backend's actor worker.
 
-Per micro-batch: PPO's clipped surrogate (each token weighted by the rollout correction when one
-is on: :mod:`hybridflow.rlmath.rollout_correction`), minus ``entropyCoef`` times the entropy, plus
+Per micro-batch: PPO's clipped surrogate (dual-clipped with ``clipRatioC``; each token weighted by
+the rollout correction when one is on: :mod:`hybridflow.rlmath.rollout_correction`), minus ``entropyCoef`` times the entropy, plus
 ``kl.coef`` times the KL to the reference when ``kl.mode`` is ``loss``; all three reduced by
 ``spec.algorithm.lossAggregation`` with the mini-batch's global counts
 (:mod:`hybridflow.rlmath.aggregation`), so the micro-batch losses sum to the mini-batch's. The
@@ -72,6 +72,7 @@ def actor_objective(
         aggregation=mode,
         normalizer=normalizer,
         token_weights=weights,
+        clip_ratio_c=algo.clip_ratio_c,
     )
     if entropy is None:
         raise ValueError("the actor objective needs the per-token entropy (with_entropy=True)")
@@ -85,6 +86,7 @@ def actor_objective(
             algo.clip_ratio_low,
             algo.clip_ratio_high,
             token_weights=weights,
+            clip_ratio_c=algo.clip_ratio_c,
         )[0],
         "actor/entropy": core.masked_mean(entropy.detach(), mask),
         "actor/clipfrac": float(stats["clipfrac"]),
@@ -92,6 +94,8 @@ def actor_objective(
         "actor/approx_kl_k3": float(stats["approx_kl_k3"]),
         **off_policy,
     }
+    if algo.clip_ratio_c is not None:
+        metrics["actor/dual_clipfrac"] = float(stats["dual_clipfrac"])
     if ref_log_probs is not None:
         per_token_kl = core.kl_penalty(log_probs, ref_log_probs, algo.kl.estimator)
         loss = loss + algo.kl.coef * aggregate(per_token_kl, mask, mode, normalizer)

@@ -125,6 +125,16 @@ class AlgorithmSpec(SpecModel):
             "A value above clipRatioLow ('clip-higher') leaves more room to raise rare tokens."
         ),
     )
+    clip_ratio_c: float | None = Field(
+        default=None,
+        gt=1,
+        description=(
+            "Dual-clip PPO (Ye et al., 2020): where a token's advantage is negative, its policy loss is "
+            "also capped at clipRatioC * -advantage, so a ratio far above 1 + clipRatioHigh (an "
+            "off-policy or stale sample) cannot drive an unbounded update; 3 is the usual value. "
+            "Unset: off. Reported as actor/dual_clipfrac."
+        ),
+    )
     value_clip: float = Field(
         default=0.5,
         gt=0,
