@@ -7,6 +7,8 @@
 * The contract is enforced: no old log-probs with several mini-batches is an error, not a
   silently wrong ratio.
 * ``targetKl`` stops the epochs early.
+* A ``miniBatchSize`` that does not divide the step leaves a last, smaller mini-batch whose
+  gradient is that of its own loss (normalized by its own counts), computed here by hand.
 * Offloading the training state during generation (a real round trip through host buffers,
   also on the CPU) leaves the training bit for bit what it was; on CUDA the memory drops.
 """
@@ -24,8 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from hybridflow.backends.fsdp import full_state_dict
+from hybridflow.backends.fsdp import full_state_dict, load_causal_lm
+from hybridflow.backends.fsdp.weights import hf_name
 from hybridflow.controller import Batch, WorkerContext
 from hybridflow.mesh import DeviceMesh
 from hybridflow.models import PAD_TOKEN_ID, write_tiny_model
@@ -363,3 +367,58 @@ def test_weight_decay_shrinks_the_weights_by_lr_times_decay_per_step(
     shrink = 1.0 - spec.training.learning_rate * weight_decay
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor * shrink, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _clipped_surrogate_by_hand(
+    params: dict[str, torch.Tensor], model_dir: Path, rows: Batch, aggregation: str
+) -> dict[str, torch.Tensor]:
+    """The gradient of PPO's clipped surrogate over ``rows`` alone, on a plain (unsharded) model."""
+    model = load_causal_lm(model_dir)
+    model.load_state_dict(params, strict=False)
+    t = rows.tensors
+    logits = model(
+        input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]
+    ).logits
+    # Column PROMPT + j - 1 predicts response token j.
+    log_probs = torch.log_softmax(logits[:, PROMPT - 1 : -1].float(), dim=-1)
+    log_probs = log_probs.gather(-1, t["responses"].unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(log_probs - t["old_log_probs"])
+    advantages, mask = t["advantages"], t["response_mask"].float()
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2)) * mask
+    # token-mean: over the mini-batch's own tokens; seq-mean-token-sum: over its own sequences.
+    loss = per_token.sum() / (mask.sum() if aggregation == "token-mean" else len(rows))
+    loss.backward()
+    return {hf_name(name): p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
+def test_the_last_smaller_mini_batch_has_the_gradient_of_its_own_loss(
+    model_dir: Path, aggregation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 sequences in mini-batches of 6: one of 6 rows, then one of 2 normalized by its own counts."""
+    spec = _spec(model_dir, mini_batch=6, entropyCoef=0.0, lossAggregation=aggregation)
+    actor = _actor(spec)
+    steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+    step = actor.backend.clip_and_step
+
+    def recording_step(*, max_grad_norm: float) -> float:
+        grads = {
+            hf_name(name): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for name, p in actor.model.named_parameters()
+            if p.grad is not None
+        }
+        steps.append((full_state_dict(actor.model), grads))
+        return step(max_grad_norm=max_grad_norm)
+
+    monkeypatch.setattr(actor.backend, "clip_and_step", recording_step)
+    batch = _rollout(0)
+    batch = batch.union(actor.compute_log_probs(batch))
+    actor.update_policy(batch)
+    assert len(steps) == 2
+    params, grads = steps[1]  # the weights after the first update, and the last mini-batch's gradient
+    expected = _clipped_surrogate_by_hand(params, model_dir, batch.rows([6, 7]), aggregation)
+    assert expected.keys() == grads.keys()
+    assert any(float(g.abs().max()) > 1e-4 for g in expected.values())
+    for name, gradient in expected.items():
+        torch.testing.assert_close(grads[name], gradient, rtol=1e-4, atol=1e-6, msg=name)

@@ -334,7 +334,7 @@ def test_plan_command_prints_ranked_plans_and_names_bad_input(
     assert "--gpus 3 is not a whole number of nodes of --gpus-per-node 2" in err
     code, _, err = plan("--gpus", "16", "--gpus-per-node", "8")
     assert code == 2
-    assert "with miniBatchSize 16 in whole micro-batches of 8" in err
+    assert "with miniBatchSize 16 and the step's" in err and "in whole micro-batches of 8" in err
 
 
 def test_simulated_gpu_terms_price_threads_contention_and_oversubscribed_collectives() -> None:

@@ -518,7 +518,6 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
     ),
     "cost-unused": (_set("models.cost", {"path": "/m/cost"}), "a cost model with algorithm.name 'grpo'"),
     "reward-source": (_set("rewards", []), "no reward functions and no reward model"),
-    "mini-batch-divides-step": (_set("training.miniBatchSize", 5), "5 with 8 prompts x 4 samples"),
     "training-fits-actor-pool": (
         _all(
             _set("training.backend", "megatron"),
@@ -548,6 +547,24 @@ RULE_CASES: dict[str, tuple[Mutation, str]] = {
             _set("resourcePools", [_pool("default", 1), _pool("critic", 4)]),
             _set("roles.critic", "critic"),
             _set("training.microBatchSizePerGpu", 4),
+        ),
+        "data-parallel size 4 on pool 'critic'",
+    ),
+    "step-splits-over-actor-ranks": (
+        _all(
+            _set("resourcePools", [_pool("default", 4)]),
+            _set("training.microBatchSizePerGpu", 2),
+            _set("training.promptsPerStep", 3),
+        ),
+        "3 prompts x 4 samples with microBatchSizePerGpu 2 and data-parallel size 4 on pool 'default'",
+    ),
+    "step-splits-over-critic-ranks": (
+        _all(
+            _PPO_WITH_CRITIC,
+            _set("resourcePools", [_pool("default", 1), _pool("critic", 4)]),
+            _set("roles.critic", "critic"),
+            _set("training.microBatchSizePerGpu", 2),
+            _set("training.promptsPerStep", 3),
         ),
         "data-parallel size 4 on pool 'critic'",
     ),
@@ -808,8 +825,22 @@ def test_sequence_parallel_pairs_share_rows_in_the_mini_batch_rule() -> None:
     assert problem.startswith("spec.training.miniBatchSize: ") and "data-parallel size 2" in problem, problem
 
 
+def last_smaller_mini_batch_manifest() -> Manifest:
+    """32 sequences per step in mini-batches of 12: two of 12, then a last one of 8, on 2 ranks."""
+    manifest = minimal_manifest()
+    manifest["spec"]["training"].update(miniBatchSize=12, microBatchSizePerGpu=2)
+    manifest["spec"]["resourcePools"] = [{"name": "default", "gpusPerNode": 2}]
+    return manifest
+
+
+def test_a_mini_batch_that_does_not_divide_the_step_is_allowed() -> None:
+    spec = parse_job_manifest(last_smaller_mini_batch_manifest(), "test").spec
+    assert spec.training.prompts_per_step * spec.algorithm.samples_per_prompt % spec.training.mini_batch_size == 8
+
+
 VALID_MANIFESTS: dict[str, Callable[[], Manifest]] = {
     "minimal": minimal_manifest,
+    "last-smaller-mini-batch": last_smaller_mini_batch_manifest,
     "sequence-parallel": sequence_parallel_manifest,
     "vllm-server": vllm_server_manifest,
     "full": full_manifest,

@@ -189,8 +189,9 @@ def _allowed(
         if (layout.pp, layout.tp) != wanted:
             return False
     mini = workload.mini_batch_sequences
+    split = workload.micro_batch_sequences * layout.dp
     return not (
-        mini is not None and Workload.trains(role) and mini % (workload.micro_batch_sequences * layout.dp)
+        mini is not None and Workload.trains(role) and (mini % split or workload.sequences % split)
     )
 
 
@@ -401,8 +402,9 @@ def _constraints(workload: Workload) -> str:
     if workload.mini_batch_sequences is None:
         return ""
     return (
-        f" with miniBatchSize {workload.mini_batch_sequences} in whole micro-batches of "
-        f"{workload.micro_batch_sequences} on every data-parallel rank of the actor and critic"
+        f" with miniBatchSize {workload.mini_batch_sequences} and the step's {workload.sequences} "
+        f"sequences in whole micro-batches of {workload.micro_batch_sequences} on every "
+        "data-parallel rank of the actor and critic"
     )
 
 

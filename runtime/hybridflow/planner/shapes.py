@@ -154,8 +154,8 @@ class Workload:
     ``backend`` decides which training layouts exist (``fsdp``: data parallel only).
 
     Two constraints of this runtime, off for the paper-scale study: ``mini_batch_sequences``
-    (when set) must split into whole micro-batches on every data-parallel rank of a trained
-    model, and ``shared_model_parallel`` makes the actor, reference and critic use one
+    (when set) and ``sequences`` must split into whole micro-batches on every data-parallel rank
+    of a trained model (``spec.training``'s rules; the last mini-batch may be smaller), and ``shared_model_parallel`` makes the actor, reference and critic use one
     ``(p, t)`` (``spec.training``) and the reward and cost models plain data parallelism.
     """
 

@@ -330,8 +330,68 @@ def _training_fits_pool_rule(role: Literal["actor", "critic"]) -> CrossFieldRule
     )
 
 
-def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[RLHFJobSpec]:
+_SplitCount = Literal["mini-batch", "step"]
+"""What must split into whole micro-batches: an optimizer mini-batch, or the step's sequences."""
+
+_STEP_SEQUENCES_CEL = "(self.training.promptsPerStep * self.algorithm.samplesPerPrompt)"
+
+
+def _split_count(spec: RLHFJobSpec, what: _SplitCount) -> int:
+    training = spec.training
+    if what == "mini-batch":
+        return training.mini_batch_size
+    return training.prompts_per_step * spec.algorithm.samples_per_prompt
+
+
+def _replica(spec: RLHFJobSpec, role: Literal["actor", "critic"]) -> int:
+    """Ranks of one data-parallel replica of the role's model (``t * p``, times ``sp`` for the actor)."""
+    sequence = spec.training.sequence_parallel_size if role == "actor" else 1
+    return _train_model_parallel(spec) * sequence
+
+
+def _split_message(role: Literal["actor", "critic"], what: _SplitCount) -> str:
+    divisor = (
+        "pool (GPUs / (tensorParallelSize * pipelineParallelSize * sequenceParallelSize))"
+        if role == "actor"
+        else "pool (GPUs / (tensorParallelSize * pipelineParallelSize))"
+    )
+    if what == "mini-batch":
+        return (
+            f"must be a multiple of microBatchSizePerGpu times the data-parallel size of the {role}'s "
+            f"{divisor}, so every rank gets whole micro-batches"
+        )
+    return (
+        "times spec.algorithm.samplesPerPrompt must be a multiple of microBatchSizePerGpu times the "
+        f"data-parallel size of the {role}'s {divisor}, so every rank gets whole micro-batches of the "
+        "step's last, smaller mini-batch too"
+    )
+
+
+def _split_observed(spec: RLHFJobSpec, role: Literal["actor", "critic"], what: _SplitCount) -> str:
+    pool = _pools_named(spec, spec.roles.pool_of(role))[0]
+    training = spec.training
+    count = (
+        f"{training.mini_batch_size}"
+        if what == "mini-batch"
+        else f"{training.prompts_per_step} prompts x {spec.algorithm.samples_per_prompt} samples"
+    )
+    return (
+        f"{count} with microBatchSizePerGpu {training.micro_batch_size_per_gpu} and "
+        f"data-parallel size {pool.world_size // _replica(spec, role)} on pool {pool.name!r}"
+    )
+
+
+def _mini_batch_splits_rule(
+    role: Literal["actor", "critic"], what: _SplitCount = "mini-batch"
+) -> CrossFieldRule[RLHFJobSpec]:
     """Each data-parallel rank of the trained model must get a whole number of micro-batches.
+
+    ``what``: of every full mini-batch (``miniBatchSize``) or of the step's sequences
+    (``promptsPerStep * samplesPerPrompt``). Both together make the last mini-batch of a step,
+    the remainder when ``miniBatchSize`` does not divide the step, split into whole
+    micro-batches too: every rank then runs the same passes with micro-batches of equal rows
+    (megatron's pipeline needs that), and the step splits over the ranks exactly
+    (``DP_SPLIT_EXACT``).
 
     The actor's data-parallel ranks are its replicas of ``t * p * sp`` ranks (the ranks of a
     sequence-parallel group share their rows); the critic runs without sequence parallelism.
@@ -344,56 +404,33 @@ def _mini_batch_splits_rule(role: Literal["actor", "critic"]) -> CrossFieldRule[
         "" if role == "actor" else f"!has(self.roles.{role}) || self.roles.{role} == self.roles.actor || "
     )
     replica_cel = _TRAIN_ACTOR_REPLICA if role == "actor" else _TRAIN_MODEL_PARALLEL
-
-    def replica(spec: RLHFJobSpec) -> int:
-        sequence = spec.training.sequence_parallel_size if role == "actor" else 1
-        return _train_model_parallel(spec) * sequence
-
-    def data_parallel_size(spec: RLHFJobSpec, pool: ResourcePoolSpec) -> int:
-        return pool.world_size // replica(spec)
+    count_cel = "self.training.miniBatchSize" if what == "mini-batch" else _STEP_SEQUENCES_CEL
 
     def holds(spec: RLHFJobSpec) -> bool:
         if spec.placement == "auto":
             return True
         if role == "critic" and spec.roles.pool_of("critic") == spec.roles.actor:
             return True
-        training = spec.training
+        micro, replica = spec.training.micro_batch_size_per_gpu, _replica(spec, role)
         return all(
-            pool.world_size % replica(spec) != 0
-            or training.mini_batch_size % (training.micro_batch_size_per_gpu * data_parallel_size(spec, pool))
-            == 0
+            pool.world_size % replica != 0
+            or _split_count(spec, what) % (micro * (pool.world_size // replica)) == 0
             for pool in _pools_named(spec, spec.roles.pool_of(role))
         )
 
-    def observed(spec: RLHFJobSpec) -> str:
-        pool = _pools_named(spec, spec.roles.pool_of(role))[0]
-        return (
-            f"{spec.training.mini_batch_size} with microBatchSizePerGpu "
-            f"{spec.training.micro_batch_size_per_gpu} and data-parallel size "
-            f"{data_parallel_size(spec, pool)} on pool {pool.name!r}"
-        )
-
     return CrossFieldRule[RLHFJobSpec](
-        name=f"mini-batch-splits-over-{role}-ranks",
+        name=f"{what}-splits-over-{role}-ranks",
         node_path="spec",
-        field_path=".training.miniBatchSize",
+        field_path=".training.miniBatchSize" if what == "mini-batch" else ".training.promptsPerStep",
         cel=(
             f"{guard}self.resourcePools.all(p, p.name != self.roles.{role} || "
             f"{_POOL_GPUS} % {replica_cel} != 0 || "
-            f"self.training.miniBatchSize % (self.training.microBatchSizePerGpu * "
+            f"{count_cel} % (self.training.microBatchSizePerGpu * "
             f"({_POOL_GPUS} / {replica_cel})) == 0)"
         ),
-        message=(
-            f"must be a multiple of microBatchSizePerGpu times the data-parallel size of the {role}'s "
-            + (
-                "pool (GPUs / (tensorParallelSize * pipelineParallelSize * sequenceParallelSize))"
-                if role == "actor"
-                else "pool (GPUs / (tensorParallelSize * pipelineParallelSize))"
-            )
-            + ", so every rank gets whole micro-batches"
-        ),
+        message=_split_message(role, what),
         holds=holds,
-        observed=observed,
+        observed=lambda spec: _split_observed(spec, role, what),
     )
 
 
@@ -592,32 +629,12 @@ SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         holds=lambda spec: len(spec.rewards) > 0 or spec.models.reward is not None,
         observed=lambda spec: "no reward functions and no reward model",
     ),
-    CrossFieldRule[RLHFJobSpec](
-        name="mini-batch-divides-step",
-        node_path="spec",
-        field_path=".training.miniBatchSize",
-        cel=(
-            "(self.training.promptsPerStep * self.algorithm.samplesPerPrompt) "
-            "% self.training.miniBatchSize == 0"
-        ),
-        message=(
-            "must divide spec.training.promptsPerStep * spec.algorithm.samplesPerPrompt, the sequences "
-            "generated per step"
-        ),
-        holds=lambda spec: (
-            (spec.training.prompts_per_step * spec.algorithm.samples_per_prompt)
-            % spec.training.mini_batch_size
-            == 0
-        ),
-        observed=lambda spec: (
-            f"{spec.training.mini_batch_size} with {spec.training.prompts_per_step} prompts x "
-            f"{spec.algorithm.samples_per_prompt} samples"
-        ),
-    ),
     _training_fits_pool_rule("actor"),
     _training_fits_pool_rule("critic"),
     _mini_batch_splits_rule("actor"),
     _mini_batch_splits_rule("critic"),
+    _mini_batch_splits_rule("actor", "step"),
+    _mini_batch_splits_rule("critic", "step"),
     CrossFieldRule[RLHFJobSpec](
         name="rollout-tensor-parallel-divides-training",
         node_path="spec",

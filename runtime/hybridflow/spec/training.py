@@ -150,8 +150,11 @@ class TrainingSpec(SpecModel):
         default=8,
         ge=1,
         description=(
-            "Sequences per optimizer update; must divide promptsPerStep * spec.algorithm.samplesPerPrompt. "
-            "Equal to that product, each step is a single on-policy update per epoch."
+            "Sequences per optimizer update. The step's promptsPerStep * spec.algorithm.samplesPerPrompt "
+            "sequences are cut in order into mini-batches of this size; when it does not divide them, "
+            "the last mini-batch of each epoch is smaller (its loss is normalized by its own token or "
+            "sequence count, like every mini-batch's). At least that product: each step is a single "
+            "on-policy update per epoch."
         ),
     )
     micro_batch_size_per_gpu: int = Field(
