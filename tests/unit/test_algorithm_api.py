@@ -117,6 +117,43 @@ def test_a_raising_reward_function_names_itself_and_the_sample() -> None:
     assert "'ab'" in message and "KeyError" in message and "no b allowed" in message
 
 
+def _rollout_with_tokens() -> Batch:
+    """Three responses in the engine layout (prompt 2, response 4 columns): 4, 2 and 3 tokens."""
+    responses = torch.tensor([[5, 3, 3, 2], [3, 2, 0, 0], [7, 8, 9, 0]])
+    lengths = torch.tensor([4, 2, 3])
+    response_attention = (torch.arange(4) < lengths[:, None]).long()
+    return Batch.from_dict(
+        {
+            "responses": responses,
+            "attention_mask": torch.cat([torch.ones(3, 2, dtype=torch.long), response_attention], dim=1),
+            # Row 0's column 2 is a token the policy did not generate (a tool result).
+            "response_mask": torch.tensor([[1, 1, 0, 1], [1, 1, 0, 0], [1, 1, 1, 0]]),
+            "response_text": ["x", "y", "z"],
+            "finish_reason": ["stop", "stop", "length"],
+            "data_source": ["t"] * 3,
+            "ground_truth": [None] * 3,
+            "extra_info": [None] * 3,
+            "uid": ["a", "b", "c"],
+        }
+    )
+
+
+def test_reward_functions_that_ask_get_the_token_ids_and_finish_reason() -> None:
+    from user_rewards import fails_on_b, stop_and_token_count
+
+    from hybridflow.rewards.parallel import accepted_extras
+
+    assert accepted_extras(fails_on_b) == ()  # the four-argument functions are called as before
+    assert accepted_extras(stop_and_token_count) == ("response_token_ids", "finish_reason")
+    assert accepted_extras(lambda a, b, c, d, **extras: 0.0) == ("response_token_ids", "finish_reason")
+    assert accepted_extras(lambda a, b, c, d, response_token_ids: 0.0) == ("response_token_ids",)
+    spec = _spec(rewards=[{"function": "user_rewards:stop_and_token_count"}])
+    with RewardScorer(spec, None, processes=2) as scorer:
+        scores, _ = scorer.scores(_rollout_with_tokens())
+    # [5, 3, 3, 2] stopped: 10 - 2; [3, 2] stopped: 10 - 1; [7, 8, 9] cut at the length limit: 0.
+    torch.testing.assert_close(scores, torch.tensor([8.0, 9.0, 0.0]))
+
+
 # -- the step breakdown each algorithm reports ------------------------------------------------
 
 WORK_SECONDS = 0.005  # every fake worker call takes at least this long

@@ -10,3 +10,16 @@ def fails_on_b(data_source: str, response: str, ground_truth: Any, extra_info: d
     if "b" in response:
         raise KeyError("no b allowed")
     return float(len(response))
+
+
+def stop_and_token_count(
+    data_source: str,
+    response: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any],
+    *,
+    response_token_ids: list[int],
+    finish_reason: str,
+) -> float:
+    """10 for a response that stopped on its end token, 0 if cut; minus 1 per token id 3 in it."""
+    return (10.0 if finish_reason == "stop" else 0.0) - response_token_ids.count(3)

@@ -8,24 +8,43 @@ import path, so nothing unpicklable crosses the process boundary) and returns on
 floats per function, or, at the first failure, a :class:`SampleFailure` naming the function
 and the chunk's row, which the controller turns into an error that names the sample.
 
+A function is called ``fn(data_source, response, ground_truth, extra_info)`` and, when its
+signature names them (or takes ``**kwargs``), also with the keywords of
+:data:`RESPONSE_EXTRAS`: ``response_token_ids`` (the response's tokens as generated, special
+tokens included, which the decoded ``response`` drops) and ``finish_reason`` (``"stop"``: it
+ended on an end token; ``"length"``: it was cut at ``rollout.maxResponseTokens``). Functions
+written for the four arguments keep working unchanged.
+
 This module imports only the rules (no torch, no Ray), so a child starts in a fraction of a
 second.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.rewards.rules import RewardFunction, resolve_reward_function
 
-__all__ = ["Sample", "SampleFailure", "score_chunk"]
+__all__ = ["RESPONSE_EXTRAS", "Sample", "SampleFailure", "accepted_extras", "score_chunk"]
 
-Sample = tuple[str, str, Any, dict[str, Any]]
-"""(data_source, response_text, ground_truth, extra_info): the arguments of a reward function."""
+RESPONSE_EXTRAS: tuple[str, ...] = ("response_token_ids", "finish_reason")
+"""Keyword arguments a reward function gets when its signature asks for them."""
 
-_RESOLVED: dict[str, RewardFunction] = {}
+
+@dataclass(frozen=True)
+class Sample:
+    """What a reward function may read of one response (see the module docstring)."""
+
+    data_source: str
+    response: str
+    ground_truth: Any
+    extra_info: dict[str, Any]
+    response_token_ids: list[int] | None = None
+    """None only where the batch carries no response tokens (a test's hand-made batch)."""
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,19 +56,43 @@ class SampleFailure:
     error: str
 
 
+def accepted_extras(function: Any) -> tuple[str, ...]:
+    """The names of :data:`RESPONSE_EXTRAS` that ``function`` accepts as keywords (all with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature: the four arguments
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return RESPONSE_EXTRAS
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name in RESPONSE_EXTRAS if name in parameters and parameters[name].kind in keyword)
+
+
+_RESOLVED: dict[str, tuple[RewardFunction, tuple[str, ...]]] = {}
+
+
+def _resolved(name: str) -> tuple[RewardFunction, tuple[str, ...]]:
+    if name not in _RESOLVED:
+        function = resolve_reward_function(name)
+        _RESOLVED[name] = (function, accepted_extras(function))
+    return _RESOLVED[name]
+
+
 def score_chunk(
     function_names: Sequence[str], samples: Sequence[Sample]
 ) -> list[list[float]] | SampleFailure:
     """Every function's score of every sample, ``[function][sample]``, or the first failure."""
     scores: list[list[float]] = []
     for name in function_names:
-        if name not in _RESOLVED:
-            _RESOLVED[name] = resolve_reward_function(name)
-        function = _RESOLVED[name]
-        values = []
+        function, extras = _resolved(name)
+        values: list[float] = []
         for row, sample in enumerate(samples):
+            keywords = {extra: getattr(sample, extra) for extra in extras}
             try:
-                values.append(float(function(*sample)))
+                value = function(
+                    sample.data_source, sample.response, sample.ground_truth, sample.extra_info, **keywords
+                )
+                values.append(float(value))
             except Exception as err:
                 return SampleFailure(name, row, f"{type(err).__name__}: {err}")
         scores.append(values)

@@ -28,11 +28,38 @@ from hybridflow.rewards import resolve_reward_function
 from hybridflow.rewards.parallel import Sample, SampleFailure, score_chunk
 from hybridflow.spec import RLHFJobSpec
 
-__all__ = ["RewardFunctionError", "RewardScorer", "reward_processes"]
+__all__ = ["RewardFunctionError", "RewardScorer", "reward_processes", "reward_samples"]
 
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned a non-number; names the function and the sample."""
+
+
+def reward_samples(batch: Batch) -> list[Sample]:
+    """What the reward functions read of each row of a rollout batch.
+
+    The token ids are the row's response columns under its attention mask (the engine layout:
+    right-padded responses), so special tokens the decoded text drops are there; the finish
+    reason is the rollout's ``finish_reason`` column. A hand-made batch without them gives None.
+    """
+    tensors, non_tensors = batch.tensors, batch.non_tensors
+    token_ids: list[list[int] | None] = [None] * len(batch)
+    if "responses" in tensors and "attention_mask" in tensors:
+        responses = tensors["responses"]
+        lengths = tensors["attention_mask"][:, -responses.shape[1] :].sum(dim=1).tolist()
+        token_ids = [responses[row, :length].tolist() for row, length in enumerate(lengths)]
+    reasons = non_tensors.get("finish_reason")
+    return [
+        Sample(
+            data_source=str(non_tensors["data_source"][row]),
+            response=str(non_tensors["response_text"][row]),
+            ground_truth=non_tensors["ground_truth"][row],
+            extra_info=non_tensors["extra_info"][row] or {},
+            response_token_ids=token_ids[row],
+            finish_reason=None if reasons is None else str(reasons[row]),
+        )
+        for row in range(len(batch))
+    ]
 
 
 def reward_processes() -> int:
@@ -80,15 +107,7 @@ class RewardScorer:
     def _function_scores(self, batch: Batch) -> list[list[float]]:
         """``[function][row]`` scores, computed in chunks across the pool."""
         texts = batch.non_tensors["response_text"]
-        samples: list[Sample] = [
-            (
-                str(batch.non_tensors["data_source"][row]),
-                str(texts[row]),
-                batch.non_tensors["ground_truth"][row],
-                batch.non_tensors["extra_info"][row] or {},
-            )
-            for row in range(len(batch))
-        ]
+        samples = reward_samples(batch)
         names = [name for name, _ in self.functions]
         chunk = -(-len(samples) // self.processes)
         starts = list(range(0, len(samples), chunk))

@@ -24,7 +24,11 @@ class RewardFunctionSpec(SpecModel):
         description=(
             "A rule registered in hybridflow.rewards (e.g. 'gsm8k') or an import path "
             "'package.module:function' to a function (data_source, response, ground_truth, extra_info) "
-            "-> float, importable in the job's image."
+            "-> float, importable in the job's image. response is the decoded text without special "
+            "tokens; a function that declares the keyword parameters response_token_ids (the "
+            "response's token ids, special tokens included) or finish_reason ('stop': ended on its end "
+            "token, 'length': cut at rollout.maxResponseTokens), or **kwargs, gets them too "
+            "(docs/algorithms.md)."
         ),
     )
     weight: float = Field(

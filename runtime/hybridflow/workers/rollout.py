@@ -358,6 +358,8 @@ def pack_responses(
     ``policy_version`` (the actor updates behind the weights that generated it) goes on every row.
     ``texts`` replaces the decoded responses as ``response_text`` (what rewards read): a
     multi-turn trajectory's last model turn rather than its whole tail with the tool results.
+    ``finish_reason`` (``"stop"`` or ``"length"``, the engine's) goes on every row for the reward
+    functions that ask for it (:mod:`hybridflow.rewards.parallel`).
     """
     tensors = response_tensors(
         prompt_ids,
@@ -376,6 +378,7 @@ def pack_responses(
             "policy_version": torch.full((len(output),), policy_version, dtype=torch.int64),
             **per_prompt,
             "response_text": texts,
+            "finish_reason": list(output.finish_reasons),
         },
         meta=prompts.meta,
     )
