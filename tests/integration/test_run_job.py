@@ -189,6 +189,34 @@ def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("ray_cluster")
+def test_ppo_with_issue_42s_settings_takes_its_steps(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token-level reward that reads the token ids, dual-clip, weight decay and mini-batches of
+    24 + 8 over a step's 32 sequences, together in one PPO job (issue 42)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "unit"))  # user_rewards, for the reward processes
+    path = manifest(
+        tiny,
+        tmp_path / "ppo42",
+        "ppo-tiny.yaml",
+        totalSteps=2,
+        miniBatchSize=24,
+        microBatchSizePerGpu=4,
+        weightDecay=0.01,
+    )
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["algorithm"]["clipRatioC"] = 3.0
+    doc["spec"]["rewards"].append({"function": "user_rewards:token_ids_as_rewards", "weight": 0.001})
+    path.write_text(yaml.safe_dump(doc))
+    train_in_process(path)
+    records = metrics(tmp_path / "ppo42")
+    assert len(records) == 2
+    for key in ("actor/dual_clipfrac", "reward/user_rewards:token_ids_as_rewards", "critic/value_loss"):
+        assert key in records[-1], key
+    assert records[-1]["reward/user_rewards:token_ids_as_rewards"] > 0
+
+
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("algorithm", ["rloo", "reinforce++", "remax"])
 def test_critic_free_algorithms_take_a_step(tiny: Path, tmp_path: Path, algorithm: str) -> None:
     path = manifest(tiny, tmp_path / "job", "grpo-tiny.yaml", totalSteps=1)

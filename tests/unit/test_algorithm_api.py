@@ -139,19 +139,62 @@ def _rollout_with_tokens() -> Batch:
 
 
 def test_reward_functions_that_ask_get_the_token_ids_and_finish_reason() -> None:
-    from user_rewards import fails_on_b, stop_and_token_count
+    from user_rewards import fails_on_b, one_value_too_many, stop_and_token_count, token_ids_as_rewards
 
     from hybridflow.rewards.parallel import accepted_extras
 
     assert accepted_extras(fails_on_b) == ()  # the four-argument functions are called as before
     assert accepted_extras(stop_and_token_count) == ("response_token_ids", "finish_reason")
-    assert accepted_extras(lambda a, b, c, d, **extras: 0.0) == ("response_token_ids", "finish_reason")
-    assert accepted_extras(lambda a, b, c, d, response_token_ids: 0.0) == ("response_token_ids",)
+    assert accepted_extras(token_ids_as_rewards) == ("response_token_ids", "finish_reason")
+    assert accepted_extras(one_value_too_many) == ("response_token_ids",)
     spec = _spec(rewards=[{"function": "user_rewards:stop_and_token_count"}])
     with RewardScorer(spec, None, processes=2) as scorer:
-        scores, _ = scorer.scores(_rollout_with_tokens())
+        scores, token_scores, _ = scorer.score_tokens(_rollout_with_tokens())
     # [5, 3, 3, 2] stopped: 10 - 2; [3, 2] stopped: 10 - 1; [7, 8, 9] cut at the length limit: 0.
     torch.testing.assert_close(scores, torch.tensor([8.0, 9.0, 0.0]))
+    assert token_scores is None  # numbers only: the algorithms place them on the last token as before
+
+
+def test_a_token_level_reward_lands_on_its_tokens_and_sums_to_the_score() -> None:
+    spec = _spec(
+        rewards=[
+            {"function": "user_rewards:token_ids_as_rewards", "weight": 0.5},
+            {"function": "user_rewards:stop_and_token_count"},
+        ]
+    )
+    with RewardScorer(spec, None, processes=2) as scorer:
+        scores, token_scores, metrics = scorer.score_tokens(_rollout_with_tokens())
+    # Half of each token's id where it falls; row 0's tool token (column 2, masked) goes to column 1,
+    # the number of the second function on each row's last valid token.
+    expected = torch.tensor(
+        [[2.5, 1.5 + 1.5, 0.0, 1.0 + 8.0], [1.5, 1.0 + 9.0, 0.0, 0.0], [3.5, 4.0, 4.5, 0.0]]
+    )
+    assert token_scores is not None
+    torch.testing.assert_close(token_scores, expected)
+    torch.testing.assert_close(scores, expected.sum(dim=1))  # what GRPO & co. see: the sum
+    assert metrics["reward/user_rewards:token_ids_as_rewards"] == pytest.approx((13 + 5 + 24) / 3)
+
+
+def test_a_token_level_reward_of_the_wrong_length_names_the_sample_and_the_lengths() -> None:
+    spec = _spec(rewards=[{"function": "user_rewards:one_value_too_many"}])
+    with RewardScorer(spec, None, processes=1) as scorer, pytest.raises(RewardFunctionError) as failure:
+        scorer.scores(_rollout_with_tokens())
+    assert "failed on sample a" in str(failure.value)
+    assert "returned 5 values for a response of 4 tokens" in str(failure.value)
+
+
+def test_ppo_token_rewards_are_the_token_scores_when_a_reward_was_token_level() -> None:
+    from hybridflow.algorithms.common import kl_penalized_token_rewards
+
+    state = AlgorithmState(_spec({"name": "ppo"}, models={"critic": {"path": "/models/critic"}}))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    scores = torch.tensor([1.0, 2.0])
+    outcome = Batch.from_dict({"response_mask": mask, "scores": scores})
+    expected = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    torch.testing.assert_close(kl_penalized_token_rewards(outcome, scores, state, {}), expected)
+    token_level = outcome.with_fields(token_scores=torch.tensor([[0.5, 0.0, 0.5], [2.0, 0.0, 0.0]]))
+    rewards = kl_penalized_token_rewards(token_level, scores, state, {})
+    torch.testing.assert_close(rewards, token_level.tensors["token_scores"])
 
 
 # -- the step breakdown each algorithm reports ------------------------------------------------
@@ -241,6 +284,10 @@ class FakeScorer:
         self.calls.append("scorer.scores")
         time.sleep(WORK_SECONDS)
         return torch.arange(len(batch), dtype=torch.float32) % 3, {"reward/target_char": 1.0}
+
+    def score_tokens(self, batch: Batch) -> tuple[torch.Tensor, None, dict[str, float]]:
+        scores, metrics = self.scores(batch)
+        return scores, None, metrics
 
 
 def fake_workers(spec: RLHFJobSpec, calls: list[str]) -> JobWorkers:

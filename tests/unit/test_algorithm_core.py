@@ -26,6 +26,7 @@ from hybridflow.rlmath.core import (
     masked_var,
     masked_whiten,
     place_outcome_score,
+    place_token_rewards,
     policy_loss_clipped,
     reinforce_plus_plus_advantages,
     remax_outcome_advantages,
@@ -284,6 +285,31 @@ def test_place_outcome_score_on_last_valid_token() -> None:
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1], [0, 0, 0]])
     token_rewards = place_outcome_score(t([1.0, 2.0, 3.0, 4.0]), mask)
     torch.testing.assert_close(token_rewards, t([[0, 0, 1.0], [0, 2.0, 0], [0, 0, 3.0], [0, 0, 0]]))
+
+
+def test_place_token_rewards_keeps_each_value_on_its_token_and_credits_masked_ones_back() -> None:
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 1, 1], [0, 0, 0]])
+    values = t([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3], [0.1, 0.2, 0.3], [0.1, 0.2, 0.3]])
+    token_rewards = place_token_rewards(t([1.0, 2.0, 3.0, 4.0]), values, mask)
+    # Row 1's masked middle token (a tool result) goes to the token before it; row 2's leading
+    # masked token has none before it and goes to the first valid one; row 3 has no valid token.
+    expected = t([[0.1, 0.2, 1.3], [0.3, 0.0, 2.3], [0.0, 0.3, 3.3], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(token_rewards, expected)
+    torch.testing.assert_close(
+        place_token_rewards(t([1.0, 2.0, 3.0, 4.0]), torch.zeros(4, 3), mask),
+        place_outcome_score(t([1.0, 2.0, 3.0, 4.0]), mask),
+    )
+
+
+def test_gae_credits_a_token_level_reward_where_it_falls() -> None:
+    """gamma = lambda = 1, values 0: a token's advantage is the reward from it to the end."""
+    mask = torch.ones(1, 3)
+    values = t([[0.0, 0.0, 0.0]])
+    on_first = place_token_rewards(t([0.0]), t([[1.0, 0.0, 0.0]]), mask)
+    advantages, _ = compute_gae_advantages(on_first, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(advantages, t([[1.0, 0.0, 0.0]]))  # only the token that earned it
+    outcome, _ = compute_gae_advantages(place_outcome_score(t([1.0]), mask), values, mask, 1.0, 1.0)
+    torch.testing.assert_close(outcome, t([[1.0, 1.0, 1.0]]))  # the same sum as a scalar: every token
 
 
 def test_apply_kl_penalty_to_rewards_subtracts_scaled_kl_and_averages_per_sequence() -> None:

@@ -28,6 +28,9 @@ def rollout_and_score(
 ) -> tuple[Batch, dict[str, float]]:
     """Generate ``samples_per_prompt`` responses per prompt and add scores and the log-probs needed.
 
+    ``scores`` (one per row) always; ``token_scores`` too when a reward function returned a
+    token-level reward (:meth:`~hybridflow.rewards.scorer.RewardScorer.score_tokens`).
+
     ``old_log_probs`` only when :func:`~hybridflow.algorithms.api.needs_old_log_probs` (else the
     actor's update takes its own), ``ref_log_probs`` only when the job has a reference (a KL
     term). The actor and reference passes are submitted before scoring, so the reward
@@ -48,11 +51,13 @@ def rollout_and_score(
     if workers.reference is not None:
         ref = timer.submit("ref_log_probs", workers.reference.compute_ref_log_probs, batch)
     with timer.phase("reward"):
-        scores, metrics = scorer.scores(batch)
+        scores, token_scores, metrics = scorer.score_tokens(batch)
     for future in (old, ref):
         if future is not None:
             batch = batch.union(future.result())
     batch = batch.with_fields(scores=scores)
+    if token_scores is not None:
+        batch = batch.with_fields(token_scores=token_scores)
     mask = batch.tensors["response_mask"].float()
     metrics.update(
         {
@@ -97,10 +102,17 @@ def kl_penalized_token_rewards(
     batch: Batch, scores: torch.Tensor, state: AlgorithmState, metrics: dict[str, float]
 ) -> torch.Tensor:
     """``scores`` on each response's last token and, when ``kl.mode`` is ``reward``, ``-coef * KL``
-    on every token (the InstructGPT penalty). Updates the KL controller and records its coefficient."""
+    on every token (the InstructGPT penalty). Updates the KL controller and records its coefficient.
+
+    When the batch has ``token_scores`` (a token-level reward: :func:`rollout_and_score`), they
+    replace the placed ``scores``: each value stays on its token, so GAE credits it there."""
     kl = state.spec.algorithm.kl
     mask = batch.tensors["response_mask"].float()
-    token_rewards = core.place_outcome_score(scores, mask)
+    token_rewards = (
+        batch.tensors["token_scores"]
+        if "token_scores" in batch.tensors
+        else core.place_outcome_score(scores, mask)
+    )
     if kl.mode != "reward" or "ref_log_probs" not in batch.tensors:
         return token_rewards
     token_rewards, mean_kl = core.apply_kl_penalty_to_rewards(

@@ -4,8 +4,9 @@ Protocol: the reward worker decodes each response and calls
 ``fn(data_source, response, ground_truth, extra_info) -> float`` once per response, with the
 row's ``data_source``, ``reward_model["ground_truth"]`` and ``extra_info`` from the dataset
 (veRL's schema; ``extra_info`` may be ``None``). A function that names the keyword parameters
-``response_token_ids`` or ``finish_reason`` (or takes ``**kwargs``) gets them too
-(:mod:`hybridflow.rewards.parallel`). Functions are pure and cheap; they must not
+``response_token_ids`` or ``finish_reason`` (or takes ``**kwargs``) gets them too, and a
+function may return one score per response token instead of one number (both:
+:mod:`hybridflow.rewards.parallel`). Functions are pure and cheap; they must not
 raise on malformed responses (a policy early in training emits garbage), only return a low
 score. Which function runs is a config value resolved once at startup by
 ``resolve_reward_function``: a name registered in ``RULE_REWARDS`` or a

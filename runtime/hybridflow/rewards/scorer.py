@@ -25,7 +25,8 @@ import torch
 from hybridflow.controller import Batch, WorkerGroup
 from hybridflow.host import available_cores
 from hybridflow.rewards import resolve_reward_function
-from hybridflow.rewards.parallel import Sample, SampleFailure, score_chunk
+from hybridflow.rewards.parallel import Sample, SampleFailure, Score, score_chunk
+from hybridflow.rlmath import core
 from hybridflow.spec import RLHFJobSpec
 
 __all__ = ["RewardFunctionError", "RewardScorer", "reward_processes", "reward_samples"]
@@ -104,7 +105,7 @@ class RewardScorer:
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
         return self._pool
 
-    def _function_scores(self, batch: Batch) -> list[list[float]]:
+    def _function_scores(self, batch: Batch) -> list[list[Score]]:
         """``[function][row]`` scores, computed in chunks across the pool."""
         texts = batch.non_tensors["response_text"]
         samples = reward_samples(batch)
@@ -113,7 +114,7 @@ class RewardScorer:
         starts = list(range(0, len(samples), chunk))
         pool = self._executor()
         futures = [pool.submit(score_chunk, names, samples[start : start + chunk]) for start in starts]
-        per_function: list[list[float]] = [[] for _ in names]
+        per_function: list[list[Score]] = [[] for _ in names]
         for start, future in zip(starts, futures, strict=True):
             result = future.result()
             if isinstance(result, SampleFailure):
@@ -127,19 +128,49 @@ class RewardScorer:
         return per_function
 
     def scores(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """One score per row, and the mean of each component for the metrics."""
+        """One score per row (a token-level reward summed), and the mean of each component for the metrics."""
+        scores, _, metrics = self.score_tokens(batch)
+        return scores, metrics
+
+    def score_tokens(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """``(scores, token_scores, metrics)``: :meth:`scores`, and where a function returned one value
+        per response token, every row's rewards per token ``[rows, response columns]``.
+
+        ``token_scores`` is None when every score is a number (the algorithms then place each
+        score on the last response token, as they always did); otherwise it holds the token-level
+        values where they fall and every number (the reward model's too) on the row's last
+        response token (:func:`hybridflow.rlmath.core.place_token_rewards`). ``scores`` is always
+        each row's total, what an algorithm that needs one number per response (GRPO, RLOO,
+        ReMax, dynamic sampling) uses: a token-level reward counts as its sum.
+        """
         total = torch.zeros(len(batch), dtype=torch.float32)
+        outcome = torch.zeros(len(batch), dtype=torch.float32)  # the numbers: on the last token
+        per_token: torch.Tensor | None = None
         metrics: dict[str, float] = {}
         model_scores = (
             self.reward_model.compute_scores.submit(batch) if self.reward_model is not None else None
         )
         if self.functions:
             for (name, weight), values in zip(self.functions, self._function_scores(batch), strict=True):
-                scores = torch.tensor(values, dtype=torch.float32)
-                total += weight * scores
-                metrics[f"reward/{name}"] = float(scores.mean())
+                sums = torch.tensor(
+                    [sum(v) if isinstance(v, list) else v for v in values], dtype=torch.float32
+                )
+                total += weight * sums
+                metrics[f"reward/{name}"] = float(sums.mean())
+                outcome += weight * torch.tensor([0.0 if isinstance(v, list) else v for v in values])
+                if any(isinstance(v, list) for v in values):
+                    per_token = (
+                        torch.zeros(batch.tensors["responses"].shape) if per_token is None else per_token
+                    )
+                    for row, value in enumerate(values):
+                        if isinstance(value, list):
+                            per_token[row, : len(value)] += weight * torch.tensor(value)
         if model_scores is not None:
             rm = model_scores.result()["rm_scores"].float()
             total += rm
+            outcome += rm
             metrics["reward/model"] = float(rm.mean())
-        return total, metrics
+        if per_token is None:
+            return total, None, metrics
+        token_scores = core.place_token_rewards(outcome, per_token, batch.tensors["response_mask"])
+        return total, token_scores, metrics

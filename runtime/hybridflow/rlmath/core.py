@@ -148,6 +148,30 @@ def place_outcome_score(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     return token_rewards
 
 
+def place_token_rewards(
+    scores: torch.Tensor, token_values: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Token rewards from outcome scores plus token-level rewards that land where they fall.
+
+    ``scores`` is ``[batch]`` and goes on each row's last valid token, as in
+    :func:`place_outcome_score`; ``token_values`` is ``[batch, response_len]``, a reward function's
+    value for each response token, added at its own position. A value on a position outside
+    ``response_mask`` (a token the policy did not generate: the tool results inserted into a
+    multi-turn trajectory) is credited to the last valid token before it, the action that led
+    to it (the first valid token if none precedes it), since the recursions (GAE, REINFORCE++)
+    ignore rewards at masked positions. A row with no valid token gets no reward.
+    """
+    valid = _valid(response_mask)
+    width = valid.shape[-1]
+    positions = torch.arange(width, device=valid.device).expand_as(valid)
+    last_valid_so_far = torch.where(valid, positions, torch.full_like(positions, -1)).cummax(dim=-1).values
+    first_valid = torch.where(valid, positions, torch.full_like(positions, width)).amin(dim=-1, keepdim=True)
+    target = torch.where(last_valid_so_far >= 0, last_valid_so_far, first_valid).clamp(max=width - 1)
+    has_tokens = valid.any(dim=-1, keepdim=True)
+    values = torch.where(has_tokens, token_values.to(scores.dtype), torch.zeros((), dtype=scores.dtype))
+    return place_outcome_score(scores, response_mask).scatter_add_(-1, target, values)
+
+
 def apply_kl_penalty_to_rewards(
     token_scores: torch.Tensor,
     logprob: torch.Tensor,

@@ -27,8 +27,9 @@ class RewardFunctionSpec(SpecModel):
             "-> float, importable in the job's image. response is the decoded text without special "
             "tokens; a function that declares the keyword parameters response_token_ids (the "
             "response's token ids, special tokens included) or finish_reason ('stop': ended on its end "
-            "token, 'length': cut at rollout.maxResponseTokens), or **kwargs, gets them too "
-            "(docs/algorithms.md)."
+            "token, 'length': cut at rollout.maxResponseTokens), or **kwargs, gets them too. It may "
+            "return one float per response token instead: a token-level reward, which ppo, safe-rlhf "
+            "and reinforce++ credit to those tokens and the other algorithms sum (docs/algorithms.md)."
         ),
     )
     weight: float = Field(
