@@ -14,7 +14,8 @@ For each case (an example with up to four random edits, see ``manifests.py``):
   (``kube.fake_cluster``) makes every child in one pass without raising (nothing partial), and a
   second pass writes nothing.
 
-``HYBRIDFLOW_FUZZ_CASES`` sets the number of cases (default 500; ``bench/e2e.py`` runs more).
+``HYBRIDFLOW_FUZZ_CASES`` sets the number of cases (default 250, the same ones every run;
+``bench/e2e.py`` runs more).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY_RAYJOB_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.yaml"
-CASES = int(os.environ.get("HYBRIDFLOW_FUZZ_CASES", "500"))
+CASES = int(os.environ.get("HYBRIDFLOW_FUZZ_CASES", "250"))
 DEFAULTS = RayJobDefaults(image="registry.example.com/hybridflow:0.1.0")
 UID = "5f0c6b7e-2a4d-4c1e-9a53-0d1e2f3a4b5c"
 FIELD = re.compile(r"^(<root>|[A-Za-z][\w-]*(\[\d+\])?(\.[\w-]+(\[\d+\])?)*): ")
