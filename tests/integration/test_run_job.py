@@ -102,15 +102,14 @@ def actor_parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_grpo_resume_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path) -> None:
-    """An uninterrupted run (here, in this process) against ``hybridflow run --max-steps 2``, then
-    ``hybridflow run`` again, a new process resuming from the checkpoint: the same run."""
+    """An uninterrupted run against one stopped after step 2 (both here, in this process), then
+    ``hybridflow run``, a new process resuming from the checkpoint: the same run. (e2e's
+    test_local_faults.py runs the whole chain as new processes, SIGTERM and SIGKILL included.)"""
     straight = manifest(tiny, tmp_path / "straight", "grpo-tiny.yaml", totalSteps=4)
     assert train_in_process(straight).last_step == 4
 
     resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny.yaml", totalSteps=4)
-    first = run(resumed, "--max-steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "step 2/4" in first.stdout and "step 3/4" not in first.stdout
+    assert train_in_process(resumed, stop_after_steps=2).last_step == 2
     second = run(resumed)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 3/4" in second.stdout
@@ -178,26 +177,15 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_ppo_trains_actor_and_critic(tiny: Path, tmp_path: Path) -> None:
-    path = manifest(tiny, tmp_path / "ppo", "ppo-tiny.yaml", totalSteps=2)
-    train_in_process(path)
-    records = metrics(tmp_path / "ppo")
-    assert len(records) == 2
-    for key in ("critic/value_loss", "actor/policy_loss", "kl/coef", "reward/mean"):
-        assert key in records[-1]
-    assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "critic").is_dir()
-
-
-@pytest.mark.usefixtures("ray_cluster")
-def test_ppo_with_issue_42s_settings_takes_its_steps(
+def test_ppo_trains_actor_and_critic_with_token_rewards_dual_clip_and_decay(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A token-level reward that reads the token ids, dual-clip, weight decay and mini-batches of
-    24 + 8 over a step's 32 sequences, together in one PPO job (issue 42)."""
+    """PPO's actor and critic, with a token-level reward that reads the token ids, dual-clip,
+    weight decay and mini-batches of 24 + 8 over a step's 32 sequences (issue 42), in one job."""
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "unit"))  # user_rewards, for the reward processes
     path = manifest(
         tiny,
-        tmp_path / "ppo42",
+        tmp_path / "ppo",
         "ppo-tiny.yaml",
         totalSteps=2,
         miniBatchSize=24,
@@ -209,11 +197,19 @@ def test_ppo_with_issue_42s_settings_takes_its_steps(
     doc["spec"]["rewards"].append({"function": "user_rewards:token_ids_as_rewards", "weight": 0.001})
     path.write_text(yaml.safe_dump(doc))
     train_in_process(path)
-    records = metrics(tmp_path / "ppo42")
+    records = metrics(tmp_path / "ppo")
     assert len(records) == 2
-    for key in ("actor/dual_clipfrac", "reward/user_rewards:token_ids_as_rewards", "critic/value_loss"):
+    for key in (
+        "critic/value_loss",
+        "actor/policy_loss",
+        "actor/dual_clipfrac",
+        "kl/coef",
+        "reward/mean",
+        "reward/user_rewards:token_ids_as_rewards",
+    ):
         assert key in records[-1], key
     assert records[-1]["reward/user_rewards:token_ids_as_rewards"] > 0
+    assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "critic").is_dir()
 
 
 @pytest.mark.usefixtures("ray_cluster")
