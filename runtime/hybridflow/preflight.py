@@ -55,7 +55,7 @@ def _model_sources(spec: RLHFJobSpec) -> dict[str, ModelSource]:
 
 
 def file_problems(spec: RLHFJobSpec) -> list[str]:
-    """The model and tokenizer directories, their ``config.json`` and the train files that are not here."""
+    """The model and tokenizer directories, their ``config.json`` and the prompt files that are not here."""
     found: list[str] = []
     for role, source in _model_sources(spec).items():
         field = f"spec.models.{role}"
@@ -69,8 +69,9 @@ def file_problems(spec: RLHFJobSpec) -> list[str]:
         if source.tokenizer_path is not None and not Path(source.tokenizer_path).is_dir():
             found.append(f"{field}.tokenizerPath: {source.tokenizer_path} does not exist")
     found += [
-        f"spec.data.trainFiles[{index}]: {path} does not exist"
-        for index, path in enumerate(spec.data.train_files)
+        f"spec.data.{field}[{index}]: {path} does not exist"
+        for field, files in (("trainFiles", spec.data.train_files), ("valFiles", spec.data.val_files))
+        for index, path in enumerate(files)
         if not Path(path).is_file()
     ]
     return found

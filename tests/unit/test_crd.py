@@ -78,6 +78,15 @@ def node_at(value: Any, dotted: str) -> Any:
     return value
 
 
+def has_node(value: Any, dotted: str) -> bool:
+    """Whether the manifest has a node at the dot path (the API server runs no rule of an absent one)."""
+    try:
+        node_at(value, dotted)
+    except (KeyError, IndexError):
+        return False
+    return True
+
+
 def schema_node(dotted: str) -> dict[str, Any]:
     node = openapi()
     for key in dotted.split("."):
@@ -378,7 +387,9 @@ def failing_rules(manifest: Manifest) -> set[str]:
     return {
         by_cel[rule["rule"]]
         for path, rule in attached_rules()
-        if rule["rule"] in by_cel and not evaluate(rule["rule"], node_at(manifest, path))
+        if rule["rule"] in by_cel
+        and has_node(manifest, path)
+        and not evaluate(rule["rule"], node_at(manifest, path))
     }
 
 
@@ -451,6 +462,13 @@ INVALID_SPECS: dict[str, list[Callable[[Manifest], None]]] = {
     ],
     "duplicate mount paths": [
         _set("spec.volumes", [{"claimName": "a", "mountPath": "/m"}, {"claimName": "b", "mountPath": "/m"}])
+    ],
+    "evaluation without validation files": [
+        _set("spec.evaluation", {"everySteps": 2, "atStart": False, "greedy": True, "samples": 1})
+    ],
+    "evaluation with neither pass": [
+        _set("spec.data.valFiles", ["/data/val.jsonl"]),
+        _set("spec.evaluation", {"everySteps": 0, "atStart": False, "greedy": False, "samples": 0}),
     ],
     "several at once": [
         _set("spec.rollout.topK", 0),

@@ -21,6 +21,7 @@ from hybridflow.spec.algorithm import (
 )
 from hybridflow.spec.data import DataSpec
 from hybridflow.spec.errors import SpecError
+from hybridflow.spec.evaluation import EvaluationSpec
 from hybridflow.spec.job import (
     API_VERSION,
     GROUP,
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointSpec",
     "CrossFieldRule",
     "DataSpec",
+    "EvaluationSpec",
     "ImportanceSamplingSpec",
     "KLSpec",
     "ModelSource",

@@ -1,4 +1,4 @@
-"""``spec.data``: the prompt dataset the rollouts start from."""
+"""``spec.data``: the prompt dataset the rollouts start from, and the validation prompts."""
 
 from __future__ import annotations
 
@@ -16,13 +16,22 @@ TrainFile = Annotated[str, StringConstraints(pattern=TRAIN_FILE_PATTERN, max_len
 
 
 class DataSpec(SpecModel):
-    """Prompt files, how prompts are read from them, and the order they are visited in."""
+    """Prompt files (training and validation), how prompts are read from them, and the training order."""
 
     train_files: tuple[TrainFile, ...] = Field(
         min_length=1,
         max_length=256,
         description=(
             "Prompt files, .parquet or .jsonl, one prompt per row; rows of all files form one dataset. "
+            f"{LOCAL_PATH_HELP}"
+        ),
+    )
+    val_files: tuple[TrainFile, ...] = Field(
+        default=(),
+        max_length=256,
+        description=(
+            "Validation prompts, .parquet or .jsonl, in the trainFiles format; never trained on, scored as "
+            "spec.evaluation says (by default after the last step). Empty: no evaluation. "
             f"{LOCAL_PATH_HELP}"
         ),
     )

@@ -24,6 +24,7 @@ from hybridflow.spec.algorithm import (
 )
 from hybridflow.spec.base import SpecModel
 from hybridflow.spec.data import DataSpec
+from hybridflow.spec.evaluation import EVALUATION_RULES, EvaluationSpec
 from hybridflow.spec.models import ModelsSpec
 from hybridflow.spec.pods import PodsSpec
 from hybridflow.spec.resources import (
@@ -69,6 +70,14 @@ class RLHFJobSpec(SpecModel):
     agent: AgentSpec = Field(
         default=AgentSpec(),
         description="The agent loop of each trajectory: one turn (the default), tool calling, or a plugin.",
+    )
+    evaluation: EvaluationSpec | None = Field(
+        default=None,
+        description=(
+            "When and how the policy is scored on spec.data.valFiles (greedy and sampled passes, every N "
+            "steps and after the last). Needs valFiles; unset with valFiles: the defaults (after the last "
+            "step only)."
+        ),
     )
     rewards: tuple[RewardFunctionSpec, ...] = Field(
         default=(),
@@ -202,6 +211,13 @@ class RLHFJobSpec(SpecModel):
         return next(pool for pool in self.resource_pools if pool.name == name)
 
     @property
+    def evaluation_settings(self) -> EvaluationSpec | None:
+        """How the job evaluates: ``spec.evaluation`` or its defaults with valFiles; None without valFiles."""
+        if not self.data.val_files:
+            return None
+        return self.evaluation if self.evaluation is not None else EvaluationSpec()
+
+    @property
     def rollout_has_own_pool(self) -> bool:
         """Whether the rollout runs on a pool other than the actor's (the weights are then pushed to it)."""
         return self.roles.pool_of("rollout") != self.roles.actor
@@ -220,6 +236,7 @@ class RLHFJobSpec(SpecModel):
             *broken_rules(self.rollout, ROLLOUT_RULES),
             *broken_rules(self.agent, AGENT_RULES),
             *broken_rules(self.training, TRAINING_RULES),
+            *(broken_rules(self.evaluation, EVALUATION_RULES) if self.evaluation is not None else []),
             *broken_rules(self, SPEC_RULES),
         ]
         if failures:
@@ -534,6 +551,15 @@ _SANDBOX_WORKERS_CEL = (
 
 
 SPEC_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
+    CrossFieldRule[RLHFJobSpec](
+        name="evaluation-needs-val-files",
+        node_path="spec",
+        field_path=".evaluation",
+        cel="!has(self.evaluation) || size(self.data.valFiles) > 0",
+        message="scores the policy on spec.data.valFiles: list at least one validation file, or leave evaluation out",
+        holds=lambda spec: spec.evaluation is None or bool(spec.data.val_files),
+        observed=lambda spec: "an evaluation section and no spec.data.valFiles",
+    ),
     CrossFieldRule[RLHFJobSpec](
         name="pool-names-unique",
         node_path="spec",
@@ -1052,6 +1078,7 @@ VALIDATION_RULES: tuple[CrossFieldRule[Any], ...] = (
     *ROLLOUT_RULES,
     *AGENT_RULES,
     *TRAINING_RULES,
+    *EVALUATION_RULES,
     *SPEC_RULES,
 )
 """Every cross-field rule of the spec, for the CRD generator and the docs; grouped by ``node_path``."""
@@ -1071,7 +1098,7 @@ def _relative_paths(spec: RLHFJobSpec) -> list[str]:
     paths = [
         getattr(spec.models, role).path for role in _MODEL_ROLES if getattr(spec.models, role) is not None
     ]
-    paths += list(spec.data.train_files)
+    paths += [*spec.data.train_files, *spec.data.val_files]
     paths.append(spec.output_dir)
     return [path for path in paths if not path.startswith("/")]
 
@@ -1266,10 +1293,12 @@ IN_CLUSTER_RULES: tuple[CrossFieldRule[RLHFJobSpec], ...] = (
         field_path=".outputDir",
         cel=(
             f"self.maxRestarts == 0 || ({_ABSOLUTE_MODEL_PATHS} && "
-            "self.data.trainFiles.all(f, f.startsWith('/')) && self.outputDir.startsWith('/'))"
+            "self.data.trainFiles.all(f, f.startsWith('/')) && self.data.valFiles.all(f, f.startsWith('/')) && "
+            "self.outputDir.startsWith('/'))"
         ),
         message=(
-            "must be absolute, as must every model path and spec.data.trainFiles, when spec.maxRestarts > 0 "
+            "must be absolute, as must every model path, spec.data.trainFiles and valFiles, when "
+            "spec.maxRestarts > 0 "
             "in a cluster: a pod has no manifest directory to resolve them against, and a restarted "
             "attempt must find the same files (mount them with spec.volumes)"
         ),

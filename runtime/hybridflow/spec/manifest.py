@@ -85,7 +85,7 @@ def parse_job_manifest(document: object, source: str) -> RLHFJob:
 def resolve_local_paths(job: RLHFJob, base_dir: str | os.PathLike[str]) -> RLHFJob:
     """A copy of ``job`` whose relative local paths are absolute, taken relative to ``base_dir``.
 
-    Resolved: every model's ``path`` and ``tokenizerPath``, ``data.trainFiles`` and
+    Resolved: every model's ``path`` and ``tokenizerPath``, ``data.trainFiles``, ``data.valFiles`` and
     ``outputDir``. ``~`` expands to the home directory. Absolute paths are kept as written.
     """
     base = Path(base_dir).absolute()
@@ -104,8 +104,12 @@ def resolve_local_paths(job: RLHFJob, base_dir: str | os.PathLike[str]) -> RLHFJ
     models = spec.models.model_copy(
         update={role: resolve_model(getattr(spec.models, role)) for role in type(spec.models).model_fields}
     )
-    train_files = tuple(resolve(path) for path in spec.data.train_files)
-    data = spec.data.model_copy(update={"train_files": train_files})
+    data = spec.data.model_copy(
+        update={
+            "train_files": tuple(resolve(path) for path in spec.data.train_files),
+            "val_files": tuple(resolve(path) for path in spec.data.val_files),
+        }
+    )
     resolved_spec = spec.model_copy(
         update={"models": models, "data": data, "output_dir": resolve(spec.output_dir)}
     )
