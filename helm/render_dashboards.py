@@ -256,7 +256,8 @@ DASHBOARDS: tuple[Dashboard, ...] = (
     Dashboard(
         "hybridflow-learning",
         "HybridFlow / Learning",
-        "Reward, KL, entropy, response length, losses and optimiser figures per step.",
+        "Reward, KL, entropy, response length, losses and optimiser figures per step; the validation "
+        "scores on evaluation steps.",
         (
             Panel(
                 "Reward",
@@ -271,6 +272,32 @@ DASHBOARDS: tuple[Dashboard, ...] = (
                 "Reward by source",
                 "Mean score of each reward function or model.",
                 (series("hybridflow_reward_source_mean", "{{rlhfjob}} {{source}}"),),
+            ),
+            Panel(
+                "Validation reward",
+                "Mean and standard deviation of the scores on spec.data.valFiles of the greedy and the "
+                "sampled pass, and the sampled pass's best of n per prompt; set on evaluation steps "
+                "(evaluation.everySteps, the last).",
+                (
+                    series("hybridflow_val_reward_mean", "{{rlhfjob}} {{mode}}"),
+                    series("hybridflow_val_reward_std", "{{rlhfjob}} {{mode}} std"),
+                    series("hybridflow_val_reward_best_of_n", "{{rlhfjob}} {{mode}} best of n"),
+                ),
+            ),
+            Panel(
+                "Validation reward by data source",
+                "Mean validation score of each data source, per pass.",
+                (series("hybridflow_val_source_reward_mean", "{{rlhfjob}} {{mode}} {{data_source}}"),),
+            ),
+            Panel(
+                "Validation length and cost",
+                "Mean validation response length per pass, the prompts evaluated, and the seconds an "
+                "evaluation takes (after its step, not part of the step's seconds).",
+                (
+                    series("hybridflow_val_response_length_tokens", "{{rlhfjob}} {{mode}} length"),
+                    series("hybridflow_val_prompts", "{{rlhfjob}} prompts"),
+                    series("hybridflow_val_seconds", "{{rlhfjob}} seconds"),
+                ),
             ),
             Panel("KL to the reference", "Token-mean KL(actor || reference).", (series("hybridflow_kl"),)),
             Panel("KL coefficient", "KL penalty coefficient.", (series("hybridflow_kl_coefficient"),)),

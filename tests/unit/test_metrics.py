@@ -38,6 +38,8 @@ SAMPLE_LABELS = {
     "updates": "1",
     "replica": "0",
     "span": "1",
+    "mode": "greedy",
+    "data_source": "openai_gsm8k",
 }
 
 

@@ -53,6 +53,32 @@ def test_report_has_curves_breakdown_and_checkpoint(tmp_path: Path) -> None:
     assert "last checkpoint: step 20:" in text
 
 
+def test_report_lists_each_evaluation_and_keeps_step_0_out_of_the_training_steps(tmp_path: Path) -> None:
+    write_run(tmp_path / "run", steps=4)
+    path = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    evaluation = {0: (0.125, 0.25), 2: (0.5, 0.375), 4: (0.75, 0.625)}
+    for record in records:
+        if record["step"] in evaluation:
+            greedy, sampled = evaluation[record["step"]]
+            record.update({"val/greedy/reward/mean": greedy, "val/sampled/reward/mean": sampled})
+    records.insert(0, {"step": 0, "val/greedy/reward/mean": 0.125, "val/sampled/reward/mean": 0.25})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+    text = render_report(tmp_path / "run")
+
+    assert "4 steps recorded (steps 1-4)" in text and "reward: 0.250 -> 1.000" in text
+    table = text.split("validation (spec.data.valFiles):")[1].split("step breakdown")[0].strip().splitlines()
+    assert table[0].split() == ["step", "greedy", "sampled"]
+    assert [row.split() for row in table[1:]] == [
+        ["0", "0.125", "0.250"],
+        ["2", "0.500", "0.375"],
+        ["4", "0.750", "0.625"],
+    ]
+    write_run(tmp_path / "plain", steps=4)
+    assert "validation" not in render_report(tmp_path / "plain")
+
+
 def test_report_command_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path / "run")
     assert main(["report", str(tmp_path / "run"), "--plot", str(tmp_path / "curves.png")]) == 0

@@ -809,6 +809,57 @@ TRAINING_METRICS: tuple[MetricDefinition, ...] = (
         "learning",
         "role",
     ),
+    # Evaluation on spec.data.valFiles (trainer/evaluation.py), on evaluation steps only; `mode` is
+    # the pass: greedy or sampled.
+    _gauge(
+        "hybridflow_val_reward_mean",
+        "score",
+        "val/{mode}/reward/mean",
+        "Mean sequence score of the validation responses of one pass.",
+        "validation",
+        "mode",
+    ),
+    _gauge(
+        "hybridflow_val_reward_std",
+        "score",
+        "val/{mode}/reward/std",
+        "Standard deviation of the validation scores of one pass.",
+        "validation",
+        "mode",
+    ),
+    _gauge(
+        "hybridflow_val_reward_best_of_n",
+        "score",
+        "val/{mode}/reward/best_of_n_mean",
+        "Mean over validation prompts of the best score among their responses (sampled pass, samples > 1).",
+        "validation",
+        "mode",
+    ),
+    _gauge(
+        "hybridflow_val_source_reward_mean",
+        "score",
+        "val/{mode}/{data_source}/reward/mean",
+        "Mean validation score of the prompts of one data source (`/` in its name becomes `_`).",
+        "validation",
+        "mode",
+        "data_source",
+    ),
+    _gauge(
+        "hybridflow_val_response_length_tokens",
+        "tokens",
+        "val/{mode}/response/length_mean",
+        "Mean length of the validation responses of one pass.",
+        "validation",
+        "mode",
+    ),
+    _gauge("hybridflow_val_prompts", "prompts", "val/prompts", "Validation prompts evaluated.", "validation"),
+    _gauge(
+        "hybridflow_val_seconds",
+        "seconds",
+        "val/seconds",
+        "Wall time of the evaluation (every pass, weight load included); after the step, not part of its seconds.",
+        "validation",
+    ),
 )
 
 UNCATALOGUED = MetricDefinition(

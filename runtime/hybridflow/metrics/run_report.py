@@ -2,11 +2,12 @@
 
 Reads ``OUTPUT_DIR/metrics.jsonl`` (one object per step, the step-report keys of
 ``catalogue.py``) and the checkpoint directory's ``latest`` pointer, and returns text: the steps
-run, a table of the learning curves at evenly spaced steps, the mean time of each phase of a
-step and its share (the shares add up to 100%, or a line says by how much phases overlap), what
-ran after the steps and is not in their seconds (checkpoints, exports), the newest complete
-checkpoint, and every export with its parity figure (``hybridflow.checkpoint.exports``'s list and
-the gate's figures in the metrics). :func:`plot_curves` draws reward and KL
+run, a table of the learning curves at evenly spaced steps, the validation scores of each
+evaluation (``spec.data.valFiles``; step 0 is the one before training), the mean time of each
+phase of a step and its share (the shares add up to 100%, or a line says by how much phases
+overlap), what ran after the steps and is not in their seconds (checkpoints, exports), the newest
+complete checkpoint, and every export with its parity figure (``hybridflow.checkpoint.exports``'s
+list and the gate's figures in the metrics). :func:`plot_curves` draws reward and KL
 against the step into a small PNG. Everything here reads files only: no Ray, no torch.
 """
 
@@ -39,6 +40,16 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("perf/step_seconds", "step s", 2),
 )
 TIMING, STEP_SECONDS = "timing/", "perf/step_seconds"
+# The validation table (spec.data.valFiles): the steps that evaluated, whatever the spacing above.
+VALIDATION_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("val/greedy/reward/mean", "greedy", 3),
+    ("val/sampled/reward/mean", "sampled", 3),
+    ("val/sampled/reward/best_of_n_mean", "best of n", 3),
+    ("val/greedy/response/length_mean", "greedy len", 1),
+    ("val/sampled/response/length_mean", "sampled len", 1),
+    ("val/seconds", "eval s", 2),
+)
+VALIDATION_PREFIX = "val/"
 PLOTTED: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward (mean)"),
     ("kl/actor_ref", "KL(actor || ref)"),
@@ -143,6 +154,24 @@ def _after_step_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     return _table(["after the step", "mean s", "steps"], body) if body else []
 
 
+def _is_training_step(record: dict[str, Any]) -> bool:
+    """A record with a training step's figures (not only an evaluation's: step 0 of ``atStart``)."""
+    return any(key != "step" and not key.startswith(VALIDATION_PREFIX) for key in record)
+
+
+def _validation_lines(records: Sequence[dict[str, Any]], rows: int) -> list[str]:
+    """The validation scores at the steps that evaluated (at most ``rows`` of them, evenly spaced)."""
+    evaluated = [r for r in records if any(key.startswith(VALIDATION_PREFIX) for key in r)]
+    columns = [column for column in VALIDATION_COLUMNS if any(column[0] in r for r in evaluated)]
+    if not evaluated or not columns:
+        return []
+    body = [
+        [str(r["step"]), *(_cell(r.get(key), digits) for key, _, digits in columns)]
+        for r in _spaced(evaluated, rows)
+    ]
+    return ["", "validation (spec.data.valFiles):", *_table(["step", *(t for _, t, _ in columns)], body)]
+
+
 def _last_checkpoint(checkpoint_dir: Path) -> str:
     pointer = checkpoint_dir / "latest"
     candidates = [checkpoint_dir / pointer.read_text(encoding="utf-8").strip()] if pointer.is_file() else []
@@ -194,7 +223,8 @@ def render_report(
     rows: int = 10,
 ) -> str:
     """The text summary of the run in ``output_dir`` (see the module docstring)."""
-    records = load_records(output_dir)
+    everything = load_records(output_dir)
+    records = [r for r in everything if _is_training_step(r)] or everything
     first, last = records[0], records[-1]
     lines = [f"{output_dir}: {len(records)} steps recorded (steps {first['step']}-{last['step']})", ""]
     for key, title, digits in TABLE_COLUMNS[:2]:
@@ -206,6 +236,7 @@ def render_report(
         for r in _spaced(records, rows)
     ]
     lines += _table(["step", *(title for _, title, _ in columns)], body)
+    lines += _validation_lines(everything, rows)
     lines += ["", "step breakdown (mean over steps):", *_phase_lines(records), ""]
     if after_step := _after_step_lines(records):
         lines += [*after_step, ""]
