@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from hybridflow.models.tiny import write_tiny_model
+from hybridflow.rewards import make_toy_dataset
 from hybridflow.spec import load_job_manifest
 from hybridflow.trainer.runner import RunSummary, run_training
 
@@ -176,6 +177,62 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
         assert torch.equal(tensor, resumed_params[name]), name
 
 
+def with_validation(path: Path, val_file: Path, **evaluation: Any) -> Path:
+    """The manifest at ``path`` with ``val_file`` as spec.data.valFiles and ``evaluation`` as spec.evaluation."""
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["data"]["valFiles"] = [str(val_file)]
+    doc["spec"]["evaluation"] = evaluation
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_evaluation_every_2_steps_changes_no_training_result_and_resumes_exactly(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """valFiles scored before training and after steps 2 and 4, greedy and 2 samples per prompt.
+
+    The same job without evaluation trains to the same figures (evaluation touches no training
+    state); a run stopped after step 2 and resumed evaluates step 4 exactly as the uninterrupted
+    run did (greedy: the same responses for the same weights; sampled: seeded by the step).
+    """
+    val_file = tmp_path / "val.jsonl"
+    rows = make_toy_dataset("target_char", 6, seed=11)
+    val_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    evaluation = {"everySteps": 2, "atStart": True, "samples": 2}
+    plain = manifest(tiny, tmp_path / "plain", "grpo-tiny.yaml", totalSteps=4)
+    straight = with_validation(
+        manifest(tiny, tmp_path / "straight", "grpo-tiny.yaml", totalSteps=4), val_file, **evaluation
+    )
+    resumed = with_validation(
+        manifest(tiny, tmp_path / "resumed", "grpo-tiny.yaml", totalSteps=4), val_file, **evaluation
+    )
+    train_in_process(plain)
+    train_in_process(straight)
+    assert train_in_process(resumed, stop_after_steps=2).last_step == 2
+    assert train_in_process(resumed).resumed_from == "step_000002"
+
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2, 3, 4]
+    for mode in ("greedy", "sampled"):
+        assert [m["step"] for m in a if f"val/{mode}/reward/mean" in m] == [0, 2, 4]
+    for record in (r for r in a if "val/prompts" in r):
+        assert record["val/prompts"] == 6.0 and record["val/seconds"] > 0
+        assert record["val/greedy/target_char/reward/mean"] == record["val/greedy/reward/mean"]
+        assert 0 <= record["val/sampled/reward/mean"] <= record["val/sampled/reward/best_of_n_mean"] <= 1
+        assert 0 < record["val/greedy/response/length_mean"] <= 8
+    assert set(a[0]) == {"step"} | {key for key in a[0] if key.startswith("val/")}
+    for x, y in zip(a, b, strict=True):
+        for key in (k for k in x if k.startswith("val/") and k != "val/seconds"):
+            assert x[key] == y[key], (x["step"], key)
+    for x, y in zip(metrics(tmp_path / "plain"), a[1:], strict=True):
+        assert x["reward/mean"] == y["reward/mean"] and x["actor/policy_loss"] == y["actor/policy_loss"]
+    straight_params = actor_parameters(tmp_path / "straight" / "checkpoints" / "step_000004")
+    plain_params = actor_parameters(tmp_path / "plain" / "checkpoints" / "step_000004")
+    for name, tensor in plain_params.items():
+        assert torch.equal(tensor, straight_params[name]), name
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_ppo_trains_actor_and_critic_with_token_rewards_dual_clip_and_decay(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -271,11 +328,14 @@ def test_user_errors_exit_2_without_a_traceback(tiny: Path, tmp_path: Path) -> N
     path = manifest(tiny, tmp_path / "missing", "grpo-tiny.yaml", totalSteps=1)
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["models"]["actor"]["path"] = str(tmp_path / "no-model")
+    doc["spec"]["data"]["valFiles"] = [str(tmp_path / "no-val.jsonl")]
     path.write_text(yaml.safe_dump(doc))
     result = run(path)
     assert result.returncode == 2
     assert f"spec.models.actor.path: {tmp_path / 'no-model'} does not exist" in result.stderr
+    assert f"spec.data.valFiles: {tmp_path / 'no-val.jsonl'} does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+    del doc["spec"]["data"]["valFiles"]
 
     small = tmp_path / "small-vocab-model"
     shutil.copytree(tiny / "model", small)

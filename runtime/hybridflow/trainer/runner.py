@@ -5,10 +5,12 @@ starts), start the reward scorer's process pool and deploy the roles (the two st
 resume from the newest complete checkpoint if there is one, then for each step: next prompts
 -> the algorithm's ``train_step`` -> the step's accounting from the workers' busy reports
 (:mod:`~hybridflow.trainer.step_accounting`: idle pools, the controller's overhead, compile
-time) -> metrics (JSONL, TensorBoard, the progress line) -> a checkpoint every
-``checkpoint.intervalSteps`` and at the last step. A step's seconds run from the end of the
-previous step's checkpoint to the end of its accounting: the metrics writes between steps are
-in them, the checkpoint is not (``timing/checkpoint``).
+time) -> an evaluation on ``spec.data.valFiles`` when due (``trainer/evaluation.py``: every
+``evaluation.everySteps`` and at the last step; its ``val/...`` figures join the step's record)
+-> a checkpoint every ``checkpoint.intervalSteps`` and at the last step -> metrics (JSONL,
+TensorBoard, the progress line). A step's seconds run from the end of the previous step's
+checkpoint to the end of its accounting: the metrics writes between steps are in them, the
+evaluation (``val/seconds``) and the checkpoint (``timing/checkpoint``) are not.
 
 Resuming restores the actor/critic shards, the data position and the KL controller; rollout
 sampling is seeded by the step number, so a resumed run continues exactly where an
@@ -41,7 +43,13 @@ from hybridflow.agents.sandbox import probe, run_python
 from hybridflow.agents.sandbox_pool import SandboxPool
 from hybridflow.agents.tools import SandboxRunner
 from hybridflow.algorithms import grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
-from hybridflow.algorithms.api import JobWorkers, StepFunction, load_step_function, reference_from_actor
+from hybridflow.algorithms.api import (
+    JobWorkers,
+    StepFunction,
+    load_step_function,
+    needs_weight_sync,
+    reference_from_actor,
+)
 from hybridflow.algorithms.state import AlgorithmState
 from hybridflow.algorithms.timing import recording_controller_work, unmeasured_seconds
 from hybridflow.checkpoint import CheckpointManager
@@ -64,6 +72,7 @@ from hybridflow.rollout.endpoint import EndpointDriver, load_session_runner
 from hybridflow.rollout.service import RolloutService, ServedRollout
 from hybridflow.rollout.trajectories import TrajectoryDriver, TrajectorySource
 from hybridflow.spec import RLHFJobSpec
+from hybridflow.trainer.evaluation import ValidationSet, evaluate, evaluation_due
 from hybridflow.trainer.overlap import IN_FLIGHT_FILE, RolloutPipeline, load_in_flight, save_in_flight
 from hybridflow.trainer.roles import job_bridges, job_roles, resource_pools
 from hybridflow.trainer.step_accounting import controller_overhead, move_compile_time, pool_idle_fractions
@@ -145,6 +154,11 @@ def run_training(
         f"data: {len(dataset)} prompts, {dataset.filtered_too_long} filtered out for exceeding "
         f"spec.data.maxPromptTokens={spec.data.max_prompt_tokens}"
     )
+    validation = ValidationSet.load(spec, tokenizer)  # spec.data.valFiles: trainer/evaluation.py
+    if validation is not None:
+        on_step(
+            f"validation: {len(validation.dataset)} prompts, passes {', '.join(validation.settings.passes)}"
+        )
     checkpoints = CheckpointManager(Path(spec.checkpoint_dir), keep_last=spec.checkpoint.keep_last)
     writer = MetricsWriter(spec.output_dir)
     state = AlgorithmState(spec)
@@ -223,6 +237,14 @@ def run_training(
             pipeline.push(version=start - 1)
         if service is not None:
             service.start(version=start - 1)
+        # Colocated rollouts load the actor's weights before they generate; the others have them.
+        evaluation_syncs = needs_weight_sync(spec) and pipeline is None and service is None
+        initial_evaluation: dict[str, float] = {}  # reaches the sinks with the first step's report
+        if validation is not None and validation.settings.at_start and start == 1:
+            initial_evaluation = evaluate(
+                validation, workers.rollout, scorer, spec, step=0, sync=evaluation_syncs
+            )
+            writer.write(0, initial_evaluation)
         last = total if stop_after_steps is None else min(total, start - 1 + stop_after_steps)
         deployment.busy_reports()  # the first step's idle fractions start here
         began = bookkeeping_started = time.monotonic()
@@ -273,6 +295,13 @@ def run_training(
             metrics["perf/tokens_per_second"] = metrics.get("tokens/step", 0.0) / max(seconds, 1e-9)
             metrics.update(throughput_metrics(metrics, gpus=job_gpus, actor_parameters=actor_parameters))
             bookkeeping_started = time.monotonic()
+            if validation is not None and evaluation_due(step, total, validation.settings.every_steps):
+                # After the step proper, like the checkpoint: val/seconds, not perf/step_seconds.
+                metrics.update(
+                    evaluate(validation, workers.rollout, scorer, spec, step=step, sync=evaluation_syncs)
+                )
+                deployment.busy_reports()
+                bookkeeping_started = time.monotonic()
             if step % spec.checkpoint.interval_steps == 0 or step == total:
                 _save(checkpoints, workers, step, sampler, state, pipeline, service)
                 last_checkpoint = step
@@ -300,7 +329,7 @@ def run_training(
             report = StepReport(
                 step,
                 total,
-                metrics,
+                {**initial_evaluation, **metrics} if step == start else metrics,
                 eta,
                 last_checkpoint,
                 service.health() if service is not None else None,
