@@ -76,6 +76,10 @@ def _validate(args: argparse.Namespace) -> int:
         f"  algorithm {spec.algorithm.name}, {spec.training.total_steps} steps, rollout engine {spec.rollout.engine}"
     )
     print(f"  pools: {pools}")
+    evaluation = spec.evaluation_settings
+    if evaluation is not None:
+        when = f"every {evaluation.every_steps} steps and " if evaluation.every_steps else ""
+        print(f"  evaluation: {', '.join(evaluation.passes)} on spec.data.valFiles, {when}after the last step")
     if spec.placement == "auto":
         print(
             "  placement auto: the pool is the GPU budget; `hybridflow plan` shows the plans `run` chooses from"

@@ -147,3 +147,22 @@ def test_validation_prompts_that_all_run_too_long_name_the_field(tmp_path: Path)
     with pytest.raises(PromptDataError, match=r"^spec\.data\.valFiles: every one of the 10 prompts"):
         ValidationSet.load(spec, build_tokenizer())
 
+
+def test_validate_shows_the_evaluation_and_notes_a_missing_val_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    from hybridflow.cli import main
+
+    manifest = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "examples" / "grpo-tiny.yaml").read_text()
+    )
+    manifest["spec"]["data"]["valFiles"] = [str(tmp_path / "no-val.jsonl")]
+    manifest["spec"]["evaluation"] = {"everySteps": 2, "samples": 0}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    assert main(["validate", str(path)]) == 0  # the files of a cluster job live in its pods
+    out, err = capsys.readouterr()
+    assert "evaluation: greedy on spec.data.valFiles, every 2 steps and after the last step" in out
+    assert f"note: here: spec.data.valFiles[0]: {tmp_path / 'no-val.jsonl'} does not exist" in err
