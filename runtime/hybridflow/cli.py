@@ -152,12 +152,18 @@ def _make_tiny(args: argparse.Namespace) -> int:
     if args.data_dir:
         data_dir = Path(args.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
-        rows = make_toy_dataset(args.task, args.prompts, seed=args.seed)
-        target = data_dir / f"{args.task}.jsonl"
-        staging = target.with_suffix(".jsonl.tmp")
-        staging.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-        staging.replace(target)
-        print(f"{len(rows)} {args.task} prompts: {target}")
+        # The validation prompts (spec.data.valFiles) come from another seed than the training ones.
+        for name, count, seed in (
+            (f"{args.task}.jsonl", args.prompts, args.seed),
+            (f"{args.task}.val.jsonl", args.val_prompts, args.seed + 1),
+        ):
+            if count:
+                target = data_dir / name
+                rows = make_toy_dataset(args.task, count, seed=seed)
+                staging = target.with_suffix(".jsonl.tmp")
+                staging.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+                staging.replace(target)
+                print(f"{len(rows)} {args.task} prompts: {target}")
     return 0
 
 
@@ -622,6 +628,9 @@ def _add_make_tiny_command(commands: argparse._SubParsersAction[argparse.Argumen
     tiny.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     tiny.add_argument("--task", default="target_char")
     tiny.add_argument("--prompts", type=int, default=256)
+    tiny.add_argument(
+        "--val-prompts", type=int, default=32, help="validation prompts, <task>.val.jsonl (0: none)"
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=_make_tiny)
 

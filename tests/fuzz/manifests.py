@@ -39,6 +39,8 @@ def as_in_a_cluster(manifest: dict[str, Any]) -> dict[str, Any]:
     for model in spec["models"].values():
         model["path"] = on_claim(model["path"])
     spec["data"]["trainFiles"] = [on_claim(path) for path in spec["data"]["trainFiles"]]
+    if "valFiles" in spec["data"]:
+        spec["data"]["valFiles"] = [on_claim(path) for path in spec["data"]["valFiles"]]
     spec["volumes"] = [{"claimName": "data", "mountPath": "/data"}]
     spec["checkpoint"]["volume"] = {"claimName": "checkpoints", "mountPath": "/checkpoints"}
     spec["outputDir"] = "/checkpoints/outputs"

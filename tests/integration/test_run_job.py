@@ -25,7 +25,6 @@ import torch
 import yaml
 
 from hybridflow.models.tiny import write_tiny_model
-from hybridflow.rewards import make_toy_dataset
 from hybridflow.spec import load_job_manifest
 from hybridflow.trainer.runner import RunSummary, run_training
 
@@ -178,10 +177,10 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
 
 
 def with_validation(path: Path, val_file: Path, **evaluation: Any) -> Path:
-    """The manifest at ``path`` with ``val_file`` as spec.data.valFiles and ``evaluation`` as spec.evaluation."""
+    """The manifest at ``path`` with ``val_file`` as spec.data.valFiles and ``evaluation`` in spec.evaluation."""
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["data"]["valFiles"] = [str(val_file)]
-    doc["spec"]["evaluation"] = evaluation
+    doc["spec"]["evaluation"].update(evaluation)
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -190,22 +189,25 @@ def with_validation(path: Path, val_file: Path, **evaluation: Any) -> Path:
 def test_evaluation_every_2_steps_changes_no_training_result_and_resumes_exactly(
     tiny: Path, tmp_path: Path
 ) -> None:
-    """valFiles scored before training and after steps 2 and 4, greedy and 2 samples per prompt.
+    """examples/grpo-tiny-validation.yaml: valFiles scored before training and after steps 2 and 4,
+    greedy and 2 samples per prompt, on 6 of make-tiny's validation prompts.
 
     The same job without evaluation trains to the same figures (evaluation touches no training
     state); a run stopped after step 2 and resumed evaluates step 4 exactly as the uninterrupted
     run did (greedy: the same responses for the same weights; sampled: seeded by the step).
     """
-    val_file = tmp_path / "val.jsonl"
-    rows = make_toy_dataset("target_char", 6, seed=11)
-    val_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    evaluation = {"everySteps": 2, "atStart": True, "samples": 2}
+    val_file = tiny / "data" / "target_char.val.jsonl"  # hybridflow make-tiny's validation prompts
+    evaluation = {"everySteps": 2, "samples": 2, "maxPrompts": 6}
     plain = manifest(tiny, tmp_path / "plain", "grpo-tiny.yaml", totalSteps=4)
     straight = with_validation(
-        manifest(tiny, tmp_path / "straight", "grpo-tiny.yaml", totalSteps=4), val_file, **evaluation
+        manifest(tiny, tmp_path / "straight", "grpo-tiny-validation.yaml", totalSteps=4),
+        val_file,
+        **evaluation,
     )
     resumed = with_validation(
-        manifest(tiny, tmp_path / "resumed", "grpo-tiny.yaml", totalSteps=4), val_file, **evaluation
+        manifest(tiny, tmp_path / "resumed", "grpo-tiny-validation.yaml", totalSteps=4),
+        val_file,
+        **evaluation,
     )
     train_in_process(plain)
     train_in_process(straight)

@@ -166,3 +166,27 @@ def test_validate_shows_the_evaluation_and_notes_a_missing_val_file(
     out, err = capsys.readouterr()
     assert "evaluation: greedy on spec.data.valFiles, every 2 steps and after the last step" in out
     assert f"note: here: spec.data.valFiles[0]: {tmp_path / 'no-val.jsonl'} does not exist" in err
+
+
+def test_the_validation_example_is_grpo_tiny_plus_its_validation_set() -> None:
+    """examples/grpo-tiny-validation.yaml trains exactly as grpo-tiny.yaml (the integration test compares them)."""
+    import yaml
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    plain = yaml.safe_load((examples / "grpo-tiny.yaml").read_text())
+    validated = yaml.safe_load((examples / "grpo-tiny-validation.yaml").read_text())
+    assert validated["spec"].pop("evaluation") == {
+        "everySteps": 10,
+        "atStart": True,
+        "greedy": True,
+        "samples": 4,
+    }
+    assert validated["spec"]["data"].pop("valFiles") == ["../outputs/tiny-data/target_char.val.jsonl"]
+    for key in ("metadata", "spec.outputDir"):
+        *parents, leaf = key.split(".")
+        for doc in (plain, validated):
+            node = doc
+            for parent in parents:
+                node = node[parent]
+            node.pop(leaf)
+    assert validated == plain
