@@ -10,10 +10,15 @@ out, the defaults apply: both passes, after the last step only.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from hybridflow.spec.base import SpecModel
 from hybridflow.spec.rules import CrossFieldRule
+
+EvaluationPass = Literal["greedy", "sampled"]
+"""The two passes over the validation prompts; each names its metrics (``val/<pass>/...``)."""
 
 
 class EvaluationSpec(SpecModel):
@@ -51,9 +56,14 @@ class EvaluationSpec(SpecModel):
     )
 
     @property
-    def passes(self) -> tuple[str, ...]:
+    def passes(self) -> tuple[EvaluationPass, ...]:
         """The passes that run, in the order they run: ``greedy`` then ``sampled``."""
-        return (*(("greedy",) if self.greedy else ()), *(("sampled",) if self.samples > 0 else ()))
+        chosen: list[EvaluationPass] = []
+        if self.greedy:
+            chosen.append("greedy")
+        if self.samples > 0:
+            chosen.append("sampled")
+        return tuple(chosen)
 
 
 EVALUATION_RULES: tuple[CrossFieldRule[EvaluationSpec], ...] = (

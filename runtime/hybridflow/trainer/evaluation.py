@@ -36,13 +36,14 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from hybridflow.controller import Batch
 from hybridflow.data import PromptDataset
 from hybridflow.data.files import PromptDataError, read_prompt_files
 from hybridflow.rewards.scorer import RewardScorer
 from hybridflow.spec import EvaluationSpec, RLHFJobSpec
+from hybridflow.spec.evaluation import EvaluationPass
 
 __all__ = [
     "EVALUATION_SEED_OFFSET",
@@ -55,8 +56,6 @@ __all__ = [
     "prompt_chunks",
     "sampled_pass_seed",
 ]
-
-EvaluationPass = Literal["greedy", "sampled"]
 
 EVALUATION_SEED_OFFSET = 1 << 40
 """Added to every sampled-pass seed. Training's seeds (``training.seed * 100_003 + step``) stay far
