@@ -140,10 +140,15 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
     they were generated while that update ran), the weights reach the rollout pool after every
     update (step 1's samples, made by the same weights the trainer scores them with, have no
     log-prob gap), and a run stopped after step 2 and resumed by a new ``hybridflow run`` process
-    equals the uninterrupted one (the first two runs in this process).
+    equals the uninterrupted one (the first two runs in this process), its evaluations included
+    (valFiles after steps 2 and 4, on the rollout pool after the step's push).
     """
+    val_file, evaluation = (
+        tiny / "data" / "target_char.val.jsonl",
+        {"everySteps": 2, "samples": 2, "maxPrompts": 6},
+    )
     straight = manifest(tiny, tmp_path / "straight", "grpo-tiny-overlap.yaml", totalSteps=4)
-    train_in_process(straight)
+    train_in_process(with_validation(straight, val_file, **evaluation))
     records = metrics(tmp_path / "straight")
     assert [r["staleness/samples/0"] for r in records] == [64.0, 0.0, 0.0, 0.0]
     assert [r["staleness/samples/1"] for r in records] == [0.0, 64.0, 64.0, 64.0]
@@ -159,7 +164,9 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
         assert record["reshard/bytes_received_per_rank"] > 0  # the push reached the rollout pool
     assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rollout_ahead.pt").is_file()
 
-    resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny-overlap.yaml", totalSteps=4)
+    resumed = with_validation(
+        manifest(tiny, tmp_path / "resumed", "grpo-tiny-overlap.yaml", totalSteps=4), val_file, **evaluation
+    )
     assert train_in_process(resumed, stop_after_steps=2).last_step == 2
     second = run(resumed)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -168,6 +175,9 @@ def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, 
     assert [m["step"] for m in again] == [1, 2, 3, 4]
     for x, y in zip(records, again, strict=True):
         for key in ("reward/mean", "actor/policy_loss", "off_policy/kl", "staleness/mean"):
+            assert x[key] == y[key], (x["step"], key)
+        assert ("val/greedy/reward/mean" in x) == (x["step"] in (2, 4))
+        for key in (k for k in x if k.startswith("val/") and k != "val/seconds"):
             assert x[key] == y[key], (x["step"], key)
     straight_params = actor_parameters(tmp_path / "straight" / "checkpoints" / "step_000004")
     resumed_params = actor_parameters(tmp_path / "resumed" / "checkpoints" / "step_000004")
@@ -180,7 +190,7 @@ def with_validation(path: Path, val_file: Path, **evaluation: Any) -> Path:
     """The manifest at ``path`` with ``val_file`` as spec.data.valFiles and ``evaluation`` in spec.evaluation."""
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["data"]["valFiles"] = [str(val_file)]
-    doc["spec"]["evaluation"].update(evaluation)
+    doc["spec"].setdefault("evaluation", {}).update(evaluation)
     path.write_text(yaml.safe_dump(doc))
     return path
 
