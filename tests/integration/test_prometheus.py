@@ -11,6 +11,7 @@ about (a NaN reward, replicas replaced, a stalled step: with its windows shorten
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -39,7 +40,12 @@ RULES = ROOT / "helm" / "hybridflow" / "rules" / "hybridflow.rules.yaml"
 DASHBOARDS = sorted((ROOT / "helm" / "hybridflow" / "dashboards").glob("*.json"))
 JOB_NAMESPACE, JOB = "research", "grpo-tiny"
 OPERATOR_NAMESPACE, OPERATOR_SERVICE = "hybridflow-system", "hybridflow"
-LABEL_VALUES = {"phase": [phase.name for phase in PHASES], "staleness": ["0", "1"], "span": ["0", "1"]}
+LABEL_VALUES = {
+    "phase": [phase.name for phase in PHASES],
+    "staleness": ["0", "1"],
+    "span": ["0", "1"],
+    "mode": ["greedy", "sampled"],
+}
 
 
 def binary(name: str) -> str:
@@ -64,9 +70,9 @@ def every_catalogued_key(value: float) -> dict[str, float]:
         if not definition.labels:
             metrics[definition.key] = value
             continue
-        (label,) = definition.labels
-        for label_value in LABEL_VALUES.get(label, ["a"]):
-            metrics[definition.key_for(**{label: label_value})] = value
+        choices = [LABEL_VALUES.get(label, ["a"]) for label in definition.labels]
+        for values in itertools.product(*choices):
+            metrics[definition.key_for(**dict(zip(definition.labels, values, strict=True)))] = value
     return metrics
 
 
