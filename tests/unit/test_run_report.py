@@ -14,6 +14,7 @@ from hybridflow.cli import main
 from hybridflow.metrics.progress import ProgressDisplay
 from hybridflow.metrics.run_report import ReportError, load_records, render_report
 from hybridflow.metrics.step_report import StepReport
+from hybridflow.metrics.writer import progress_line
 
 pytestmark = pytest.mark.unit
 
@@ -219,6 +220,15 @@ def test_a_job_without_a_kl_term_prints_no_kl() -> None:
     with ProgressDisplay(stream, total_steps=10) as display:
         display.update(StepReport(3, 10, {"reward/mean": 0.25, "perf/tokens_per_second": 812.4}, 65.0, None))
     assert stream.getvalue().splitlines() == ["step 3/10 | reward 0.250 | 812 tok/s | ETA 1m05s"]
+
+
+def test_an_evaluation_step_prints_its_validation_score() -> None:
+    figures = {"reward/mean": 0.25, "perf/tokens_per_second": 812.4, "val/sampled/reward/mean": 0.5}
+    assert progress_line(StepReport(4, 10, figures, 65.0, None)) == (
+        "step 4/10 | reward 0.250 | val 0.500 | 812 tok/s | ETA 1m05s"
+    )
+    figures["val/greedy/reward/mean"] = 0.75  # the greedy pass's, when both ran
+    assert "| val 0.750 |" in progress_line(StepReport(4, 10, figures, 65.0, None))
 
 
 def test_live_bar_on_a_terminal_shows_step_reward_kl_throughput_eta() -> None:

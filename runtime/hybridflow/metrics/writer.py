@@ -102,9 +102,14 @@ def progress_line(report: StepReport) -> str:
     metrics = report.metrics
     # A job with no KL term (kl.coef 0) has no reference model: no "kl nan" in its line.
     kl = f"| kl {metrics['kl/actor_ref']:.4f} " if "kl/actor_ref" in metrics else ""
+    # On evaluation steps (spec.data.valFiles) only: the greedy pass's score, else the sampled one's.
+    val = next(
+        (metrics[k] for k in ("val/greedy/reward/mean", "val/sampled/reward/mean") if k in metrics), None
+    )
+    shown_val = f"| val {val:.3f} " if val is not None else ""
     return (
         f"step {report.step}/{report.total_steps} | reward {metrics.get('reward/mean', float('nan')):.3f} "
-        f"{kl}| {metrics.get('perf/tokens_per_second', 0.0):.0f} tok/s | ETA {eta}"
+        f"{kl}{shown_val}| {metrics.get('perf/tokens_per_second', 0.0):.0f} tok/s | ETA {eta}"
     )
 
 
