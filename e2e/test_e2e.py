@@ -27,11 +27,13 @@ GROUP, VERSION, PLURAL = "hybridflow.io", "v1alpha1", "rlhfjobs"
 # grpo-tiny-agent trains in tests/integration/test_agent_rollouts.py (its tool loop and sandbox
 # run in the controller: nothing of it is the cluster's), which keeps .ci/run within its budget.
 # Not here: the agent examples need their plugins on the workers' path and (lookup) a warmed-up
-# model; tests/integration/test_agent_rollouts.py runs each as its docs say.
+# model, tests/integration/test_agent_rollouts.py runs each as its docs say; the validation
+# example is grpo-tiny plus a validation set (a unit test holds them equal otherwise), run by
+# tests/integration/test_run_job.py.
 EXAMPLES = sorted(
     path
     for path in (ROOT / "examples").glob("*.yaml")
-    if path.stem not in ("grpo-tiny-server", "grpo-tiny-agent", "grpo-tiny-lookup")
+    if path.stem not in ("grpo-tiny-server", "grpo-tiny-agent", "grpo-tiny-lookup", "grpo-tiny-validation")
 )
 FAULTS_EXAMPLE = ROOT / "examples" / "grpo-tiny.yaml"  # the demo: the fastest job, as the fault tests need
 T = TypeVar("T")

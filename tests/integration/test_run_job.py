@@ -101,38 +101,6 @@ def actor_parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_grpo_resume_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path) -> None:
-    """An uninterrupted run against one stopped after step 2 (both here, in this process), then
-    ``hybridflow run``, a new process resuming from the checkpoint: the same run. (e2e's
-    test_local_faults.py runs the whole chain as new processes, SIGTERM and SIGKILL included.)"""
-    straight = manifest(tiny, tmp_path / "straight", "grpo-tiny.yaml", totalSteps=4)
-    assert train_in_process(straight).last_step == 4
-
-    resumed = manifest(tiny, tmp_path / "resumed", "grpo-tiny.yaml", totalSteps=4)
-    assert train_in_process(resumed, stop_after_steps=2).last_step == 2
-    second = run(resumed)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and "step 3/4" in second.stdout
-
-    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
-    assert [m["step"] for m in b] == [1, 2, 3, 4]
-    # A synchronous job measures the train-inference mismatch every step too; the torch engine
-    # generates from the actor's own fp32 module (equal dtypes): a gap of float rounding only, and
-    # no correction.
-    for record in a:
-        assert record["off_policy/abs_log_prob_diff_max"] < 1e-4 and record["off_policy/kl"] < 1e-8
-        assert "off_policy/is_weight_mean" not in record
-    for x, y in zip(a, b, strict=True):
-        assert x["reward/mean"] == y["reward/mean"]
-        assert x["actor/policy_loss"] == y["actor/policy_loss"]
-    straight_params = actor_parameters(tmp_path / "straight" / "checkpoints" / "step_000004")
-    resumed_params = actor_parameters(tmp_path / "resumed" / "checkpoints" / "step_000004")
-    assert straight_params.keys() == resumed_params.keys() and straight_params
-    for name, tensor in straight_params.items():
-        assert torch.equal(tensor, resumed_params[name]), name
-
-
-@pytest.mark.usefixtures("ray_cluster")
 def test_overlapped_grpo_is_one_step_off_policy_and_resumes_exactly(tiny: Path, tmp_path: Path) -> None:
     """The rollout on its own pool (1 + 1 simulated GPUs), rollout.maxStaleness 1.
 
@@ -196,33 +164,32 @@ def with_validation(path: Path, val_file: Path, **evaluation: Any) -> Path:
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_evaluation_every_2_steps_changes_no_training_result_and_resumes_exactly(
-    tiny: Path, tmp_path: Path
-) -> None:
-    """examples/grpo-tiny-validation.yaml: valFiles scored before training and after steps 2 and 4,
-    greedy and 2 samples per prompt, on 6 of make-tiny's validation prompts.
+def test_grpo_resumes_exactly_and_evaluation_changes_no_training_result(tiny: Path, tmp_path: Path) -> None:
+    """Three runs of 4 GRPO steps: ``plain`` (grpo-tiny.yaml), ``straight`` (its validation example:
+    valFiles scored before training and after steps 2 and 4, greedy and 2 samples per prompt, on 6
+    of make-tiny's validation prompts) and ``resumed`` (the same, stopped after step 2 here, then
+    ``hybridflow run``: a new process resuming from the checkpoint).
 
-    The same job without evaluation trains to the same figures (evaluation touches no training
-    state); a run stopped after step 2 and resumed evaluates step 4 exactly as the uninterrupted
-    run did (greedy: the same responses for the same weights; sampled: seeded by the step).
+    Evaluation touches no training state (every run trains to the same figures and weights), and
+    the resumed run evaluates step 4 exactly as the uninterrupted one did (greedy: the same
+    responses for the same weights; sampled: seeded by the step). e2e's test_local_faults.py runs
+    a whole chain as new processes, SIGTERM and SIGKILL included.
     """
     val_file = tiny / "data" / "target_char.val.jsonl"  # hybridflow make-tiny's validation prompts
     evaluation = {"everySteps": 2, "samples": 2, "maxPrompts": 6}
     plain = manifest(tiny, tmp_path / "plain", "grpo-tiny.yaml", totalSteps=4)
-    straight = with_validation(
-        manifest(tiny, tmp_path / "straight", "grpo-tiny-validation.yaml", totalSteps=4),
-        val_file,
-        **evaluation,
-    )
-    resumed = with_validation(
-        manifest(tiny, tmp_path / "resumed", "grpo-tiny-validation.yaml", totalSteps=4),
-        val_file,
-        **evaluation,
+    straight, resumed = (
+        with_validation(
+            manifest(tiny, tmp_path / name, "grpo-tiny-validation.yaml", totalSteps=4), val_file, **evaluation
+        )
+        for name in ("straight", "resumed")
     )
     train_in_process(plain)
     train_in_process(straight)
     assert train_in_process(resumed, stop_after_steps=2).last_step == 2
-    assert train_in_process(resumed).resumed_from == "step_000002"
+    second = run(resumed)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step 3/4" in second.stdout
 
     a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2, 3, 4]
@@ -237,12 +204,21 @@ def test_evaluation_every_2_steps_changes_no_training_result_and_resumes_exactly
     for x, y in zip(a, b, strict=True):
         for key in (k for k in x if k.startswith("val/") and k != "val/seconds"):
             assert x[key] == y[key], (x["step"], key)
-    for x, y in zip(metrics(tmp_path / "plain"), a[1:], strict=True):
-        assert x["reward/mean"] == y["reward/mean"] and x["actor/policy_loss"] == y["actor/policy_loss"]
-    straight_params = actor_parameters(tmp_path / "straight" / "checkpoints" / "step_000004")
+    # A synchronous job measures the train-inference mismatch every step too; the torch engine
+    # generates from the actor's own fp32 module (equal dtypes): a gap of float rounding only, and
+    # no correction.
+    for x, y, z in zip(metrics(tmp_path / "plain"), a[1:], b[1:], strict=True):
+        assert x["off_policy/abs_log_prob_diff_max"] < 1e-4 and x["off_policy/kl"] < 1e-8
+        assert "off_policy/is_weight_mean" not in x
+        for key in ("reward/mean", "actor/policy_loss"):
+            assert x[key] == y[key] == z[key], (x["step"], key)
     plain_params = actor_parameters(tmp_path / "plain" / "checkpoints" / "step_000004")
-    for name, tensor in plain_params.items():
-        assert torch.equal(tensor, straight_params[name]), name
+    assert plain_params
+    for other in ("straight", "resumed"):
+        params = actor_parameters(tmp_path / other / "checkpoints" / "step_000004")
+        assert params.keys() == plain_params.keys()
+        for name, tensor in plain_params.items():
+            assert torch.equal(tensor, params[name]), (other, name)
 
 
 @pytest.mark.usefixtures("ray_cluster")
