@@ -79,7 +79,9 @@ def _validate(args: argparse.Namespace) -> int:
     evaluation = spec.evaluation_settings
     if evaluation is not None:
         when = f"every {evaluation.every_steps} steps and " if evaluation.every_steps else ""
-        print(f"  evaluation: {', '.join(evaluation.passes)} on spec.data.valFiles, {when}after the last step")
+        print(
+            f"  evaluation: {', '.join(evaluation.passes)} on spec.data.valFiles, {when}after the last step"
+        )
     if spec.placement == "auto":
         print(
             "  placement auto: the pool is the GPU budget; `hybridflow plan` shows the plans `run` chooses from"

@@ -862,7 +862,10 @@ def last_smaller_mini_batch_manifest() -> Manifest:
 
 def test_a_mini_batch_that_does_not_divide_the_step_is_allowed() -> None:
     spec = parse_job_manifest(last_smaller_mini_batch_manifest(), "test").spec
-    assert spec.training.prompts_per_step * spec.algorithm.samples_per_prompt % spec.training.mini_batch_size == 8
+    assert (
+        spec.training.prompts_per_step * spec.algorithm.samples_per_prompt % spec.training.mini_batch_size
+        == 8
+    )
 
 
 VALID_MANIFESTS: dict[str, Callable[[], Manifest]] = {

@@ -190,9 +190,7 @@ def _allowed(
             return False
     mini = workload.mini_batch_sequences
     split = workload.micro_batch_sequences * layout.dp
-    return not (
-        mini is not None and Workload.trains(role) and (mini % split or workload.sequences % split)
-    )
+    return not (mini is not None and Workload.trains(role) and (mini % split or workload.sequences % split))
 
 
 def _model_candidates(
