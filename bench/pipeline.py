@@ -187,11 +187,12 @@ def main() -> None:
     seconds: dict[int, list[float]] = {index: [] for index in range(len(chosen))}
     phases: dict[int, list[dict[str, float]]] = {index: [] for index in range(len(chosen))}
     try:
-        warm_up = chosen[0][1]
-        run_training(
-            warm_up.model_copy(update={"output_dir": str(Path(warm_up.output_dir) / "warm-up")}),
-            on_step=lambda line: None,
-        )
+        if not args.quick:  # a quick run judges nothing: no warm-up for the timings
+            warm_up = chosen[0][1]
+            run_training(
+                warm_up.model_copy(update={"output_dir": str(Path(warm_up.output_dir) / "warm-up")}),
+                on_step=lambda line: None,
+            )
         for round_index, index in enumerate(order):
             candidate, spec = chosen[index]
             out = Path(spec.output_dir) / candidate.label / f"round-{round_index}"
