@@ -14,7 +14,7 @@ Per algorithm: ``reward_first`` / ``reward_last`` (mean step reward over the fir
 ``WINDOW`` steps), ``reward_gain``, ``tokens_per_second`` (mean over steps of (prompt + response
 tokens) / step wall time), ``wall_seconds`` (deploy included); Safe-RLHF also ``cost_first`` /
 ``cost_last`` and ``lambda_last``. Target: ``reward_gain >= 0.3`` for every algorithm and, for
-Safe-RLHF, ``cost_last <= cost_limit``. ``--quick`` (CI) runs 6 steps each and reports the same
+Safe-RLHF, ``cost_last <= cost_limit``. ``--quick`` (CI) runs 4 steps each and reports the same
 fields without judging them. The last line printed is one JSON object.
 """
 
@@ -41,7 +41,7 @@ from hybridflow.trainer.roles import resource_pools
 from hybridflow.trainer.runner import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, QUICK_STEPS = 40, 6
+STEPS, QUICK_STEPS = 40, 4
 TARGET_GAIN = 0.3
 # algorithm -> (example manifest, spec.algorithm changes; "learningRate" goes to spec.training).
 # ReMax gets a 5x learning rate: the greedy response of the near-uniform random policy is
