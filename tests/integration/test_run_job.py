@@ -321,7 +321,7 @@ def test_user_errors_exit_2_without_a_traceback(tiny: Path, tmp_path: Path) -> N
     result = run(path)
     assert result.returncode == 2
     assert f"spec.models.actor.path: {tmp_path / 'no-model'} does not exist" in result.stderr
-    assert f"spec.data.valFiles: {tmp_path / 'no-val.jsonl'} does not exist" in result.stderr
+    assert f"spec.data.valFiles[0]: {tmp_path / 'no-val.jsonl'} does not exist" in result.stderr
     assert "Traceback" not in result.stderr
     del doc["spec"]["data"]["valFiles"]
 

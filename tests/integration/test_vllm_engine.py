@@ -122,44 +122,6 @@ def test_greedy_matches_hf_generate(engine: Any, hf_models: tuple[PreTrainedMode
     assert output.logprobs is None
 
 
-def pad_loving_model(path: Path) -> Path:
-    """A tiny model at ``path`` whose pad logit leads every other token's by about 30 everywhere.
-
-    The residual stream's dimension 0 is a constant 4 (every embedding's, and no layer writes to
-    it), so after the final norm it is large and positive; only the pad's lm_head row reads it.
-    """
-    write_tiny_model(path, "qwen2", seed=1)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0].zero_()
-            layer.mlp.down_proj.weight[0].zero_()
-        model.lm_head.weight[:, 0] = 0.0
-        normed = model(torch.tensor([PROMPTS[2]]), output_hidden_states=True).hidden_states[-1][0, :, 0]
-        model.lm_head.weight[PAD_TOKEN_ID] = 0.0
-        model.lm_head.weight[PAD_TOKEN_ID, 0] = 30.0 / float(normed.min())
-    model.save_pretrained(path)
-    return path
-
-
-def test_the_pad_token_is_biased_out_of_the_draw_and_the_log_probs_stay_raw(tmp_path: Path) -> None:
-    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
-
-    path = pad_loving_model(tmp_path / "pad-loving")
-    logits = AutoModelForCausalLM.from_pretrained(path)(torch.tensor([PROMPTS[0]])).logits[0]
-    assert (logits.argmax(-1) == PAD_TOKEN_ID).all()  # unbanned, every position would pick it
-    with VLLMRolloutEngine(path, max_model_len=384, seed=0) as vllm_engine:
-        assert vllm_engine.vllm_params(GREEDY, None).logit_bias == {PAD_TOKEN_ID: -100.0}
-        greedy = vllm_engine.generate(PROMPTS, GREEDY)
-        sampled = vllm_engine.generate(
-            PROMPTS,
-            SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=2, seed=3, return_logprobs=True),
-        )
-    assert all(PAD_TOKEN_ID not in row for row in greedy.response_token_ids + sampled.response_token_ids)
-    assert sampled.logprobs is not None and max(max(row) for row in sampled.logprobs) < -10  # raw
-
-
 def test_the_server_mode_batcher_serves_requests_as_the_engine_generates_them(engine: Any) -> None:
     """vLLM's continuous batcher for rollout replicas: greedy tokens equal ``generate``'s whatever
     else runs, a seeded sample draws the same alone or in a crowd, versions are per token, and an
@@ -531,6 +493,45 @@ def test_close_refuses_every_call_and_a_new_engine_can_start(
     with VLLMRolloutEngine(model_dirs[1], max_model_len=64) as other:
         output = other.generate(PROMPTS[:3], GREEDY).response_token_ids
         assert output == hf_greedy(hf_models[1], PROMPTS[:3], NEW_TOKENS, other.eos_token_ids)
+
+
+def pad_loving_model(path: Path) -> Path:
+    """A tiny model at ``path`` whose pad logit leads every other token's by about 30 everywhere.
+
+    The residual stream's dimension 0 is a constant 4 (every embedding's, and no layer writes to
+    it), so after the final norm it is large and positive; only the pad's lm_head row reads it.
+    """
+    write_tiny_model(path, "qwen2", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        model.lm_head.weight[:, 0] = 0.0
+        normed = model(torch.tensor([PROMPTS[2]]), output_hidden_states=True).hidden_states[-1][0, :, 0]
+        model.lm_head.weight[PAD_TOKEN_ID] = 0.0
+        model.lm_head.weight[PAD_TOKEN_ID, 0] = 30.0 / float(normed.min())
+    model.save_pretrained(path)
+    return path
+
+
+def test_the_pad_token_is_biased_out_of_the_draw_and_the_log_probs_stay_raw(tmp_path: Path) -> None:
+    # After the close test: vLLM allows one live engine per process, and the module's is closed now.
+    from hybridflow.engines.vllm_engine import VLLMRolloutEngine
+
+    path = pad_loving_model(tmp_path / "pad-loving")
+    logits = AutoModelForCausalLM.from_pretrained(path)(torch.tensor([PROMPTS[0]])).logits[0]
+    assert (logits.argmax(-1) == PAD_TOKEN_ID).all()  # unbanned, every position would pick it
+    with VLLMRolloutEngine(path, max_model_len=384, seed=0) as vllm_engine:
+        assert vllm_engine.vllm_params(GREEDY, None).logit_bias == {PAD_TOKEN_ID: -100.0}
+        greedy = vllm_engine.generate(PROMPTS, GREEDY)
+        sampled = vllm_engine.generate(
+            PROMPTS,
+            SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=2, seed=3, return_logprobs=True),
+        )
+    assert all(PAD_TOKEN_ID not in row for row in greedy.response_token_ids + sampled.response_token_ids)
+    assert sampled.logprobs is not None and max(max(row) for row in sampled.logprobs) < -10  # raw
 
 
 # --------------------------------------------------------------------------- GPU sleep mode
