@@ -348,8 +348,13 @@ def _run_in_cluster(args: argparse.Namespace) -> int:
         print(f"error: {args.manifest}: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     finally:
-        stop.exited()
+        # "exited" is the last thing the hooks wait for: once it is written they let Ray go, and
+        # Ray's drain ends the driver within seconds (RAY_DRAIN_TIMEOUT_SECONDS). Its own teardown
+        # (the metrics server, Ray's disconnect, seconds on a busy node) comes first, so the
+        # process exits with its code, not Ray's SIGKILL.
         server.close()
+        ray.shutdown()
+        stop.exited()
     return EXIT_PREEMPTED if summary.preempted else 0
 
 
