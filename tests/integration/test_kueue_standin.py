@@ -588,9 +588,9 @@ def test_a_preemptor_admitted_onto_gpus_still_held_flaps_unless_pods_ready_waits
     off the preempted job is admitted again: admission flaps. Above it, the preemptor starts once."""
     namespace = f"overlap-{timeout}"
     held_until = {"gpus": 0.0}
-    # The preemptor's requeue waits 10 s: long enough that the preempted job is seen readmitted
-    # before it, however slow the machine.
-    config = WaitForPodsReady(timeout_seconds=timeout, backoff_base_seconds=10)
+    # The preemptor's requeue waits 20 s: long enough that the preempted job is seen readmitted
+    # before it, however slow the machine (10 s was not, under the full suite's load).
+    config = WaitForPodsReady(timeout_seconds=timeout, backoff_base_seconds=20)
 
     def ready_after(name: str) -> float:
         return max(0.0, held_until["gpus"] - time.monotonic())  # nothing starts on GPUs still held
@@ -628,7 +628,9 @@ def test_a_preemptor_admitted_onto_gpus_still_held_flaps_unless_pods_ready_waits
         if flaps:
             wait_until(timeouts, timeout_seconds=15, message="the preemptor evicted: its pods were not ready")
             wait_until(
-                lambda: not suspended(cluster, "first", namespace), message="the preempted job readmitted"
+                lambda: not suspended(cluster, "first", namespace),
+                timeout_seconds=20,
+                message="the preempted job readmitted",
             )
         else:
             wait_until(
