@@ -69,10 +69,15 @@ def metrics(out: Path) -> list[dict[str, float]]:
 
 
 def replica_processes() -> list[psutil.Process]:
-    """The live rollout replicas' processes (Ray titles an actor's process ``ray::RolloutReplica...``)."""
+    """The live rollout replicas' processes of this test process's Ray (Ray titles an actor's process
+    ``ray::RolloutReplica...``; its raylet, and so its workers, descend from the process that
+    started it: another pytest worker's replicas are not ours to kill)."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info.get("cmdline") or [])
+    for process in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(process.cmdline())
+        except psutil.Error:
+            continue  # ended while listed
         if "ray::RolloutReplica" in cmdline:
             found.append(process)
     return found
