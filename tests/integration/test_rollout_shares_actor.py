@@ -18,14 +18,13 @@ Spawned gloo processes host the actor and the rollout the way a worker group doe
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from hybridflow.cli import main as make_tiny_cli
 from spawned_ranks import run_spawned_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,21 +147,20 @@ def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, w
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("tiny-shared")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridflow.cli",
-            "make-tiny",
-            "--model-dir",
-            str(base / "model"),
-            "--data-dir",
-            str(base / "data"),
-            "--prompts",
-            "16",
-        ],
-        check=True,
-        capture_output=True,
+    # make-tiny in this process: the command's own code, without an interpreter's start
+    assert (
+        make_tiny_cli(
+            [
+                "make-tiny",
+                "--model-dir",
+                str(base / "model"),
+                "--data-dir",
+                str(base / "data"),
+                "--prompts",
+                "16",
+            ]
+        )
+        == 0
     )
     return base
 
