@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.cli import main as make_tiny_cli
+from tiny_inputs import make_tiny
 
 pytestmark = pytest.mark.integration
 
@@ -24,21 +24,7 @@ CLI = [sys.executable, "-m", "hybridflow.cli"]
 
 
 def test_auto_placement_plans_logs_and_trains(tmp_path: Path) -> None:
-    # make-tiny in this process: the command's own code, without an interpreter's start
-    assert (
-        make_tiny_cli(
-            [
-                "make-tiny",
-                "--model-dir",
-                str(tmp_path / "model"),
-                "--data-dir",
-                str(tmp_path / "data"),
-                "--prompts",
-                "32",
-            ]
-        )
-        == 0
-    )
+    make_tiny(tmp_path / "model", tmp_path / "data", prompts=32)
     doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny.yaml").read_text())
     spec = doc["spec"]
     spec["models"] = {"actor": {"path": str(tmp_path / "model")}}

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridflow.cli import main as make_tiny_cli
 from spawned_ranks import run_spawned_ranks
+from tiny_inputs import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,21 +147,7 @@ def run_rank(rank: int, port: int, world: int, model_dir: str, data_file: str, w
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("tiny-shared")
-    # make-tiny in this process: the command's own code, without an interpreter's start
-    assert (
-        make_tiny_cli(
-            [
-                "make-tiny",
-                "--model-dir",
-                str(base / "model"),
-                "--data-dir",
-                str(base / "data"),
-                "--prompts",
-                "16",
-            ]
-        )
-        == 0
-    )
+    make_tiny(base / "model", base / "data", prompts=16)
     return base
 
 

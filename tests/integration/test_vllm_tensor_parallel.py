@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 import background
-from hybridflow.cli import main as make_tiny_cli
 from spawned_ranks import run_spawned_ranks
+from tiny_inputs import make_tiny
 
 pytestmark = [
     pytest.mark.integration,
@@ -315,21 +315,7 @@ def test_megatron_shards_are_the_generation_shards(scenario: dict[str, Any]) -> 
 
 def test_grpo_with_vllm_tensor_parallel_2_learns(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "hybridflow.cli"]
-    # make-tiny in this process: the command's own code, without an interpreter's start
-    assert (
-        make_tiny_cli(
-            [
-                "make-tiny",
-                "--model-dir",
-                str(tmp_path / "model"),
-                "--data-dir",
-                str(tmp_path / "data"),
-                "--prompts",
-                "64",
-            ]
-        )
-        == 0
-    )
+    make_tiny(tmp_path / "model", tmp_path / "data", prompts=64)
     doc = yaml.safe_load((ROOT / "examples" / "grpo-tiny-vllm.yaml").read_text())
     spec = doc["spec"]
     spec["models"] = {role: {"path": str(tmp_path / "model")} for role in spec["models"]}
